@@ -1,0 +1,153 @@
+"""Data parallelism: bucketed gradient all-reduce, overlapped with backward.
+
+Why not ``DistributedDataParallel``: it refuses DTensor parameters (tensor parallelism), it reduces on every
+backward unless wrapped in ``no_sync``, and pipeline stages produce gradients outside its forward. Here the
+strategy decides when a backward is the last one before an optimizer step (Lightning's accumulation
+micro-steps never are) and only then do the buckets send anything.
+
+Each bucket holds parameters of one dtype and device, in reverse registration order (roughly the order
+backward produces their gradients). A bucket is launched as an asynchronous all-reduce the moment its last
+gradient is accumulated, but never before the buckets ahead of it: every rank must issue collectives in the
+same order. ``synchronize`` launches what is left, waits, and writes the mean back into ``.grad``.
+
+A parameter may have no gradient on some ranks (unused in that forward). Each bucket carries one count per
+parameter, so the mean treats a missing gradient as zero and a parameter unused on every rank keeps
+``grad=None``, as it would in a single process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _Bucket:
+    params: list[Tensor]
+    ready: set[int] = field(default_factory=set)
+    flat: Optional[Tensor] = None
+    work: Optional[dist.Work] = None
+
+
+class GradientBuckets:
+    """Averages the gradients of ``params`` over ``group``; one instance per optimizer."""
+
+    def __init__(self, params: Iterable[Tensor], group: dist.ProcessGroup, bucket_mb: float = DEFAULT_BUCKET_MB):
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb!r} must be positive (megabytes per gradient bucket, default 25).")
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        unique = list({id(p): p for p in params if p.requires_grad}.values())
+        self.buckets = _fill_buckets(reversed(unique), int(bucket_mb * 2**20))
+        self._bucket_index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._next = 0
+        self.overlap = False
+        self.synchronized = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in unique]
+
+    def begin(self) -> None:
+        """Arm the buckets: the coming backward is the last before an optimizer step."""
+        self._reset()
+        self.overlap = True
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if not self.overlap or self.group_size == 1:
+            return
+        index = self._bucket_index[id(param)]
+        bucket = self.buckets[index]
+        if bucket.work is not None:
+            raise RuntimeError(
+                "A gradient changed after its bucket was all-reduced: backward ran twice before one optimizer"
+                " step. Call backward once per optimizer step, or use accumulate_grad_batches."
+            )
+        bucket.ready.add(id(param))
+        while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
+            self.buckets[self._next].params
+        ):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        pieces = []
+        counts = []
+        for p in bucket.params:
+            grad = p.grad
+            pieces.append(_local(p).new_zeros(_local(p).numel()) if grad is None else _local(grad).reshape(-1))
+            counts.append(0.0 if grad is None else 1.0)
+        reference = _local(bucket.params[0])
+        pieces.append(torch.tensor(counts, dtype=reference.dtype, device=reference.device))
+        bucket.flat = torch.cat(pieces)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def synchronize(self) -> None:
+        """Finish the reduction for this optimizer step; a no-op if it already happened since ``begin``."""
+        self.overlap = False
+        if self.synchronized:
+            return
+        self.synchronized = True
+        if self.group_size == 1:
+            return
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            self._unflatten(bucket)
+        self._reset(keep_synchronized=True)
+
+    def _unflatten(self, bucket: _Bucket) -> None:
+        flat = bucket.flat.div_(self.group_size)
+        counts = flat[-len(bucket.params):]
+        offset = 0
+        for p, count in zip(bucket.params, counts.tolist()):
+            n = _local(p).numel()
+            mean = flat[offset:offset + n].view_as(_local(p))
+            offset += n
+            if count == 0:
+                continue
+            if p.grad is None:
+                p.grad = DTensor.from_local(mean.clone(), p.device_mesh, p.placements) if isinstance(p, DTensor) \
+                    else mean.clone()
+            else:
+                _local(p.grad).copy_(mean)
+
+    def _reset(self, keep_synchronized: bool = False) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.flat = None
+            bucket.work = None
+        self._next = 0
+        self.synchronized = keep_synchronized
+
+    def remove(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _fill_buckets(params: Iterable[Tensor], cap_bytes: int) -> list[_Bucket]:
+    buckets: list[_Bucket] = []
+    open_buckets: dict[tuple, tuple[_Bucket, int]] = {}
+    for p in params:
+        local = _local(p)
+        key = (local.dtype, local.device)
+        size = local.numel() * local.element_size()
+        bucket, used = open_buckets.get(key, (None, 0))
+        if bucket is None or used + size > cap_bytes:
+            bucket, used = _Bucket(params=[]), 0
+            buckets.append(bucket)
+        bucket.params.append(p)
+        open_buckets[key] = (bucket, used + size)
+    return buckets

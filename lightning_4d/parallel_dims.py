@@ -1,0 +1,125 @@
+"""The four parallel sizes, their validation, and the device mesh built from them.
+
+Mesh order is ``(pp, dp, cp, tp)``, innermost last. Consecutive ranks share the innermost dims, and on
+a real cluster consecutive ranks share a node, so the dims that talk most get the fastest links:
+
+* ``tp`` is innermost: it all-reduces activations in every layer, forward and backward.
+* ``cp`` next: its ring passes K/V blocks in every attention layer.
+* ``dp`` next: one gradient all-reduce per optimizer step, overlapped with backward.
+* ``pp`` outermost: only point-to-point activations per micro-batch, the cheapest to send across nodes.
+
+Gradients are reduced over the joint ``dp_cp`` group: context-parallel ranks see different tokens of the
+same samples, so for the weights they are data parallel too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
+
+Size = Union[int, Literal["auto"]]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the four dims; ``dp * pp * cp * tp == world_size`` always holds once constructed."""
+
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+
+    @classmethod
+    def resolve(cls, world_size: int, dp: Size = "auto", pp: int = 1, cp: int = 1, tp: int = 1) -> ParallelDims:
+        """Turn user sizes into a layout for ``world_size`` processes, or raise a ValueError that says what to change."""
+        cls.check_sizes(dp, pp, cp, tp)
+        model_parallel = pp * cp * tp
+        if dp == "auto":
+            if world_size % model_parallel:
+                raise ValueError(
+                    f"dp='auto' needs the world size ({world_size}) to be a multiple of pp*cp*tp"
+                    f" = {pp}*{cp}*{tp} = {model_parallel}. Choose pp, cp and tp whose product divides"
+                    f" {world_size} (one of {_divisors(world_size)}), or change the number of devices/nodes."
+                )
+            dp = world_size // model_parallel
+        if dp * model_parallel != world_size:
+            raise ValueError(
+                f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * model_parallel} does not equal the world size"
+                f" {world_size} (devices x num_nodes). Set dp='auto', or sizes whose product is {world_size}."
+            )
+        return cls(dp=dp, pp=pp, cp=cp, tp=tp)
+
+    @staticmethod
+    def check_sizes(dp: Size, pp: int, cp: int, tp: int) -> None:
+        """Each size is a positive integer (``dp`` may be ``"auto"``); needs no world size yet."""
+        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
+            if name == "dp" and value == "auto":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                hint = " or 'auto'" if name == "dp" else ""
+                raise ValueError(f"{name}={value!r} is not a valid size: use a positive integer{hint}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)  # type: ignore[return-value]
+
+    dp_enabled = property(lambda self: self.dp > 1)
+    pp_enabled = property(lambda self: self.pp > 1)
+    cp_enabled = property(lambda self: self.cp > 1)
+    tp_enabled = property(lambda self: self.tp > 1)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """The (pp, dp, cp, tp) coordinates of a global rank, computed without any communication."""
+        coords = {}
+        for name in reversed(MESH_DIMS):
+            size = getattr(self, name)
+            coords[name] = rank % size
+            rank //= size
+        return {name: coords[name] for name in ("dp", "pp", "cp", "tp")}
+
+    def group_members(self, rank: int) -> dict[str, list[int]]:
+        """Global ranks of every group ``rank`` belongs to, including the joint ``dp_cp`` gradient group."""
+        coords = self.coordinates(rank)
+        ranks = range(self.world_size)
+
+        def peers(free: tuple[str, ...]) -> list[int]:
+            fixed = [name for name in MESH_DIMS if name not in free]
+            return [r for r in ranks if all(self.coordinates(r)[n] == coords[n] for n in fixed)]
+
+        return {"dp": peers(("dp",)), "pp": peers(("pp",)), "cp": peers(("cp",)), "tp": peers(("tp",)),
+                "dp_cp": peers(("dp", "cp"))}
+
+    def layout_table(self) -> str:
+        """One line per rank: its coordinates and the members of its groups."""
+        header = ["rank", "dp", "pp", "cp", "tp"] + [f"{g} group" for g in GROUP_NAMES]
+        rows = []
+        for rank in range(self.world_size):
+            coords = self.coordinates(rank)
+            groups = self.group_members(rank)
+            rows.append([str(rank)] + [str(coords[n]) for n in ("dp", "pp", "cp", "tp")]
+                        + [",".join(map(str, groups[g])) for g in GROUP_NAMES])
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
+        lines.insert(1, "-+-".join("-" * w for w in widths))
+        title = f"lightning-4d layout: dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
+        return "\n".join([title, *lines])
+
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+        """The 4D mesh and the flattened dp x cp mesh over which gradients are reduced (a collective call)."""
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh, dp_cp
+

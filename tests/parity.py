@@ -1,0 +1,259 @@
+"""Parity harness: train a LightningModule on one process and under a 4D layout, then compare.
+
+A :class:`Case` names a module factory, a data factory, the layout and the Trainer options. The reference runs
+in the test process. Layouts run in worker processes (CPU, gloo) started once per world size: one launch runs
+every case given to it in turn, because process start-up is the expensive part on a small machine.
+
+Batches line up exactly: the layout's training sampler is Lightning's DistributedSampler over the ``dp``
+replicas (shuffled with the global seed), and the reference draws from a one-replica DistributedSampler with
+the same seed and ``dp`` times the batch size, so each reference step sees the union of the replicas' batches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Case:
+    name: str
+    module: str  # "package.module:factory", called with **module_kwargs, returns a LightningModule
+    data: str  # "package.module:factory", called with batch_size=..., train=bool, returns a Dataset
+    strategy: dict[str, Any] = field(default_factory=dict)  # FourDStrategy arguments
+    trainer: dict[str, Any] = field(default_factory=dict)  # extra Trainer arguments
+    module_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 8  # global batch size: the reference's; each replica gets batch_size // dp
+    max_steps: int = 5
+    seed: int = 1234
+    callbacks: list[str] = field(default_factory=list)  # "module:factory" probes; see Recorder.extras
+
+
+def _load(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Recorder:
+    """Collects per-step losses and logged metrics on every rank; results are written by global rank 0."""
+
+    def __new__(cls):
+        from lightning.pytorch.callbacks import Callback
+
+        class _Recorder(Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+                self.logged: list[dict[str, float]] = []
+                self.epochs: list[dict[str, float]] = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+                loss = trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
+                self.losses.append(float(loss))
+                self.logged.append(_floats(trainer.callback_metrics))
+
+            def on_train_epoch_end(self, trainer, pl_module):
+                self.epochs.append(_floats(trainer.callback_metrics))
+
+        return _Recorder()
+
+
+def _floats(metrics: dict[str, Any]) -> dict[str, float]:
+    return {key: float(value) for key, value in metrics.items()}
+
+
+def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from lightning_4d.checkpoint import full_model_state
+
+    return {key: value.detach().cpu().clone() for key, value in full_model_state(module).items()}
+
+
+def make_trainer(case: Case, *, distributed: bool, devices: int = 1, num_nodes: int = 1, recorder=None):
+    import lightning.pytorch as pl
+
+    callbacks = ([recorder] if recorder else []) + [_load(spec)() for spec in case.callbacks]
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        max_steps=case.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        deterministic=False,
+        callbacks=callbacks,
+    )
+    options.update(case.trainer)
+    if distributed:
+        from lightning_4d import FourDStrategy
+
+        options["strategy"] = FourDStrategy(**case.strategy)
+    return pl.Trainer(**options)
+
+
+def dataloaders(case: Case, dp: int, distributed: bool):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    make = _load(case.data)
+    train, val = make(train=True), make(train=False)
+    if distributed:
+        return (DataLoader(train, batch_size=case.batch_size // dp, shuffle=True),
+                DataLoader(val, batch_size=case.batch_size // dp))
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=case.seed)
+    return DataLoader(train, batch_size=case.batch_size, sampler=sampler), DataLoader(val, batch_size=case.batch_size)
+
+
+def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_nodes: int = 1) -> dict[str, Any]:
+    """Fit ``case`` in this process (as one rank of a layout when ``distributed``); return its record."""
+    import lightning.pytorch as pl
+
+    pl.seed_everything(case.seed, workers=True, verbose=False)
+    module = _load(case.module)(**case.module_kwargs)
+    recorder = Recorder()
+    trainer = make_trainer(case, distributed=distributed, devices=devices, num_nodes=num_nodes, recorder=recorder)
+    train_loader, val_loader = dataloaders(case, dp, distributed)
+    fit_kwargs = {"val_dataloaders": val_loader} if case.trainer.get("limit_val_batches") else {}
+    trainer.fit(module, train_loader, **fit_kwargs)
+    extras = {}
+    for callback in trainer.callbacks:
+        if hasattr(callback, "parity_extras"):
+            extras.update(callback.parity_extras(trainer))
+    return {
+        "losses": recorder.losses,
+        "logged": recorder.logged,
+        "epochs": recorder.epochs,
+        "weights": full_weights(trainer.lightning_module),
+        "extras": extras,
+        "rank": trainer.global_rank,
+    }
+
+
+_reference_cache: dict[str, dict[str, Any]] = {}
+
+
+def reference(case: Case) -> dict[str, Any]:
+    """Single-process run of ``case`` (cached: several layouts compare against one reference)."""
+    key = json.dumps({k: v for k, v in asdict(case).items() if k not in ("name", "strategy", "callbacks")},
+                     sort_keys=True, default=str)
+    if key not in _reference_cache:
+        _reference_cache[key] = train(case, distributed=False)
+    return _reference_cache[key]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class LaunchResult:
+    returncodes: list[int]
+    output: str  # every rank's stdout/stderr, the failing ranks' first
+    elapsed: float
+    results: dict[str, dict[str, Any]]  # case name -> rank 0's record
+
+
+def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: float = 240,
+           env: Optional[dict[str, str]] = None) -> tuple[list[int], str, float]:
+    """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables).
+
+    The first rank to fail ends all others, and ``timeout`` ends a hang: a launch never outlives its limit.
+    """
+    port = free_port()
+    per_node = world_size // num_nodes
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                PYTHONUNBUFFERED="1")
+    base.update(env or {})
+    logs = [tempfile.TemporaryFile() for _ in range(world_size)]
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(base, NODE_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node), RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_env, stdout=logs[rank],
+                                      stderr=subprocess.STDOUT))
+    start = time.monotonic()
+    failed_at: Optional[float] = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if now - start > timeout:
+            break
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if failed_at is not None and now - failed_at > 5:
+            break  # give peers a moment to print their own error, then stop them
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    returncodes = [p.wait() for p in procs]
+    elapsed = time.monotonic() - start
+    order = sorted(range(world_size), key=lambda r: (returncodes[r] == 0, r))
+    chunks = []
+    for rank in order:
+        logs[rank].seek(0)
+        chunks.append(f"----- rank {rank} (exit {returncodes[rank]}) -----\n"
+                      + logs[rank].read().decode(errors="replace"))
+        logs[rank].close()
+    if elapsed > timeout:
+        chunks.insert(0, f"TIMEOUT after {timeout:.0f} s: killed every rank\n")
+    return returncodes, "\n".join(chunks), elapsed
+
+
+def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeout: float = 300) -> LaunchResult:
+    """Train every case under its layout in one launch of ``world_size`` processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "cases.json"
+        spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "out": tmp, "num_nodes": num_nodes}))
+        returncodes, output, elapsed = launch(["-m", "tests.parity_worker", str(spec)], world_size,
+                                              num_nodes=num_nodes, timeout=timeout)
+        results = {}
+        for case in cases:
+            path = Path(tmp) / f"{case.name}.pt"
+            if path.exists():
+                results[case.name] = torch.load(path, weights_only=False)
+    return LaunchResult(returncodes, output, elapsed, results)
+
+
+def assert_parity(case: Case, expected: dict[str, Any], got: dict[str, Any], *, rtol: float = 1e-5,
+                  atol: float = 1e-6, metrics: tuple[str, ...] = ("train_loss",),
+                  epoch_metrics: tuple[str, ...] = ()) -> None:
+    """Per-step losses, per-step ``metrics`` and end-of-epoch ``epoch_metrics`` within ``rtol`` relative;
+    final weights within ``atol + rtol*|w|``."""
+    assert len(got["losses"]) == len(expected["losses"]) > 0, (case.name, got["losses"], expected["losses"])
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+        assert abs(a - b) <= rtol * abs(b) + 1e-7, f"{case.name}: loss at step {step}: {a} vs single-process {b}"
+    for where, keys in (("logged", metrics), ("epochs", epoch_metrics)):
+        assert len(got[where]) == len(expected[where]), (case.name, where, len(got[where]), len(expected[where]))
+        for index, (logged, ref) in enumerate(zip(got[where], expected[where])):
+            for key in keys:
+                assert key in logged, f"{case.name}: {key!r} not in {where}[{index}] (has: {sorted(logged)})"
+                assert abs(logged[key] - ref[key]) <= rtol * abs(ref[key]) + 1e-7, (
+                    f"{case.name}: {where}[{index}] {key}: {logged[key]} vs single-process {ref[key]}")
+    assert set(got["weights"]) == set(expected["weights"]), (case.name, set(got["weights"]) ^ set(expected["weights"]))
+    for name, ref in expected["weights"].items():
+        value = got["weights"][name]
+        assert value.shape == ref.shape, f"{case.name}: {name} shape {tuple(value.shape)} vs {tuple(ref.shape)}"
+        torch.testing.assert_close(value, ref, rtol=rtol, atol=atol, msg=lambda m: f"{case.name}: weight {name}: {m}")
+
+
+def check_launch(result: LaunchResult, cases: list[Case]) -> None:
+    assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
+    missing = [c.name for c in cases if c.name not in result.results]
+    assert not missing, f"no result for {missing}\n{result.output[-4000:]}"
