@@ -82,14 +82,40 @@ def load(
             f" {PARTIAL_SUFFIX!r} is an interrupted save and cannot be resumed from."
         )
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = {"state_dict": get_model_state_dict(model)}
+    _check_model_fits(state["state_dict"], stored, path, strict)
     for index, optimizer in enumerate(optimizers):
-        state[f"optimizer_{index}"] = get_optimizer_state_dict(model, optimizer)
+        optimizer_state = get_optimizer_state_dict(model, optimizer)
+        # A parameter that never had a gradient has no optimizer state in the file; leave it without one.
+        prefix = f"optimizer_{index}.state."
+        for fqn in list(optimizer_state["state"]):
+            if not any(f"{prefix}{fqn}.{name}" in stored for name in optimizer_state["state"][fqn]):
+                del optimizer_state["state"][fqn]
+        state[f"optimizer_{index}"] = optimizer_state
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"])
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"], options=StateDictOptions(strict=False))
     return meta
+
+
+def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], path: Path, strict: bool) -> None:
+    """Name every missing, unexpected or mis-shaped tensor at once, instead of DCP's first-key error."""
+    saved = {key[len("state_dict."):]: meta for key, meta in stored.items() if key.startswith("state_dict.")}
+    missing = sorted(set(model_state) - set(saved))
+    unexpected = sorted(set(saved) - set(model_state)) if strict else []
+    shapes = [
+        f"{key}: checkpoint {tuple(saved[key].size)} vs model {tuple(value.shape)}"
+        for key, value in model_state.items()
+        if key in saved and isinstance(value, torch.Tensor) and tuple(saved[key].size) != tuple(value.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [f"missing keys: {missing}"] * bool(missing) + [f"unexpected keys: {unexpected}"] * bool(unexpected)
+        parts += [f"wrong shapes: {shapes}"] * bool(shapes)
+        raise ValueError(f"The checkpoint {path} does not fit the model: " + "; ".join(parts)
+                         + ". Load it into the module it was saved from (or set strict_loading=False"
+                         " on the LightningModule to ignore unexpected keys).")
 
 
 def remove(path: str | os.PathLike) -> None:

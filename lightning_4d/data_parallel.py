@@ -5,10 +5,12 @@ backward unless wrapped in ``no_sync``, and pipeline stages produce gradients ou
 strategy decides when a backward is the last one before an optimizer step (Lightning's accumulation
 micro-steps never are) and only then do the buckets send anything.
 
-Each bucket holds parameters of one dtype and device, in reverse registration order (roughly the order
-backward produces their gradients). A bucket is launched as an asynchronous all-reduce the moment its last
-gradient is accumulated, but never before the buckets ahead of it: every rank must issue collectives in the
-same order. ``synchronize`` launches what is left, waits, and writes the mean back into ``.grad``.
+Each bucket holds parameters of one dtype and device. A bucket is launched as an asynchronous all-reduce the
+moment its last gradient is accumulated, but never before the buckets ahead of it: every rank must issue
+collectives in the same order. ``synchronize`` launches what is left, waits, and writes the mean back into
+``.grad``. The first buckets follow reverse registration order; after the first synchronized backward they
+are rebuilt in the order gradients actually arrived on the group's first rank (broadcast, so all ranks agree),
+with parameters that got no gradient last, where they cannot hold back the buckets that are ready.
 
 A parameter may have no gradient on some ranks (unused in that forward). Each bucket carries one count per
 parameter, so the mean treats a missing gradient as zero and a parameter unused on every rank keeps
@@ -49,13 +51,20 @@ class GradientBuckets:
             raise ValueError(f"bucket_mb={bucket_mb!r} must be positive (megabytes per gradient bucket, default 25).")
         self.group = group
         self.group_size = dist.get_world_size(group)
-        unique = list({id(p): p for p in params if p.requires_grad}.values())
-        self.buckets = _fill_buckets(reversed(unique), int(bucket_mb * 2**20))
-        self._bucket_index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self.params = list({id(p): p for p in params if p.requires_grad}.values())
+        self._position = {id(p): i for i, p in enumerate(self.params)}
+        self._cap_bytes = int(bucket_mb * 2**20)
+        self._set_order(list(reversed(range(len(self.params)))))
+        self._arrivals: Optional[list[int]] = [] if self.group_size > 1 else None
         self._next = 0
         self.overlap = False
         self.synchronized = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in unique]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def _set_order(self, order: list[int]) -> None:
+        self.order = order
+        self.buckets = _fill_buckets([self.params[i] for i in order], self._cap_bytes)
+        self._bucket_index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
 
     def begin(self) -> None:
         """Arm the buckets: the coming backward is the last before an optimizer step."""
@@ -73,6 +82,8 @@ class GradientBuckets:
                 " step. Call backward once per optimizer step, or use accumulate_grad_batches."
             )
         bucket.ready.add(id(param))
+        if self._arrivals is not None:
+            self._arrivals.append(self._position[id(param)])
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
             self.buckets[self._next].params
         ):
@@ -93,7 +104,7 @@ class GradientBuckets:
 
     def synchronize(self) -> None:
         """Finish the reduction for this optimizer step; a no-op if it already happened since ``begin``."""
-        self.overlap = False
+        after_armed_backward, self.overlap = self.overlap, False
         if self.synchronized:
             return
         self.synchronized = True
@@ -106,6 +117,15 @@ class GradientBuckets:
             bucket.work.wait()
             self._unflatten(bucket)
         self._reset(keep_synchronized=True)
+        if after_armed_backward and self._arrivals is not None:
+            self._rebuild_in_arrival_order()
+
+    def _rebuild_in_arrival_order(self) -> None:
+        arrived = list(dict.fromkeys(self._arrivals))
+        order = torch.tensor(arrived + [i for i in self.order if i not in set(arrived)])
+        dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._set_order(order.tolist())
+        self._arrivals = None
 
     def _unflatten(self, bucket: _Bucket) -> None:
         flat = bucket.flat.div_(self.group_size)

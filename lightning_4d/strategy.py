@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_4d import checkpoint
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
+from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -70,6 +71,7 @@ class FourDStrategy(ModelParallelStrategy):
         self._dp_cp_mesh: Optional[DeviceMesh] = None
         self._grad_buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
+        self._train_loaders: list[object] = []
 
     # ----------------------------------------------------------------------------------------- layout
 
@@ -106,12 +108,29 @@ class FourDStrategy(ModelParallelStrategy):
         dp_mesh = self.device_mesh["dp"]
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
+            dataloader = make_resumable(dataloader)
+            self._train_loaders.append(dataloader)
+        return dataloader
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A checkpoint taken after the epoch's last batch resumes at the start of the next epoch.
+        per_epoch = self.lightning_module.trainer.num_training_batches
+        consumed = batch_idx + 1 if per_epoch == float("inf") else (batch_idx + 1) % int(per_epoch)
+        for loader in self._train_loaders:
+            if isinstance(loader, ResumableDataLoader):
+                loader.consumed_batches = consumed
+
     # ------------------------------------------------------------------------------------------ setup
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_metrics_over_replicas()

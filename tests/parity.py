@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -39,7 +39,8 @@ class Case:
     batch_size: int = 8  # global batch size: the reference's; each replica gets batch_size // dp
     max_steps: int = 5
     seed: int = 1234
-    callbacks: list[str] = field(default_factory=list)  # "module:factory" probes; see Recorder.extras
+    callbacks: list[str] = field(default_factory=list)  # "module:factory" probes with parity_extras(trainer)
+    resume_at: Optional[int] = None  # checkpoint at this step, then resume from it in a new Trainer
 
 
 def _load(spec: str) -> Any:
@@ -66,7 +67,7 @@ class Recorder:
                 self.logged.append(_floats(trainer.callback_metrics))
 
             def on_train_epoch_end(self, trainer, pl_module):
-                self.epochs.append(_floats(trainer.callback_metrics))
+                self.epochs.append(dict(_floats(trainer.callback_metrics), global_step=trainer.global_step))
 
         return _Recorder()
 
@@ -119,17 +120,39 @@ def dataloaders(case: Case, dp: int, distributed: bool):
     return DataLoader(train, batch_size=case.batch_size, sampler=sampler), DataLoader(val, batch_size=case.batch_size)
 
 
-def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_nodes: int = 1) -> dict[str, Any]:
-    """Fit ``case`` in this process (as one rank of a layout when ``distributed``); return its record."""
+def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_nodes: int = 1,
+          workdir: Optional[str] = None) -> dict[str, Any]:
+    """Fit ``case`` in this process (as one rank of a layout when ``distributed``); return its record.
+
+    With ``resume_at``, the run also writes a checkpoint at that step (ModelCheckpoint), and a second Trainer
+    resumes from it: the record holds the resumed run, with the uninterrupted one under ``extras``.
+    """
+    record = _fit(case, distributed, dp, devices, num_nodes, workdir)
+    if case.resume_at is None:
+        return record
+    ckpt = next(Path(workdir).glob(f"{case.name}/*step={case.resume_at}.ckpt"))
+    resumed = _fit(case, distributed, dp, devices, num_nodes, None, ckpt_path=str(ckpt))
+    resumed["losses"] = record["losses"][:case.resume_at] + resumed["losses"]
+    resumed["logged"] = record["logged"][:case.resume_at] + resumed["logged"]
+    resumed["epochs"] = [e for e in record["epochs"] if e["global_step"] <= case.resume_at] + resumed["epochs"]
+    resumed["extras"]["uninterrupted"] = record
+    return resumed
+
+
+def _fit(case, distributed, dp, devices, num_nodes, workdir, ckpt_path=None) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     pl.seed_everything(case.seed, workers=True, verbose=False)
     module = _load(case.module)(**case.module_kwargs)
     recorder = Recorder()
     trainer = make_trainer(case, distributed=distributed, devices=devices, num_nodes=num_nodes, recorder=recorder)
+    if workdir and case.resume_at:
+        trainer.callbacks.append(ModelCheckpoint(dirpath=Path(workdir) / case.name, save_top_k=-1,
+                                                 every_n_train_steps=case.resume_at))
     train_loader, val_loader = dataloaders(case, dp, distributed)
     fit_kwargs = {"val_dataloaders": val_loader} if case.trainer.get("limit_val_batches") else {}
-    trainer.fit(module, train_loader, **fit_kwargs)
+    trainer.fit(module, train_loader, ckpt_path=ckpt_path, **fit_kwargs)
     extras = {}
     for callback in trainer.callbacks:
         if hasattr(callback, "parity_extras"):
@@ -149,6 +172,7 @@ _reference_cache: dict[str, dict[str, Any]] = {}
 
 def reference(case: Case) -> dict[str, Any]:
     """Single-process run of ``case`` (cached: several layouts compare against one reference)."""
+    case = replace(case, resume_at=None, callbacks=[])
     key = json.dumps({k: v for k, v in asdict(case).items() if k not in ("name", "strategy", "callbacks")},
                      sort_keys=True, default=str)
     if key not in _reference_cache:

@@ -1,0 +1,53 @@
+"""Callbacks that observe a distributed run from inside; the harness collects their ``parity_extras``."""
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_4d.data_parallel import GradientBuckets
+
+
+class GradientCommTrace(Callback):
+    """Records every gradient-bucket all-reduce: at which batch, whether inside backward, which parameters."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool, list[str]]] = []
+        self.batch_idx = -1
+        self._original = None
+
+    def on_fit_start(self, trainer, pl_module):
+        original = self._original = GradientBuckets._launch
+        names = {id(p): name for name, p in pl_module.named_parameters()}
+        calls, probe = self.calls, self
+
+        def traced(buckets, bucket):
+            in_backward = torch._C._current_graph_task_id() != -1
+            calls.append((probe.batch_idx, in_backward, [names[id(p)] for p in bucket.params]))
+            return original(buckets, bucket)
+
+        GradientBuckets._launch = traced
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch_idx = batch_idx
+
+    def on_fit_end(self, trainer, pl_module):
+        GradientBuckets._launch = self._original
+
+    def parity_extras(self, trainer):
+        return {"comm": self.calls}
+
+
+class BatchTrace(Callback):
+    """Gathers, from every rank, a fingerprint of each training batch it received."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(batch[0][:, 0].tolist())
+
+    def parity_extras(self, trainer):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.seen)
+        coordinates = [trainer.strategy.parallel_dims.coordinates(rank) for rank in range(dist.get_world_size())]
+        return {"batches": everyone, "coordinates": coordinates}

@@ -1,0 +1,113 @@
+"""Data parallelism against one process: losses, logged metrics, torchmetrics, weights, buckets, resume.
+
+Tolerances: losses and logged values within 1e-5 relative; weights within 1e-6 + 1e-5 * |w| after 8-16 AdamW
+steps. A one-ulp difference in a gradient is amplified by AdamW, so these bounds are tight enough to fail on
+any real mistake (a missing division by dp, a skipped bucket, a wrong sampler offset).
+"""
+
+import pytest
+import torch
+
+from tests.parity import Case, assert_parity, check_launch, reference, run_layout
+
+MODEL = dict(module="tests.models:Classifier", data="tests.models:classification_data")
+VALIDATE = {"limit_val_batches": 4, "val_check_interval": 4}
+COMM = ["tests.probes:GradientCommTrace"]
+
+TWO = [
+    Case("dp2", **MODEL, strategy={"dp": 2}, max_steps=8, trainer=VALIDATE),
+    Case("dp2_accumulate_clip", **MODEL, strategy={"dp": 2}, max_steps=16, callbacks=COMM,
+         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    Case("dp2_bucket_per_param", **MODEL, strategy={"dp": 2, "bucket_mb": 1e-6}, max_steps=8, callbacks=COMM),
+    Case("dp2_one_bucket", **MODEL, strategy={"dp": 2, "bucket_mb": 1e4}, max_steps=8, callbacks=COMM),
+    Case("dp2_resumed_mid_epoch", **MODEL, strategy={"dp": 2}, max_steps=16, resume_at=12),
+]
+FOUR = [
+    Case("dp4", **MODEL, strategy={"dp": 4}, max_steps=8, trainer=VALIDATE),
+    Case("dp4_accumulate_clip", **MODEL, strategy={"dp": "auto"}, max_steps=16,
+         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    Case("dp2_tp2_sampler", **MODEL, strategy={"dp": 2, "tp": 2}, max_steps=4, callbacks=["tests.probes:BatchTrace"]),
+]
+
+
+@pytest.fixture(scope="module")
+def two():
+    result = run_layout(TWO, 2, timeout=300)
+    check_launch(result, TWO)
+    return result.results
+
+
+@pytest.fixture(scope="module")
+def four_on_two_nodes():
+    # Two simulated nodes of two processes: NODE_RANK/LOCAL_RANK as a cluster scheduler sets them.
+    result = run_layout(FOUR, 4, num_nodes=2, timeout=300)
+    check_launch(result, FOUR)
+    return result.results
+
+
+def _case(cases, name):
+    return next(c for c in cases if c.name == name)
+
+
+@pytest.mark.parametrize("name", ["dp2", "dp2_accumulate_clip", "dp2_bucket_per_param", "dp2_one_bucket"])
+def test_dp2_matches_single_process(two, name):
+    case = _case(TWO, name)
+    epoch_metrics = ("train_acc", "val_loss", "val_acc") if case.trainer.get("limit_val_batches") else ("train_acc",)
+    assert_parity(case, reference(case), two[name], epoch_metrics=epoch_metrics)
+
+
+@pytest.mark.parametrize("name", ["dp4", "dp4_accumulate_clip"])
+def test_dp4_on_two_nodes_matches_single_process(four_on_two_nodes, name):
+    case = _case(FOUR, name)
+    epoch_metrics = ("train_acc", "val_loss", "val_acc") if case.trainer.get("limit_val_batches") else ("train_acc",)
+    assert_parity(case, reference(case), four_on_two_nodes[name], epoch_metrics=epoch_metrics)
+
+
+def test_bucket_size_does_not_change_results(two):
+    default = two["dp2"]["weights"]
+    for name in ("dp2_bucket_per_param", "dp2_one_bucket"):
+        for key, value in default.items():
+            assert torch.equal(two[name]["weights"][key], value), f"{name}: {key} differs from default buckets"
+        assert two[name]["losses"] == two["dp2"]["losses"]
+
+
+def test_all_reduce_runs_inside_backward_and_only_before_optimizer_steps(two):
+    per_param = two["dp2_bucket_per_param"]["extras"]["comm"]
+    # Eight parameter tensors, one bucket each, every step. From the second step on (the first one learns the
+    # order in which gradients arrive) all but the never-used parameter's buckets are launched while backward
+    # is still running; those two can only go once backward is over.
+    assert sorted({batch for batch, _, _ in per_param}) == list(range(8))
+    assert len(per_param) == 8 * 8
+    for batch, in_backward, names in per_param[8:]:
+        assert in_backward == (names not in (["unused.weight"], ["unused.bias"])), (batch, names)
+    one_bucket = two["dp2_one_bucket"]["extras"]["comm"]
+    assert [batch for batch, _, _ in one_bucket] == list(range(8))
+    assert all(len(names) == 8 for _, _, names in one_bucket)
+    # With accumulate_grad_batches=2 the first micro-step of every pair sends nothing.
+    # (16 optimizer steps = 32 batches = four epochs of 8 batches; one default-size bucket per step.)
+    batches = [batch for batch, _, _ in two["dp2_accumulate_clip"]["extras"]["comm"]]
+    assert batches == [1, 3, 5, 7] * 4, batches
+
+
+def test_resume_continues_exactly(two):
+    """Checkpoint at step 12 (mid-epoch: 8 batches per epoch), resume in a new Trainer: same numbers, bit for bit."""
+    resumed = two["dp2_resumed_mid_epoch"]
+    uninterrupted = resumed["extras"]["uninterrupted"]
+    assert len(resumed["losses"]) == 16
+    assert resumed["losses"] == uninterrupted["losses"]
+    for key, value in uninterrupted["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+    assert_parity(_case(TWO, "dp2_resumed_mid_epoch"), reference(_case(TWO, "dp2_resumed_mid_epoch")), resumed)
+
+
+def test_sampler_splits_over_dp_only(four_on_two_nodes):
+    extras = four_on_two_nodes["dp2_tp2_sampler"]["extras"]
+    batches, coordinates = extras["batches"], extras["coordinates"]
+    by_replica = {}
+    for rank, seen in enumerate(batches):
+        by_replica.setdefault(coordinates[rank]["dp"], []).append(seen)
+    assert sorted(by_replica) == [0, 1]
+    for replica, views in by_replica.items():
+        assert all(view == views[0] for view in views), f"ranks of replica {replica} saw different batches"
+    first, second = (set(v for step in by_replica[d][0] for v in step) for d in (0, 1))
+    assert first and second and not first & second, "replicas saw overlapping samples"
