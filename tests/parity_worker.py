@@ -20,7 +20,8 @@ def main(spec_path: str) -> None:
         sizes = {name: case.strategy.get(name, default) for name, default in
                  (("dp", "auto"), ("pp", 1), ("cp", 1), ("tp", 1))}
         dp = ParallelDims.resolve(world_size, **sizes).dp
-        record = train(case, distributed=True, dp=dp, devices=world_size // num_nodes, num_nodes=num_nodes)
+        record = train(case, distributed=True, dp=dp, devices=world_size // num_nodes, num_nodes=num_nodes,
+                       workdir=spec["out"])
         if record["rank"] == 0:
             torch.save(record, Path(spec["out"]) / f"{case.name}.pt")
 
