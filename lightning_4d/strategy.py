@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -72,6 +73,7 @@ class FourDStrategy(ModelParallelStrategy):
         self._grad_buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
         self._train_loaders: list[object] = []
+        self._step_components: list[Any] = []  # objects with a ``step_context()`` context manager
 
     # ----------------------------------------------------------------------------------------- layout
 
@@ -159,7 +161,38 @@ class FourDStrategy(ModelParallelStrategy):
             buckets.remove()
         self._grad_buckets.clear()
 
-    # ------------------------------------------------------------------------------- training step
+    # ------------------------------------------------------------------------------- step methods
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _step_context(self) -> Iterator[None]:
+        """What every call of a user step method runs inside: each model-parallel component's context
+        (context-parallel attention, loss-parallel cross entropy, ...), entered in registration order."""
+        with ExitStack() as stack:
+            for component in self._step_components:
+                stack.enter_context(component.step_context())
+            yield
+
+    # --------------------------------------------------------------------------- optimizer steps
 
     @override
     def optimizer_step(

@@ -1,0 +1,95 @@
+"""What the user logs inside a step, made equal to the single-process value before Lightning sees it.
+
+Under context parallelism each rank computes the loss of its part of the sequence; under pipeline
+parallelism the user's step runs once per micro-batch and only the last stage has the real values. The
+strategy records ``LightningModule.log`` calls while the step runs (``log_dict`` goes through ``log``),
+combines them over micro-batches and over the ranks that split one sample (with the call's ``reduce_fx``:
+a mean of equal-sized parts is the mean of the whole), and then makes the real ``log`` calls with identical
+names on every rank. Identical names matter: ``sync_dist``, ModelCheckpoint(monitor=...) and EarlyStopping
+run collectives keyed on them, and rank 0, the one that writes to loggers, may be a rank that computed none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+_REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+
+
+def _reduce_name(kwargs: dict[str, Any]) -> str:
+    fx = kwargs.get("reduce_fx", "mean")
+    name = fx if isinstance(fx, str) else getattr(fx, "__name__", "")
+    if name not in _REDUCE_OPS:
+        raise ValueError(
+            f"self.log(..., reduce_fx={fx!r}) cannot be combined across context-parallel ranks or pipeline"
+            " micro-batches: use 'mean', 'sum', 'max' or 'min', or log a torchmetrics Metric."
+        )
+    return name
+
+
+class StepLogs:
+    """Records ``module.log`` calls, one record per micro-batch, and replays their combination."""
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+        self.records: list[dict[str, tuple[Any, dict[str, Any]]]] = []
+
+    @contextmanager
+    def recording(self, index: Optional[int] = None) -> Iterator[None]:
+        """Capture the logs of one micro-batch; ``index`` overwrites an earlier record (a re-run)."""
+        record: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+        def log(name: str, value: Any, **kwargs: Any) -> None:
+            if isinstance(value, Tensor):
+                value = value.detach()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = torch.tensor(float(value))
+            record[name] = (value, kwargs)
+
+        self.module.log = log  # shadows the bound method for the duration of the step
+        try:
+            yield
+        finally:
+            del self.module.log
+            if index is not None and index < len(self.records):
+                self.records[index] = record
+            else:
+                self.records.append(record)
+
+    def combined(self) -> dict[str, tuple[Any, dict[str, Any]]]:
+        """Micro-batch records merged per name with each call's ``reduce_fx``; Metric objects pass through."""
+        merged: dict[str, tuple[Any, dict[str, Any]]] = {}
+        for name in dict.fromkeys(key for record in self.records for key in record):
+            entries = [record[name] for record in self.records if name in record]
+            value, kwargs = entries[-1]
+            if isinstance(value, Tensor):
+                stacked = torch.stack([v.float() for v, _ in entries])
+                fx = _reduce_name(kwargs)
+                value = {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}[fx](0)
+            merged[name] = (value, kwargs)
+        self.records = []
+        return merged
+
+    @staticmethod
+    def all_reduce(values: dict[str, tuple[Any, dict[str, Any]]], group: dist.ProcessGroup) -> None:
+        """Combine tensor values across ``group`` in place, each with its own ``reduce_fx``."""
+        size = dist.get_world_size(group)
+        for name, (value, kwargs) in values.items():
+            if not isinstance(value, Tensor):
+                continue
+            fx = _reduce_name(kwargs)
+            value = value.clone()
+            dist.all_reduce(value, op=_REDUCE_OPS[fx], group=group)
+            values[name] = (value / size if fx == "mean" else value, kwargs)
+
+    def replay(self, values: dict[str, tuple[Any, dict[str, Any]]]) -> None:
+        for name, (value, kwargs) in values.items():
+            self.module.log(name, value, **kwargs)
