@@ -256,7 +256,7 @@ def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeou
 
 
 def assert_parity(case: Case, expected: dict[str, Any], got: dict[str, Any], *, rtol: float = 1e-5,
-                  atol: float = 1e-6, metrics: tuple[str, ...] = ("train_loss",),
+                  atol: float = 1e-5, metrics: tuple[str, ...] = ("train_loss",),
                   epoch_metrics: tuple[str, ...] = ()) -> None:
     """Per-step losses, per-step ``metrics`` and end-of-epoch ``epoch_metrics`` within ``rtol`` relative;
     final weights within ``atol + rtol*|w|``."""

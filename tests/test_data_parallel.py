@@ -1,6 +1,6 @@
 """Data parallelism against one process: losses, logged metrics, torchmetrics, weights, buckets, resume.
 
-Tolerances: losses and logged values within 1e-5 relative; weights within 1e-6 + 1e-5 * |w| after 8-16 AdamW
+Tolerances: losses and logged values within 1e-5 relative; weights within 1e-5 + 1e-5 * |w| after 8-16 AdamW
 steps. A one-ulp difference in a gradient is amplified by AdamW, so these bounds are tight enough to fail on
 any real mistake (a missing division by dp, a skipped bucket, a wrong sampler offset).
 """
