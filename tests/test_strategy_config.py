@@ -1,0 +1,108 @@
+"""FourDStrategy configuration: clear errors before any process starts, registry name, LightningCLI YAML."""
+
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_4d
+from lightning_4d import FourDStrategy, ParallelDims
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "message"),
+    [
+        (dict(dp=2, tp=2), 2, r"dp\*pp\*cp\*tp = 2\*1\*1\*2 = 4 does not equal the world size 2"),
+        (dict(pp=3), 4, r"dp='auto' needs the world size \(4\) to be a multiple of pp\*cp\*tp = 3\*1\*1 = 3"),
+        (dict(dp=3), 2, r"does not equal the world size 2 .*Set dp='auto'"),
+    ],
+)
+def test_world_size_mismatch_fails_at_trainer_construction(kwargs, devices, message):
+    # Raised while the Trainer is built in the launching process: no process was started, no collective ran.
+    with pytest.raises(ValueError, match=message):
+        pl.Trainer(accelerator="cpu", devices=devices, strategy=FourDStrategy(**kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(tp=0), r"tp=0 is not a valid size: use a positive integer\."),
+        (dict(pp=-1), r"pp=-1 is not a valid size"),
+        (dict(cp=1.5), r"cp=1\.5 is not a valid size"),
+        (dict(dp="all"), r"dp='all' is not a valid size: use a positive integer or 'auto'"),
+        (dict(dp=True), r"dp=True is not a valid size"),
+        (dict(bucket_mb=0), r"bucket_mb=0 must be a positive number of megabytes"),
+        (dict(tpp=2), r"unknown argument tpp=2: did you mean 'tp'\?"),
+        (dict(data_parallel_size=2), r"unknown argument data_parallel_size=2: "),
+    ],
+)
+def test_bad_arguments_are_named_with_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FourDStrategy(**kwargs)
+
+
+def test_auto_dp_takes_the_rest_of_the_world():
+    assert ParallelDims.resolve(16, "auto", pp=2, cp=2, tp=2) == ParallelDims(dp=2, pp=2, cp=2, tp=2)
+    assert ParallelDims.resolve(8, "auto", tp=2).dp == 4
+    dims = ParallelDims.resolve(8, 2, pp=2, cp=1, tp=2)
+    assert (dims.dp_enabled, dims.pp_enabled, dims.cp_enabled, dims.tp_enabled) == (True, True, False, True)
+
+
+def test_layout_table_lists_every_rank_with_its_groups():
+    dims = ParallelDims(dp=2, pp=2, cp=2, tp=2)
+    # tp innermost, then cp, then dp; pp outermost.
+    assert dims.coordinates(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
+    assert dims.coordinates(1) == {"dp": 0, "pp": 0, "cp": 0, "tp": 1}
+    assert dims.coordinates(2) == {"dp": 0, "pp": 0, "cp": 1, "tp": 0}
+    assert dims.coordinates(4) == {"dp": 1, "pp": 0, "cp": 0, "tp": 0}
+    assert dims.coordinates(8) == {"dp": 0, "pp": 1, "cp": 0, "tp": 0}
+    groups = dims.group_members(5)
+    assert groups == {"dp": [1, 5], "pp": [5, 13], "cp": [5, 7], "tp": [4, 5], "dp_cp": [1, 3, 5, 7]}
+    table = dims.layout_table().splitlines()
+    assert len(table) == 3 + 16
+    assert table[3 + 5].split("|")[5:] == [" 1,5      ", " 5,13     ", " 5,7      ", " 4,5      ", " 1,3,5,7    "]
+
+
+def test_registry_name_and_defaults():
+    assert "fourd" in StrategyRegistry
+    strategy = pl.Trainer(accelerator="cpu", devices=1, strategy="fourd").strategy
+    assert isinstance(strategy, FourDStrategy)
+    assert strategy.parallel_dims == ParallelDims(dp=1, pp=1, cp=1, tp=1)
+    assert lightning_4d.FourDStrategy is FourDStrategy
+
+
+def _train_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = [sys.executable, "examples/train.py", "fit", "--config", "examples/configs/dp.yaml",
+               "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
+               "--model.n_layer", "1", "--data.max_bytes", "20000", *args]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def test_yaml_class_path_and_registry_name_through_lightning_cli(tmp_path):
+    # class_path + init_args from examples/configs/dp.yaml (2 processes, Lightning's own launcher).
+    out = _train_cli("--trainer.default_root_dir", str(tmp_path / "yaml"))
+    assert "lightning-4d layout: dp=2 pp=1 cp=1 tp=1 (world 2)" in out.stdout + out.stderr
+    # The registry name from the command line replaces the YAML's strategy.
+    out = _train_cli("--trainer.strategy", "fourd", "--trainer.default_root_dir", str(tmp_path / "name"))
+    assert "lightning-4d layout: dp=2 pp=1 cp=1 tp=1 (world 2)" in out.stdout + out.stderr
+
+
+def test_yaml_arguments_are_typed(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(FourDStrategy, "strategy")
+    config = parser.parse_args(["--strategy.tp=2", "--strategy.bucket_mb=4.5", "--strategy.timeout=0:01:00"])
+    strategy = parser.instantiate(config).strategy
+    assert strategy._sizes["tp"] == 2 and strategy.bucket_mb == 4.5 and strategy._timeout == timedelta(minutes=1)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--strategy.tp=two"])
