@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_4d import checkpoint
+from lightning_4d.faults import report_failure
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
 from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
@@ -286,6 +287,10 @@ class FourDStrategy(ModelParallelStrategy):
             checkpoint.remove(filepath)
 
     # ------------------------------------------------------------------------------------ teardown
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        report_failure(self.global_rank, exception)
 
     @override
     def teardown(self) -> None:

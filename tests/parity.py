@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -240,9 +241,13 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
     return returncodes, "\n".join(chunks), elapsed
 
 
-def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeout: float = 300) -> LaunchResult:
-    """Train every case under its layout in one launch of ``world_size`` processes."""
-    with tempfile.TemporaryDirectory() as tmp:
+def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeout: float = 300,
+               workdir: Optional[str] = None) -> LaunchResult:
+    """Train every case under its layout in one launch of ``world_size`` processes.
+
+    Checkpoints written by ``resume_at`` cases go to ``workdir`` (kept) or to a temporary directory.
+    """
+    with nullcontext(workdir) if workdir else tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "cases.json"
         spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "out": tmp, "num_nodes": num_nodes}))
         returncodes, output, elapsed = launch(["-m", "tests.parity_worker", str(spec)], world_size,

@@ -51,3 +51,13 @@ class BatchTrace(Callback):
         dist.all_gather_object(everyone, self.seen)
         coordinates = [trainer.strategy.parallel_dims.coordinates(rank) for rank in range(dist.get_world_size())]
         return {"batches": everyone, "coordinates": coordinates}
+
+
+class FailOnRank(Callback):
+    """Raises inside training on one rank at one step, as a bug in user code or a data error would."""
+
+    rank, step = 1, 3
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")

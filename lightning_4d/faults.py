@@ -1,0 +1,43 @@
+"""One rank fails, every rank stops, and every rank's output names the rank that failed first and why.
+
+When a rank raises (user code, data loading, out of memory), it exits, its peers' next collective fails
+with a bare connection error (gloo) or times out (``timeout`` of the strategy, NCCL). Before leaving, each
+failing rank claims the first-failure slot in the rendezvous store; the winner is the rank whose own code
+raised, since its peers only fail once it has gone. A rank that failed in a collective prints that first
+failure, so the real traceback is what a user reads whichever rank's log they open.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch.distributed as dist
+
+_KEY = "lightning_4d/first_failure"
+
+
+def _store():
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def report_failure(rank: int, exception: BaseException) -> None:
+    """Record this rank's failure if it is the first; otherwise print the first one (best effort)."""
+    store = _store()
+    if store is None:
+        return
+    try:
+        if store.add(_KEY + "/count", 1) == 1:
+            text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
+            store.set(_KEY, f"rank {rank} failed first:\n{text}")
+            return
+        if store.check([_KEY]):
+            first = store.get(_KEY).decode(errors="replace")
+            print(f"[lightning-4d] rank {rank} stopped because {first}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001  the store may be gone with the rank that hosted it
+        return
