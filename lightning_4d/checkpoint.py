@@ -118,6 +118,33 @@ def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], pa
                          " on the LightningModule to ignore unexpected keys).")
 
 
+def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> None:
+    """Only the weights, into any layout, from a lightning-4d checkpoint directory, a Lightning checkpoint
+    file, or a file holding a plain ``state_dict``."""
+    path = Path(path)
+    model_state = get_model_state_dict(model)
+    if path.is_dir():
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        _check_model_fits(model_state, stored, path, strict)
+        state = {"state_dict": model_state}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+        return
+    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
+    if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):
+        raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state_dict of tensors.")
+    _check_model_fits(model_state, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict)
+    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
+class _Shape:
+    """Stands in for DCP's tensor metadata where only ``size`` is read."""
+
+    def __init__(self, size: torch.Size) -> None:
+        self.size = size
+
+
 def remove(path: str | os.PathLike) -> None:
     path = Path(path)
     if path.is_dir():

@@ -46,6 +46,9 @@ class FourDStrategy(ModelParallelStrategy):
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout: how long a collective may wait before every rank fails instead of hanging.
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
+        init_from: weights to start from, in whatever layout this run uses: a lightning-4d checkpoint
+            directory, a Lightning checkpoint file, or a file with a plain ``state_dict``. Loop and optimizer
+            state are not restored (that is ``fit(ckpt_path=...)``).
     """
 
     strategy_name = "fourd"
@@ -59,6 +62,7 @@ class FourDStrategy(ModelParallelStrategy):
         bucket_mb: float = DEFAULT_BUCKET_MB,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: Optional[str] = None,
+        init_from: Optional[str] = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -69,6 +73,7 @@ class FourDStrategy(ModelParallelStrategy):
         self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         ParallelDims.check_sizes(dp, pp, cp, tp)
         self.bucket_mb = float(bucket_mb)
+        self.init_from = init_from
         self.parallel_dims: Optional[ParallelDims] = None
         self._dp_cp_mesh: Optional[DeviceMesh] = None
         self._grad_buckets: dict[int, GradientBuckets] = {}
@@ -137,6 +142,9 @@ class FourDStrategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._sync_metrics_over_replicas()
+        if self.init_from is not None:
+            checkpoint.load_weights(self.init_from, self.model, strict=self.lightning_module.strict_loading)
+            self.init_from = None  # once: a later validate/test/predict keeps the trained weights
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._build_grad_buckets()

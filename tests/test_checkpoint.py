@@ -1,0 +1,81 @@
+"""Checkpoints: export to one plain file, start from plain weights, refuse what does not fit."""
+
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_4d import FourDStrategy, checkpoint
+from lightning_4d.export import export_checkpoint
+from tests.models import Classifier, classification_data
+from tests.parity import ROOT, Case, check_launch, run_layout
+
+
+@pytest.fixture(scope="module")
+def dp2_checkpoint(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ckpt")
+    case = Case("dp2", module="tests.models:Classifier", data="tests.models:classification_data",
+                strategy={"dp": 2}, max_steps=4, resume_at=4)
+    result = run_layout([case], 2, timeout=180, workdir=str(workdir))
+    check_launch(result, [case])
+    return workdir / "dp2" / "epoch=0-step=4.ckpt", result.results["dp2"]["extras"]["uninterrupted"]["weights"]
+
+
+def test_export_gives_the_plain_module_the_trained_weights(dp2_checkpoint, tmp_path):
+    directory, trained = dp2_checkpoint
+    out = tmp_path / "model.ckpt"
+    done = subprocess.run([sys.executable, "-m", "lightning_4d.export", str(directory), str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    exported = torch.load(out, weights_only=True)
+    assert exported["global_step"] == 4
+    module = Classifier()
+    module.load_state_dict(exported["state_dict"])  # the unchanged module, strict
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    reference = Classifier()
+    reference.load_state_dict(trained)
+    x = classification_data(train=False).tensors[0]
+    assert torch.equal(module.net(x), reference.net(x))
+    assert type(Classifier.load_from_checkpoint(out, weights_only=True)) is Classifier
+
+
+def test_init_from_plain_weights_in_a_layout(dp2_checkpoint, tmp_path):
+    directory, trained = dp2_checkpoint
+    for source in (directory, export_checkpoint(directory, tmp_path / "m.ckpt")):
+        torch.save(trained, tmp_path / "plain_state_dict.pt")
+        for path in (source, tmp_path / "plain_state_dict.pt"):
+            module = Classifier()
+            trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=FourDStrategy(init_from=str(path)),
+                                 logger=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer.validate(module, DataLoader(classification_data(train=False), batch_size=8), verbose=False)
+            for name, value in module.state_dict().items():
+                assert torch.equal(value, trained[name]), (path, name)
+
+
+def test_checkpoint_that_does_not_fit_is_refused_with_every_key_named(dp2_checkpoint, tmp_path):
+    directory, trained = dp2_checkpoint
+    wrong = Classifier(hidden=48)  # other shapes
+    with pytest.raises(ValueError,
+                       match=r"does not fit the model: wrong shapes: \['net.0.weight: checkpoint \(32, 16\) vs model \(48, 16\)'"):
+        checkpoint.load_weights(directory, wrong)
+    state = dict(trained)
+    state.pop("net.4.bias")
+    state["extra.weight"] = torch.zeros(1)
+    torch.save(state, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"missing keys: \['net.4.bias'\]; unexpected keys: \['extra.weight'\]"):
+        checkpoint.load_weights(tmp_path / "other.pt", Classifier())
+
+
+def test_loading_never_runs_code_from_the_file(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (exec, ("open(%r, 'w').write('pwned')" % str(tmp_path / "pwned"),))
+
+    torch.save({"state_dict": {"net.0.weight": torch.zeros(1)}, "evil": Payload()}, tmp_path / "evil.ckpt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        checkpoint.load_weights(tmp_path / "evil.ckpt", Classifier())
+    assert not (tmp_path / "pwned").exists()
