@@ -1,0 +1,495 @@
+"""Tensor, sequence and vocabulary parallelism of unchanged modules against the single-process module.
+
+One spawn of tp=2 ranks (and one of tp=4) runs every case in turn on CPU/gloo; each rank writes its
+measurements to a JSON file and the parent asserts them per case.  Plan errors are pure and are
+checked in the test process.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_4d.tensor_parallel import (
+    TensorParallelCheckError,
+    apply_tensor_parallel,
+    clip_grad_norm_,
+    plan_tensor_parallel,
+    tensor_parallel_context,
+)
+from tests import tp_models as M
+
+TOL = 1e-5
+VOCAB, B, T = 64, 2, 8
+LAUNCH_TIMEOUT_S = 240
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _hf(kind: str, tp: int) -> nn.Module:
+    import transformers
+
+    if kind == "hf_gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2 if tp == 2 else 4, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    if kind == "hf_qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+def _example_gpt() -> nn.Module:
+    from examples.gpt import GPT
+
+    return GPT(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, tie_weights=True).model
+
+
+BUILDERS = {
+    "tinygpt": lambda tp: M.TinyGPT(VOCAB),
+    "example_gpt": lambda tp: _example_gpt(),
+    "nanogpt": lambda tp: M.NanoGPT(VOCAB),
+    "litgpt": lambda tp: M.LitGPT(M.LitConfig(VOCAB, n_query_groups=2 if tp == 2 else 4)),
+    "meta_llama": lambda tp: M.MetaLlama(VOCAB, n_kv_heads=2 if tp == 2 else 4),
+    "hf_llama": lambda tp: _hf("hf_llama", tp),
+    "hf_gpt2": lambda tp: _hf("hf_gpt2", tp),
+    "hf_qwen3": lambda tp: _hf("hf_qwen3", tp),
+    "encoder": lambda tp: M.TorchEncoder(VOCAB),
+    "custom_heads": lambda tp: M.TinyGPT(VOCAB, attention=M.CustomHeadsAttention),
+}
+FAMILIES = ("tinygpt", "example_gpt", "nanogpt", "litgpt", "meta_llama", "hf_llama", "hf_gpt2", "hf_qwen3")
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _forward_loss(family: str, model: nn.Module, idx: torch.Tensor, y: torch.Tensor):
+    """(logits, loss, accuracy or None) the way each code base computes its loss."""
+    if family == "nanogpt":
+        logits, loss = model(idx, y)
+        return logits, loss, None
+    if family.startswith("hf_"):
+        out = model(input_ids=idx, labels=idx)
+        return out.logits, out.loss, None
+    if family == "encoder":
+        out = model(idx)
+        return out, out.pow(2).mean(), None
+    logits = model(idx)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    accuracy = (logits.argmax(-1) == y).float().mean()  # a non-loss use of the logits: gathered transparently
+    return logits, loss, accuracy
+
+
+def _unpermuted_grads(model: nn.Module, plan) -> dict[str, torch.Tensor]:
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    for fqn, region in plan.regions.items():
+        if region.fused is not None:
+            prefix = f"{fqn}.{region.inputs[0]}."
+            grads[prefix + "weight"] = region.fused.to_original(
+                grads[prefix + "weight"], plan.tp_size, region.fused.dim
+            )
+            if prefix + "bias" in grads:
+                grads[prefix + "bias"] = region.fused.to_original(grads[prefix + "bias"], plan.tp_size, 0)
+    return grads
+
+
+def _ties(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)
+
+
+def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((x.float() - b[k].float()).abs().max().item() for k, x in a.items())
+
+
+def _plain_forward(family: str, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Outside tensor_parallel_context, as callbacks or generation would call the model."""
+    if family.startswith("hf_"):
+        return model(input_ids=idx).logits
+    out = model(idx)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _parity(family: str, mesh, sp: bool = False, tp_plan="auto") -> dict:
+    tp = mesh.size()
+    torch.manual_seed(0)
+    model = BUILDERS[family](tp)
+    ref = copy.deepcopy(model)
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    full_numel = sum(p.numel() for p in model.parameters())
+
+    plan = plan_tensor_parallel(model, tp, tp_plan, sequence_parallel=sp)
+    check = apply_tensor_parallel(model, mesh, plan)
+    check.arm()
+    with tensor_parallel_context(plan):
+        logits, loss, accuracy = _forward_loss(family, model, idx, y)
+        logits_type = type(logits).__name__
+        full_logits = _full(logits).detach()
+    check_errors = check.verify()
+    with tensor_parallel_context(plan):
+        loss.backward()
+    ref_logits, ref_loss, ref_accuracy = _forward_loss(family, ref, idx, y)
+    ref_loss.backward()
+
+    result = {
+        "logits_type_in_context": logits_type,
+        "loss_type": type(loss).__name__,
+        "out_err": (full_logits - ref_logits.detach()).abs().max().item(),
+        "loss_err": abs(loss.item() - ref_loss.item()),
+        "grad_err": _max_err(_unpermuted_grads(model, plan), {n: p.grad for n, p in ref.named_parameters()}),
+        "check_err": max(check_errors.values()),
+        "checked": sorted(check_errors),
+        "local_numel_ratio": sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters()) / full_numel,
+        "ties": _ties(ref),
+        "tp_ties": _ties(model),
+        "loss_parallel": plan.loss_parallel,
+    }
+    if accuracy is not None:
+        result["accuracy_err"] = abs(accuracy.item() - ref_accuracy.item())
+        result["accuracy_type"] = type(accuracy).__name__
+    norm = clip_grad_norm_(model.parameters(), 0.05)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    result["clip_norm_err"] = abs(norm.item() - ref_norm.item())
+    result["clipped_grad_err"] = _max_err(
+        _unpermuted_grads(model, plan), {n: p.grad for n, p in ref.named_parameters()}
+    )
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    result["step_err"] = _max_err(state, ref.state_dict())
+    with torch.no_grad():
+        outside, ref_out = _plain_forward(family, model, idx), _plain_forward(family, ref, idx)
+    result["logits_type_outside"] = type(outside).__name__
+    result["after_step_out_err"] = (outside - ref_out).abs().max().item()
+    if any(r.fused is not None for r in plan.regions.values()):
+        saved = {k: v.clone() for k, v in model.state_dict().items()}  # values alias the parameters
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        model.load_state_dict(saved)
+        with torch.no_grad():
+            again = _plain_forward(family, model, idx)
+        result["reload_err"] = (again - ref_out).abs().max().item()
+    return result
+
+
+def _pipeline_stage(mesh) -> dict:
+    """A plan made on the whole model, applied to a middle stage holding only some of its blocks."""
+    torch.manual_seed(0)
+    model = M.TinyGPT(VOCAB, n_layer=3)
+    plan = plan_tensor_parallel(model, mesh.size(), sequence_parallel=True)
+    model.tok_emb, model.layers[2], model.norm, model.lm_head = nn.Identity(), nn.Identity(), nn.Identity(), nn.Identity()
+    ref = copy.deepcopy(model)
+    check = apply_tensor_parallel(model, mesh, plan)
+    x = torch.randn(B, T, 32)
+    check.arm()
+    with tensor_parallel_context(plan):
+        out = model(x)
+        out.square().mean().backward()
+    ref_out = ref(x)
+    ref_out.square().mean().backward()
+    return {
+        "out_err": (_full(out) - ref_out).abs().max().item(),
+        "grad_err": _max_err(_unpermuted_grads(model, plan), {n: p.grad for n, p in ref.named_parameters()}),
+        "checked": sorted(check.verify()),
+    }
+
+
+def _wrong_head_count(mesh) -> dict:
+    torch.manual_seed(0)
+    model = M.TinyGPT(VOCAB)
+    plan = plan_tensor_parallel(model, mesh.size())
+    for fqn in [f for f in plan.regions if f.endswith("attn")]:
+        # heads left global, head_dim divided instead: shapes still fit, the function is different
+        plan.attributes[fqn] = {"n_head": 4, "head_dim": 8 // mesh.size()}
+    check = apply_tensor_parallel(model, mesh, plan)
+    check.arm()
+    model(torch.randint(0, VOCAB, (B, T)))
+    try:
+        check.verify()
+    except TensorParallelCheckError as error:
+        return {"raised": True, "message": str(error)}
+    return {"raised": False, "message": ""}
+
+
+def _mesh_mismatch(mesh) -> dict:
+    model = M.TinyGPT(VOCAB)
+    plan = plan_tensor_parallel(model, mesh.size() * 2)
+    try:
+        apply_tensor_parallel(model, mesh, plan)
+    except ValueError as error:
+        return {"raised": True, "message": str(error)}
+    return {"raised": False}
+
+
+def _clip_over_pipeline(world: int) -> dict:
+    """Two 'pipeline stages' holding different models, each tensor-parallel over 2 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+    stage = mesh.get_coordinate()[0]
+    idx = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(7))
+    expected = 0.0
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        ref = M.TinyGPT(VOCAB)
+        ref(idx).square().mean().backward()
+        expected += torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).item() ** 2
+    torch.manual_seed(stage)
+    model = M.TinyGPT(VOCAB)
+    plan = plan_tensor_parallel(model, world // 2)
+    apply_tensor_parallel(model, mesh["tp"], plan, self_check=False)
+    model(idx).square().mean().backward()
+    norm = clip_grad_norm_(model.parameters(), 1e9, group=mesh["pp"].get_group())
+    return {"norm_err": abs(norm.item() - expected**0.5)}
+
+
+def _case(family: str, sp: bool, tp_plan="auto"):
+    return lambda mesh: _parity(family, mesh, sp, tp_plan)
+
+
+def _suite(world: int) -> dict:
+    if world == 2:
+        cases = {f"{family}{'_sp' if sp else ''}": _case(family, sp) for family in FAMILIES for sp in (False, True)}
+        cases["tinygpt_gathered_head"] = _case(
+            "tinygpt", False, {"lm_head": {"style": "colwise", "output": "replicate"}}
+        )
+        cases["encoder_ffn_only"] = _case(
+            "encoder",
+            False,
+            {"layers.*.self_attn": "replicate", "layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"},
+        )
+        cases["custom_heads_divide"] = _case("custom_heads", True, {"layers.*.attn": {"divide": ["heads"]}})
+        cases["pipeline_stage"] = _pipeline_stage
+        cases["wrong_head_count"] = _wrong_head_count
+        cases["mesh_mismatch"] = _mesh_mismatch
+        return cases
+    return {
+        "tinygpt_sp": _case("tinygpt", True),
+        "nanogpt_sp": _case("nanogpt", True),
+        "meta_llama": _case("meta_llama", False),
+        "clip_over_pipeline": lambda mesh: _clip_over_pipeline(world),
+    }
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for name, case in _suite(world).items():
+        start = time.perf_counter()
+        try:
+            results[name] = case(mesh)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - start
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _launch(world: int) -> dict[str, dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_worker, args=(rank, world, port, out_dir)) for rank in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [p for p in procs if p.is_alive()]
+        for p in hung:
+            p.kill()
+            p.join()
+        files = [Path(out_dir, f"rank{r}.json") for r in range(world)]
+        results = [json.loads(f.read_text()) if f.exists() else {} for f in files]
+    if hung:
+        done = sorted(results[0])
+        pytest.fail(f"tp={world} launch hung past {LAUNCH_TIMEOUT_S}s; finished cases on rank 0: {done}")
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for rank, res in enumerate(results[1:], 1):  # every rank must measure the same
+        for name, record in res.items():
+            assert record.get("error") is None, f"rank {rank} {name}:\n{record.get('error')}"
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def tp2() -> dict[str, dict]:
+    return _launch(2)
+
+
+@pytest.fixture(scope="module")
+def tp4() -> dict[str, dict]:
+    return _launch(4)
+
+
+def _record(results: dict, name: str) -> dict:
+    record = results[name]
+    assert record.get("error") is None, f"{name}:\n{record['error']}"
+    return record
+
+
+PARITY_2 = [f"{family}{sp}" for family in FAMILIES for sp in ("", "_sp")]
+
+
+def _assert_parity(record: dict) -> None:
+    for key in (
+        "out_err",
+        "loss_err",
+        "grad_err",
+        "clip_norm_err",
+        "clipped_grad_err",
+        "step_err",
+        "after_step_out_err",
+        "accuracy_err",
+        "reload_err",
+    ):
+        if key in record:
+            assert record[key] < TOL, (key, record[key])
+    assert record["check_err"] < 1e-4 and record["checked"], record
+    assert record["loss_type"] == "Tensor"
+    assert record["logits_type_outside"] == "Tensor"
+    assert record["tp_ties"] == record["ties"]
+    if record["loss_parallel"]:
+        assert record["logits_type_in_context"] == "DTensor"  # logits stayed vocab-sharded for the loss
+    if "accuracy_type" in record:
+        assert record["accuracy_type"] == "Tensor"
+
+
+@pytest.mark.parametrize("name", PARITY_2)
+def test_parity_tp2(tp2, name):
+    _assert_parity(_record(tp2, name))
+
+
+@pytest.mark.parametrize("name", ["tinygpt_sp", "nanogpt_sp", "meta_llama"])
+def test_parity_tp4(tp4, name):
+    _assert_parity(_record(tp4, name))
+
+
+def test_gathered_head_by_user_plan(tp2):
+    record = _record(tp2, "tinygpt_gathered_head")
+    _assert_parity(record)
+    assert not record["loss_parallel"] and record["logits_type_in_context"] == "Tensor"
+
+
+def test_encoder_layer_feed_forward_by_user_plan(tp2):
+    record = _record(tp2, "encoder_ffn_only")
+    _assert_parity(record)
+    assert record["checked"] == ["layers.0"]
+
+
+def test_user_plan_divides_unknown_head_attribute(tp2):
+    _assert_parity(_record(tp2, "custom_heads_divide"))
+
+
+def test_plan_of_whole_model_applies_to_pipeline_stage(tp2):
+    record = _record(tp2, "pipeline_stage")
+    assert record["out_err"] < TOL and record["grad_err"] < TOL, record
+    assert record["checked"] == ["layers.0.attn", "layers.0.mlp"]
+
+
+def test_parameters_are_sharded(tp2):
+    for name in ("tinygpt", "example_gpt"):
+        assert _record(tp2, name)["local_numel_ratio"] <= 0.55, name
+
+
+def test_self_check_catches_wrong_head_count(tp2):
+    record = _record(tp2, "wrong_head_count")
+    assert record["raised"], record
+    assert "layers.0.attn" in record["message"]
+
+
+def test_apply_rejects_mesh_of_other_size(tp2):
+    record = _record(tp2, "mesh_mismatch")
+    assert record["raised"] and "tp=4" in record["message"]
+
+
+def test_clip_grad_norm_over_pipeline_group(tp4):
+    assert _record(tp4, "clip_over_pipeline")["norm_err"] < TOL
+
+
+# --------------------------------------------------------------------------- plan errors (no processes)
+
+
+def _lit(**overrides) -> nn.Module:
+    config = M.LitConfig(VOCAB, n_query_groups=4)
+    config.__dict__.update(overrides)
+    return M.LitGPT(config)
+
+
+@pytest.mark.parametrize(
+    "model, tp, tp_plan, needles",
+    [
+        (lambda: M.TinyGPT(VOCAB, dim=32, n_head=4), 8, "auto", ["layers.0.attn", "4 attention heads", "tp=8"]),
+        (lambda: M.MetaLlama(VOCAB, n_heads=4, n_kv_heads=2), 4, "auto", ["layers.0.attention", "2 key/value heads"]),
+        (lambda: M.TinyGPT(65), 2, "auto", ["Vocabulary size 65", "tok_emb", "replicate"]),
+        (lambda: _lit(intermediate_size=34), 4, "auto", ["transformer.h.0.mlp", "intermediate size 34"]),
+        (lambda: BUILDERS["custom_heads"](2), 2, "auto", ["head count of attention layers.0.attn", "divide"]),
+        (M.PlainMLPStack, 2, "auto", ["nothing in PlainMLPStack", "net.0 (Linear 8->16)", "tp_plan:"]),
+        (M.TorchEncoder, 2, "auto", ["layers.0.self_attn", "nn.MultiheadAttention", "replicate"]),
+        (M.TinyGPT, 2, {"layers.*.attn.q_proj": "columnwise"}, ["columnwise", "colwise, rowwise"]),
+        (M.TinyGPT, 2, {"layer.*.attn.q_proj": "colwise"}, ["matches no module", "layers.0.attn.q_proj"]),
+        (M.TinyGPT, 2, {"layers.*.norm1": "colwise"}, ["layers.0.norm1", "RMSNorm"]),
+        (M.TinyGPT, 2, {"layers.*.norm1": "sequence_parallel"}, ["sequence_parallel=True"]),
+        (M.TinyGPT, 2, {"layers.*.attn": {"style": "colwise", "output": "shard"}}, ["'shard'"]),
+        (M.NanoGPT, 2, {"lm_head": "replicate"}, ["Tied parameters", "lm_head.weight", "transformer.wte.weight"]),
+        (M.TinyGPT, 2, "everything", ["tp_plan must be"]),
+    ],
+)
+def test_plan_errors(model, tp, tp_plan, needles):
+    with pytest.raises(ValueError) as info:
+        plan_tensor_parallel(model(), tp, tp_plan)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_plan_off_and_describe():
+    model = M.NanoGPT(VOCAB)
+    for off in (None, "none"):
+        plan = plan_tensor_parallel(model, 2, off)
+        assert not plan.enabled and apply_tensor_parallel(model, None, plan) is None
+    plan = plan_tensor_parallel(
+        model, 2, {"transformer.h.*.attn.c_proj": {"style": "rowwise", "output": "replicate"}}, sequence_parallel=True
+    )
+    text = plan.describe()
+    needles = ("transformer.h.*.attn (x2) [c_attn -> c_proj] fused", "heads 4->2", "n_head=2", "n_embd=16")
+    needles += ("transformer.wte: rowwise", "lm_head: colwise", "transformer.h.*.ln_1", "sequence_parallel")
+    for needle in needles:
+        assert needle in text, (needle, text)
+    assert plan.styles["transformer.h.0.attn.c_proj"].output == "replicate"  # user entry merged over the automatic one
+    gathered = plan_tensor_parallel(model, 2, loss_parallel=False)
+    assert not gathered.loss_parallel and gathered.styles["lm_head"].output == "replicate"
