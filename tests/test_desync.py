@@ -1,0 +1,76 @@
+"""Desync detection, directly on torch.distributed (the strategy's debug mode is tested with the layouts)."""
+
+import json
+
+from tests.parity import launch
+
+WORKER = r'''
+import json, os, sys, torch, torch.distributed as dist
+from torch import nn
+from lightning_4d.desync import CollectiveTrace, DesyncError, check_batch, check_replicas
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+results = {}
+
+def expect(name, fn, *args):
+    try:
+        fn(*args)
+        results[name] = "ok"
+    except DesyncError as error:
+        results[name] = str(error)
+
+world = dist.new_group([0, 1, 2, 3])
+pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+pair = pairs[rank // 2]
+
+# Replica of ranks {0,1} and {2,3}: rank 3 gets a different batch than its peer rank 2.
+batch = {"input_ids": torch.arange(8).reshape(2, 4) + 10 * (rank // 2)}
+expect("same_batches", check_batch, batch, pair)
+if rank == 3:
+    batch["input_ids"][1, 2] += 1
+expect("different_batch", check_batch, batch, pair)
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+expect("same_weights", check_replicas, model, {"dp": world})
+if rank == 2:
+    with torch.no_grad():
+        model[1].bias[0] += 1e-6
+expect("perturbed_weights", check_replicas, model, {"dp": world})
+
+def collectives():
+    with CollectiveTrace(dist.distributed_c10d._get_default_store()).recording():
+        t = torch.ones(3)
+        dist.all_reduce(t, group=pair)
+        if rank == 1:
+            dist.all_reduce(torch.ones(5), group=pair)  # a rank-dependent branch its peer does not take
+        dist.all_reduce(t, group=pair)
+
+
+expect("collective_sequence", collectives)
+with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
+    json.dump(results, f)
+'''
+
+
+def test_desync_reports_rank_and_name(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    codes, output, _ = launch([str(script), str(tmp_path)], 4, timeout=120)
+    assert codes == [0, 0, 0, 0], output[-3000:]
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    for r in range(4):
+        assert results[r]["same_batches"] == results[r]["same_weights"] == "ok"
+    # The replica {2, 3} sees rank 3's different batch; replica {0, 1} is fine.
+    assert results[0]["different_batch"] == "ok"
+    assert "batch entry \"['input_ids']\" differs between rank 2 and rank 3" in results[3]["different_batch"]
+    for r in range(4):
+        assert "'1.bias' differs between rank 0 and rank 2" in results[r]["perturbed_weights"], results[r]
+    # Both ends of the divergent pair stop before the mismatched collective runs; the other pair is fine.
+    assert results[0]["collective_sequence"] == (
+        "Collective sequences differ on group [0, 1] at call 1: rank 0 issued all_reduce (3,), rank 1 issued"
+        " all_reduce (5,). Ranks that take different code paths (a data-dependent branch, a rank-dependent `if`)"
+        " hang or mix unrelated tensors.")
+    assert "rank 1 issued all_reduce (5,), rank 0 issued all_reduce (3,)" in results[1]["collective_sequence"]
+    assert results[2]["collective_sequence"] == results[3]["collective_sequence"] == "ok"
