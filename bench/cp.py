@@ -1,0 +1,190 @@
+"""Context-parallel attention at a long sequence: peak memory per rank and time, against one process.
+
+    OMP_NUM_THREADS=1 python bench/cp.py [--seq 16384] [--cp 4] [--heads 4] [--head-dim 64] [--iters 2]
+
+One causal attention call, forward and backward, over ``--seq`` tokens ([1, heads, seq, head_dim], fp32):
+computed by one process with ``F.scaled_dot_product_attention``, and by ``--cp`` processes (gloo) each holding
+``seq / cp`` tokens with ring attention, ``comm="ring"`` and ``comm="allgather"``. Every variant runs in
+fresh processes.
+
+Memory is the peak of tensor storage alive at once on a rank during one forward+backward, counted by a
+dispatch mode from the inputs on (q, k, v and the output gradient, the output, log-sum-exp, gradients,
+communication buffers and every intermediate tensor). CPU torch has no allocator statistics, and resident
+set size depends on how glibc happened to reuse freed memory (the same run measured 20 or 38 blocks
+depending on what the process had imported), so storage is counted directly; scratch memory a kernel
+allocates and frees inside one call is not seen, in either variant. Time is the best of ``--iters`` untracked
+runs: wall time (the slowest rank) and CPU time per rank. Ranks share the machine's cores, so with fewer
+cores than ranks wall time shows the total work more than the split; CPU time per rank shows the split.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+from bench.common import write  # noqa: E402
+from lightning_4d.ring_attention import ring_attention  # noqa: E402
+
+VARIANTS = ("single", "ring", "allgather")
+TIMEOUT_S = 900
+
+
+class LiveStorage(TorchDispatchMode):
+    """Peak bytes of tensor storage alive at once, over the storages created while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._tracked: set[int] = set()
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in self._tracked or size == 0:
+            return
+        self._tracked.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        # Storages keep their Python object while alive, so this runs when the memory itself is freed.
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._tracked.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._track(leaf)
+        return out
+
+
+def worker(variant: str, rank: int, world: int, args: argparse.Namespace, out: Path) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
+
+    def attend(q, k, v):
+        if variant == "single":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return ring_attention(q, k, v, group=None, is_causal=True, comm=variant)
+
+    def inputs(tokens: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(rank)
+        return [torch.randn(1, args.heads, tokens, args.head_dim, generator=generator) for _ in range(4)]
+
+    def leaves(tokens: int) -> list[torch.Tensor]:
+        q, k, v, dout = inputs(tokens)
+        return [q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout]
+
+    q, k, v, dout = leaves(2 * 64 * world)  # warm-up: kernels, threads and gloo pairs set up outside the figures
+    attend(q, k, v).backward(dout)
+    with LiveStorage() as memory:
+        q, k, v, dout = leaves(args.seq // world)
+        attend(q, k, v).backward(dout)
+    q.grad = k.grad = v.grad = None
+    wall, cpu = [], []
+    for _ in range(args.iters):
+        if world > 1:
+            dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        attend(q, k, v).backward(dout)
+        if world > 1:
+            dist.barrier()  # wall time of the slowest rank
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        q.grad = k.grad = v.grad = None
+    out.write_text(json.dumps({"peak_mib": memory.peak / 2**20, "wall_s": min(wall), "cpu_s": min(cpu)}))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_variant(variant: str, world: int, argv: list[str], tmp: Path) -> list[dict]:
+    """Start ``world`` fresh processes for one variant and collect each rank's figures."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--worker", variant, "--rank", str(rank),
+                               "--world", str(world), "--out", str(tmp / f"{variant}{rank}.json")], env=env)
+             for rank in range(world)]
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    codes = [proc.wait() for proc in procs]
+    if any(codes):
+        raise SystemExit(f"{variant}: ranks exited with {codes}")
+    return [json.loads((tmp / f"{variant}{rank}.json").read_text()) for rank in range(world)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=16384)
+    parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--worker", choices=VARIANTS)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.rank, args.world, args, args.out)
+        return
+    if args.seq % (2 * args.cp):
+        raise SystemExit(f"--seq {args.seq} must be a multiple of 2*cp = {2 * args.cp}")
+
+    argv = ["--seq", str(args.seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
+            "--iters", str(args.iters)]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in VARIANTS:
+            world = 1 if variant == "single" else args.cp
+            ranks = run_variant(variant, world, argv, Path(tmp))
+            rows[variant] = {"processes": world, "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
+                             "wall_s": max(r["wall_s"] for r in ranks),
+                             "cpu_s_per_rank": max(r["cpu_s"] for r in ranks)}
+    single = rows["single"]
+    for row in rows.values():
+        row["memory_vs_single"] = row["peak_mib_per_rank"] / single["peak_mib_per_rank"]
+    command = "OMP_NUM_THREADS=1 python bench/cp.py " + " ".join(sys.argv[1:])
+    path = write(f"cp{args.cp}_seq{args.seq}", {"command": command, "seq": args.seq, "cp": args.cp, "heads": args.heads,
+                        "head_dim": args.head_dim, "iters": args.iters, "variants": rows})
+    names = {"single": "one process, F.scaled_dot_product_attention", "ring": f"cp={args.cp}, ring",
+             "allgather": f"cp={args.cp}, all-gather"}
+    print(f"\nCausal attention forward+backward, {args.seq} tokens, {args.heads} heads x {args.head_dim}, fp32"
+          f" ({command}; {path}):\n")
+    print("| attention | peak memory per rank (MiB) | vs one process | wall time (s) | CPU time per rank (s) |")
+    print("|---|---|---|---|---|")
+    for variant, row in rows.items():
+        print(f"| {names[variant]} | {row['peak_mib_per_rank']:.1f} | {row['memory_vs_single']:.2f}x"
+              f" | {row['wall_s']:.2f} | {row['cpu_s_per_rank']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

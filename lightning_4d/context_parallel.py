@@ -1,0 +1,495 @@
+"""Context parallelism for an unchanged module: sharded sequences, global positions, ring attention.
+
+The ``cp`` ranks of a context-parallel group receive the same samples and each keeps a zigzag shard of every
+sequence (:func:`~lightning_4d.ring_attention.zigzag_positions`). The module's own code then runs on
+``L / cp`` tokens per sequence, and three things it does would silently mean something else on a shard, so
+they are adjusted while a step runs:
+
+* Attention. Every call of scaled-dot-product attention is caught by a ``TorchFunctionMode`` (which sees
+  ``F.scaled_dot_product_attention`` under any import name, and ``torch._C._nn.scaled_dot_product_attention``,
+  the function they all are) and computed as ring attention over the group. Only full and causal attention
+  keep the same meaning on a shard, so any other mask is an error.
+* Positions derived from the local length. ``wpe(torch.arange(T))`` and a rotary embedding's
+  ``position_ids`` input are mapped to the tokens' global positions by forward pre-hooks, and tables sliced
+  ``buf[:T]`` are swapped for ``buf[global positions]`` for the duration of the step.
+* The loss and logged values. Each rank's mean over its tokens averages, over the group, to the mean over
+  the whole sequence (the shards are equal), which is the value returned and logged. Gradients need nothing
+  here: the data-parallel buckets average them over dp x cp.
+
+Everything except :meth:`ContextParallel.step_context` (which combines ``LightningModule.log`` calls) is
+plain torch and works without a Trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import inspect
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_4d.ring_attention import ring_attention, zigzag_positions
+from lightning_4d.step_logging import StepLogs
+
+COMM_MODES = ("ring", "allgather")
+# Automatic detection, by the last part of the name: learned position embeddings (nn.Embedding) ...
+POSITION_EMBEDDING_NAMES = ("wpe", "pos_emb", "pos_embedding", "position_embedding", "position_embeddings",
+                            "embed_positions")
+# ... and per-position tables that code slices by length (litgpt's cos/sin, torchtitan's freqs_cis).
+POSITION_BUFFER_NAMES = ("cos", "sin", "cos_cached", "sin_cached", "freqs_cis")
+_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is
+
+
+# ------------------------------------------------------------------------------------------- options
+
+
+def check_options(comm: Any, seq_dim: Any, batch_keys: Any, position_modules: Any, buffers: Any) -> None:
+    """Raise a ValueError naming the strategy argument, its value and the fix; needs no module or group."""
+    if comm not in COMM_MODES:
+        raise ValueError(f"cp_comm={comm!r} is not a communication mode: use 'ring' (K/V blocks passed round the"
+                         " group, O(L/cp) memory) or 'allgather' (all K/V gathered at once, O(L) memory).")
+    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
+        raise ValueError(f"cp_seq_dim={seq_dim!r} must be the non-negative index of the sequence dim of the batch's"
+                         " tensors (1 for [batch, seq, ...]).")
+    for name, value in (("cp_batch_keys", batch_keys), ("cp_position_modules", position_modules),
+                        ("cp_buffers", buffers)):
+        if value is None:
+            continue
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            raise ValueError(f"{name}={value!r} must be a list of names (or null for automatic detection),"
+                             f" e.g. {name}=[{_option_example(name)!r}].")
+
+
+def _option_example(name: str) -> str:
+    return {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.wpe", "cp_buffers": "model.cos"}[name]
+
+
+# ------------------------------------------------------------------------------------- module discovery
+
+
+def find_position_modules(module: nn.Module, patterns: Optional[Sequence[str]] = None) -> dict[str, str]:
+    """Modules whose position input gets global positions: FQN -> the name of that input.
+
+    ``patterns`` are globs over FQNs; ``None`` detects learned position embeddings by name
+    (:data:`POSITION_EMBEDDING_NAMES`) and rotary embeddings (``*rotary*`` with a ``position_ids`` input).
+    """
+    found = {}
+    for fqn, sub in module.named_modules():
+        last = fqn.rsplit(".", 1)[-1]
+        if patterns is None:
+            if isinstance(sub, nn.Embedding) and last in POSITION_EMBEDDING_NAMES:
+                found[fqn] = "input"
+            elif "rotary" in last.lower() and "position_ids" in _forward_parameters(sub):
+                found[fqn] = "position_ids"
+        elif fqn and any(fnmatch.fnmatchcase(fqn, p) for p in patterns):
+            if isinstance(sub, nn.Embedding):
+                found[fqn] = "input"
+            elif "position_ids" in _forward_parameters(sub):
+                found[fqn] = "position_ids"
+            else:
+                raise ValueError(f"cp_position_modules: {fqn} ({type(sub).__name__}) is neither an nn.Embedding nor"
+                                 " a module with a `position_ids` argument, so it has no position input to map.")
+    for pattern in patterns or ():
+        if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in found):
+            raise ValueError(f"cp_position_modules: {pattern!r} matches no module of {type(module).__name__};"
+                             f" module names look like {_examples(n for n, _ in module.named_modules() if n)}.")
+    return found
+
+
+def find_position_buffers(module: nn.Module, patterns: Optional[Sequence[str]] = None) -> list[str]:
+    """FQNs of buffers indexed by position on dim 0; ``None`` detects them by name (:data:`POSITION_BUFFER_NAMES`)."""
+    names = [fqn for fqn, _ in module.named_buffers()]
+    if patterns is None:
+        return [fqn for fqn in names if fqn.rsplit(".", 1)[-1] in POSITION_BUFFER_NAMES]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in names):
+            raise ValueError(f"cp_buffers: {pattern!r} matches no buffer of {type(module).__name__}; its buffers"
+                             f" are {_examples(names)}.")
+    return [fqn for fqn in names if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)]
+
+
+def _forward_parameters(module: nn.Module) -> list[str]:
+    return list(inspect.signature(module.forward).parameters)
+
+
+def _examples(names: Iterator[str] | list[str], limit: int = 8) -> str:
+    names = list(names)
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "") if names else "(none)"
+
+
+def _shifts_labels(module: nn.Module) -> bool:
+    """A Hugging Face model whose ``labels`` input it shifts by one itself (``*ForCausalLM`` and the like)."""
+    return getattr(module, "loss_type", None) == "ForCausalLM" and "labels" in _forward_parameters(module)
+
+
+def _sliding_windows(module: nn.Module) -> dict[str, int]:
+    """Hugging Face configs with an active sliding window: their masks look causal on a short enough shard."""
+    windows = {}
+    for fqn, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or ["sliding_attention"]
+        if (isinstance(window, int) and getattr(config, "use_sliding_window", True) is not False
+                and any("sliding" in str(kind) for kind in layer_types)):
+            windows[f"{fqn or 'the module'} ({type(sub).__name__})"] = window
+    return windows
+
+
+def _recomputing(module: nn.Module) -> list[str]:
+    """Modules with Hugging Face gradient checkpointing on: in training they re-run attention during backward,
+    after the step, where nothing makes it attend over the whole sequence."""
+    return [fqn or "the module" for fqn, sub in module.named_modules()
+            if getattr(sub, "gradient_checkpointing", False) is True]
+
+
+# ------------------------------------------------------------------------------------------- batches
+
+
+def _map_tensors(value: Any, fn: Callable[[str, Tensor], Tensor], path: tuple[str, ...] = ()) -> Any:
+    """``value`` with every tensor replaced by ``fn(dotted path, tensor)``; containers keep their types."""
+    if isinstance(value, Tensor):
+        return fn(".".join(path), value)
+    if isinstance(value, MutableMapping):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = _map_tensors(item, fn, (*path, str(key)))
+        return out
+    if isinstance(value, Mapping):
+        return type(value)({key: _map_tensors(item, fn, (*path, str(key))) for key, item in value.items()})
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_tensors(item, fn, (*path, name)) for name, item in zip(value._fields, value)))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn, (*path, str(i))) for i, item in enumerate(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _map_tensors(getattr(value, f.name), fn, (*path, f.name))
+                  for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
+def _tensors(batch: Any) -> dict[str, Tensor]:
+    found: dict[str, Tensor] = {}
+
+    def record(path: str, tensor: Tensor) -> Tensor:
+        found[path] = tensor
+        return tensor
+
+    _map_tensors(batch, record)
+    return found
+
+
+def sequence_paths(batch: Any, seq_dim: int = 1,
+                   keys: Optional[Sequence[Union[str, int]]] = None) -> tuple[list[str], int]:
+    """Which tensors of ``batch`` to shard (dotted paths: ``"input_ids"``, ``"0"``) and the sequence length.
+
+    By default the first tensor with a ``seq_dim`` defines the length and every tensor with that length on
+    ``seq_dim`` is sharded; ``keys`` names them instead.
+    """
+    tensors = _tensors(batch)
+    if keys is None:
+        shaped = {path: t for path, t in tensors.items() if t.dim() > seq_dim}
+        if not shaped:
+            raise ValueError(f"Context parallelism found no tensor with a sequence dim {seq_dim} in the batch"
+                             f" (tensors: {_shapes(tensors)}); set cp_seq_dim or cp_batch_keys.")
+        length = next(iter(shaped.values())).size(seq_dim)
+        return [path for path, t in shaped.items() if t.size(seq_dim) == length], length
+    paths = [str(k) for k in keys]
+    for path in paths:
+        if path not in tensors or tensors[path].dim() <= seq_dim:
+            raise ValueError(f"cp_batch_keys: {path!r} is not a tensor with a sequence dim {seq_dim} in the batch"
+                             f" (tensors: {_shapes(tensors)}).")
+    lengths = {path: tensors[path].size(seq_dim) for path in paths}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"cp_batch_keys name tensors of different lengths on dim {seq_dim}: {lengths}.")
+    return paths, lengths[paths[0]]
+
+
+def _shapes(tensors: dict[str, Tensor]) -> str:
+    return ", ".join(f"{path or 'batch'}: {tuple(t.shape)}" for path, t in tensors.items()) or "none"
+
+
+def check_sequence_length(length: int, cp: int, sequence_parallel: int = 1, where: str = "the batch") -> None:
+    """Zigzag sharding needs two equal chunks per cp rank, which sequence parallelism splits over its tp ranks."""
+    multiple = 2 * cp * sequence_parallel
+    if length > 0 and length % multiple == 0:
+        return
+    below = length // multiple * multiple
+    nearest = f"{below} or {below + multiple}" if below else f"{below + multiple}"
+    rule = f"2*cp*tp = 2*{cp}*{sequence_parallel}" if sequence_parallel > 1 else f"2*cp = 2*{cp}"
+    raise ValueError(f"Context parallelism needs sequence lengths that are multiples of {rule} = {multiple}, but"
+                     f" {where} has length {length}. Pad or truncate sequences to {nearest} tokens.")
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def is_causal_mask(mask: Tensor, length: int) -> bool:
+    """Whether ``mask`` is the plain lower-triangular mask of a ``length``-token self-attention.
+
+    Boolean masks must be True exactly on and below the diagonal; additive masks 0 there and -inf (or the
+    dtype's lowest value, which Hugging Face uses) above it.
+    """
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+        return False
+    allowed = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == allowed).all())
+    if not mask.is_floating_point():
+        return False
+    return bool(torch.where(allowed, mask == 0, mask <= torch.finfo(mask.dtype).min).all())
+
+
+class _AttentionInterception(TorchFunctionMode):
+    """Sends scaled-dot-product attention to the owner; every other function runs as called."""
+
+    def __init__(self, owner: ContextParallel) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self.owner.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class ContextParallel:
+    """The context-parallel side of one module on one rank: batch sharding, positions, attention, checks.
+
+    Per step: :meth:`shard_batch` on the step's batch, then the module runs inside :meth:`context` (or the
+    strategy's :meth:`step_context`); :meth:`remove` takes the hooks off the module again.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, comm: str = "ring", seq_dim: int = 1,
+                 batch_keys: Optional[Sequence[Union[str, int]]] = None,
+                 position_modules: Optional[Sequence[str]] = None, buffers: Optional[Sequence[str]] = None,
+                 sequence_parallel: int = 1) -> None:
+        check_options(comm, seq_dim, batch_keys, position_modules, buffers)
+        self.module = module
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.comm = comm
+        self.seq_dim = seq_dim
+        self.batch_keys = batch_keys
+        self.sequence_parallel = sequence_parallel
+        self.position_modules = find_position_modules(module, position_modules)
+        self.buffers = find_position_buffers(module, buffers)
+        self.sliding_windows = _sliding_windows(module)
+        self.attention_calls = 0
+        self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
+        self._seq_len = 0
+        self._active = False
+        self._verified = False
+        self._trained = False
+        self._announced = False
+        self._hooks = [
+            module.get_submodule(fqn).register_forward_pre_hook(self._position_hook(fqn, arg), with_kwargs=True)
+            for fqn, arg in self.position_modules.items()
+        ]
+        self._hooks += [sub.register_forward_pre_hook(self._labels_hook(fqn), with_kwargs=True)
+                        for fqn, sub in module.named_modules() if _shifts_labels(sub)]
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -------------------------------------------------------------------------------------- batches
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's zigzag shard of every sequence tensor of ``batch``; raises before any collective."""
+        paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
+        check_sequence_length(length, self.size, self.sequence_parallel,
+                              where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
+        self._check_model(length)
+        if not self._announced:
+            rank_zero_info(f"Context parallelism (cp={self.size}) shards {', '.join(repr(p) for p in paths)} on dim"
+                           f" {self.seq_dim}; global positions go to modules {sorted(self.position_modules)} and"
+                           f" buffers {self.buffers}.")
+            self._announced = True
+        positions = zigzag_positions(length, self.size, self.rank)
+        selected = set(paths)
+        on_device: dict[torch.device, Tensor] = {}
+
+        def shard(path: str, tensor: Tensor) -> Tensor:
+            if path not in selected:
+                return tensor
+            index = on_device.setdefault(tensor.device, positions.to(tensor.device))
+            return tensor.index_select(self.seq_dim, index)
+
+        sharded = _map_tensors(batch, shard)
+        self._positions = next(iter(on_device.values()))
+        self._seq_len = length
+        return sharded
+
+    def _check_model(self, length: int) -> None:
+        """Model settings under which a shard's attention would quietly differ from the whole sequence's."""
+        for where, window in self.sliding_windows.items():
+            if window < length:
+                raise ValueError(f"{where} has config.sliding_window={window}, shorter than the sequences ({length}"
+                                 " tokens): context parallelism supports only full and causal attention.")
+        if self.module.training and not self._trained:
+            recomputing = _recomputing(self.module)
+            if recomputing:
+                raise ValueError(f"Gradient checkpointing is on in {_examples(recomputing, 3)}: it recomputes"
+                                 " attention during backward, outside the step in which context parallelism makes"
+                                 " attention span the whole sequence. Turn it off"
+                                 " (activation_checkpointing_disable()) or use cp=1.")
+            self._trained = True
+
+    # -------------------------------------------------------------------------------------- the step
+
+    @contextmanager
+    def context(self) -> Iterator[None]:
+        """Runs the module on the shard of the last :meth:`shard_batch` as if on the whole sequence (any number
+        of times: pipeline parallelism runs a step per micro-batch); before any, it changes nothing."""
+        if self._positions is None:
+            yield
+            return
+        calls = self.attention_calls
+        swapped = self._swap_buffers()
+        self._active = True
+        try:
+            with _AttentionInterception(self):
+                yield
+        finally:
+            self._active = False
+            for owner, name, original in swapped:
+                owner._buffers[name] = original
+        if not self._verified:
+            if self.attention_calls == calls:
+                raise RuntimeError(
+                    f"Context parallelism (cp={self.size}) split each sequence over {self.size} ranks, but the first"
+                    f" step of {type(self.module).__name__} made no scaled_dot_product_attention call, so its"
+                    " attention saw only this rank's tokens. The model computes attention some other way (e.g. a"
+                    " hand-written softmax, or Hugging Face attn_implementation='eager'): use"
+                    " torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa'), or cp=1.")
+            self._verified = True
+
+    @contextmanager
+    def step_context(self) -> Iterator[None]:
+        """:meth:`context` for a Lightning step; the step's ``self.log`` values become whole-sequence values.
+
+        Prediction runs on whole sequences, so it changes nothing there.
+        """
+        if self._positions is None or self.module.trainer.predicting:
+            yield
+            return
+        logs = StepLogs(self.module)
+        enclosing = vars(self.module).get("log")  # the pipeline's per-micro-batch recorder, if any
+        try:
+            with self.context(), logs.recording():
+                yield
+        finally:
+            if enclosing is not None:  # StepLogs took its own shadow off, and with it the enclosing one
+                self.module.log = enclosing
+        values = logs.combined()
+        StepLogs.all_reduce(values, self.group)
+        logs.replay(values)
+
+    def global_loss(self, output: Any) -> Any:
+        """A training step's output whose loss shows the whole sequence's mean; its gradient stays local."""
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            return output
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        loss = loss + (total / self.size - loss).detach()
+        return {**output, "loss": loss} if isinstance(output, Mapping) else loss
+
+    def _swap_buffers(self) -> list[tuple[nn.Module, str, Tensor]]:
+        swapped = []
+        for fqn in self.buffers:
+            owner_name, _, name = fqn.rpartition(".")
+            owner = self.module.get_submodule(owner_name)
+            table = owner._buffers[name]
+            if table.dim() == 0 or table.size(0) < self._seq_len:
+                raise ValueError(f"Buffer {fqn} of shape {tuple(table.shape)} has fewer rows than the sequence length"
+                                 f" {self._seq_len}, so it cannot be indexed by global position; exclude it with"
+                                 " cp_buffers=[...] if it is not a per-position table.")
+            swapped.append((owner, name, table))
+            owner._buffers[name] = table.index_select(0, self._positions.to(table.device))
+        return swapped
+
+    def _position_hook(self, fqn: str, arg: str) -> Callable:
+        index = _forward_parameters(self.module.get_submodule(fqn)).index(arg)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            if not self._active:
+                return None
+            if arg in kwargs:
+                return args, {**kwargs, arg: self._global_positions(kwargs[arg], fqn)}
+            if index < len(args):
+                return (*args[:index], self._global_positions(args[index], fqn), *args[index + 1:]), kwargs
+            return None
+
+        return hook
+
+    def _labels_hook(self, fqn: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._active and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+                raise ValueError(
+                    f"{fqn or type(module).__name__} was called with labels=, and Hugging Face shifts those by one"
+                    " token inside the model, which on a zigzag shard pairs tokens with the wrong targets. Pass"
+                    " labels already shifted in the data (as shift_labels=, or compute the loss from the logits).")
+
+        return hook
+
+    def _global_positions(self, positions: Any, fqn: str) -> Any:
+        """Local default positions ``0..T-1`` become the tokens' global ones; anything else (position ids
+        sharded from the batch) already is global."""
+        if not isinstance(positions, Tensor):
+            return positions
+        local = self._positions.numel()
+        if positions.dim() == 0 or positions.size(-1) != local:
+            raise ValueError(f"{fqn} received positions of shape {tuple(positions.shape)}, but this rank holds {local}"
+                             f" tokens of each sequence; if it is not a position module, leave it out of"
+                             f" cp_position_modules.")
+        default = torch.arange(local, device=positions.device, dtype=positions.dtype)
+        if not torch.equal(positions, default.expand_as(positions)):
+            return positions
+        return self._positions.to(positions.device, positions.dtype).expand_as(positions)
+
+    def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+                  enable_gqa: bool = False) -> Tensor:
+        """``F.scaled_dot_product_attention`` over the whole sequence, computed as ring attention."""
+        self.attention_calls += 1
+        local = self._positions.numel()
+        if query.dim() < 3 or query.size(-2) != local or key.size(-2) != local:
+            raise ValueError(
+                f"scaled_dot_product_attention got query {tuple(query.shape)} and key {tuple(key.shape)}, but context"
+                f" parallelism supports only self-attention over the sharded sequence ({local} tokens per rank on"
+                " dim -2).")
+        if dropout_p:
+            raise ValueError(f"Attention dropout (dropout_p={dropout_p}) is not supported under context parallelism;"
+                             " set it to 0.")
+        if attn_mask is not None:
+            if is_causal:
+                raise ValueError("scaled_dot_product_attention: an explicit attn_mask cannot be set with"
+                                 " is_causal=True.")
+            if not is_causal_mask(attn_mask, local):
+                raise ValueError(
+                    f"Context parallelism supports only causal or full attention, but scaled_dot_product_attention got"
+                    f" an attn_mask of shape {tuple(attn_mask.shape)} ({attn_mask.dtype}) that is not a plain causal"
+                    " mask (padding, sliding window or document masks would change meaning on a shard). Train on"
+                    " unpadded, unpacked sequences, or with cp=1. (A Hugging Face model given position_ids treats"
+                    " the sharded ones as packed sequences: leave them out, the rotary embedding gets global ones.)")
+            is_causal = True
+        if query.size(-3) != key.size(-3) and not enable_gqa:
+            raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"
+                             f" {key.size(-3)}; pass enable_gqa=True for grouped-query attention.")
+        lead = query.shape[:-3]
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+        out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm)
+        return out.reshape(*lead, *out.shape[1:])

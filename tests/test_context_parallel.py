@@ -1,0 +1,273 @@
+"""Context parallelism against one process, and the errors that keep it from training a different model.
+
+Parity: losses per step, logged train (and val) loss and final weights within 1e-5 for cp=2, cp=4,
+dp=2 x cp=2 and cp=2 x tp=2 on the example GPT (rotary tables sliced ``cos[:T]``), nanoGPT (learned
+positions from ``arange(T)``) and Hugging Face Llama (rotary ``position_ids``); on the example GPT also with
+sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, position ids taken from the batch,
+all-gather communication, and prediction (which runs on whole sequences). Two runs with position handling
+switched off must differ from one process, so the parity cases can tell.
+
+Process start-up dominates: one launch per world size. The 2-process launch uses this file as its worker,
+so that it can also run the cases that must fail (each on every rank) and record their errors.
+"""
+
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_4d import FourDStrategy, ParallelDims
+from lightning_4d.context_parallel import (
+    check_sequence_length,
+    find_position_buffers,
+    find_position_modules,
+    is_causal_mask,
+    sequence_paths,
+)
+from tests.cp_models import build_mask
+from tests.parity import Case, assert_parity, check_launch, launch, reference, run_layout, train
+
+LM = dict(data="tests.lm_models:token_data", max_steps=4)
+MODELS = {"gpt": "tests.lm_models:tiny_gpt", "nanogpt": "tests.lm_models:NanoGPT",
+          "llama": "tests.lm_models:HFCausalLM"}
+VARIANT = "tests.cp_models:AttentionVariantGPT"
+VALIDATE = {"limit_val_batches": 2, "val_check_interval": 2}
+
+TWO = [
+    Case("cp2_gpt", module=MODELS["gpt"], strategy={"cp": 2}, trainer=VALIDATE,
+         callbacks=["tests.cp_models:PredictProbe"], **LM),
+    Case("cp2_nanogpt", module=MODELS["nanogpt"], strategy={"cp": 2}, **LM),
+    Case("cp2_llama", module=MODELS["llama"], strategy={"cp": 2}, **LM),
+    Case("cp2_gpt_allgather", module=MODELS["gpt"], strategy={"cp": 2, "cp_comm": "allgather"}, **LM),
+    Case("cp2_causal_bool_mask", module=VARIANT, module_kwargs={"attention": "causal_bool"}, strategy={"cp": 2},
+         **LM),
+    Case("cp2_causal_float_mask", module=VARIANT, module_kwargs={"attention": "causal_float"},
+         strategy={"cp": 2}, **LM),
+    Case("cp2_batch_positions", module="tests.cp_models:BatchPositionsGPT",
+         data="tests.cp_models:token_data_with_positions", max_steps=4,
+         strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
+]
+# Position handling off: these must NOT match one process.
+UNHANDLED = [
+    Case("cp2_nanogpt_local_positions", module=MODELS["nanogpt"], strategy={"cp": 2, "cp_position_modules": []},
+         **LM),
+    Case("cp2_gpt_local_tables", module=MODELS["gpt"], strategy={"cp": 2, "cp_buffers": []}, **LM),
+]
+# name -> (case, exception type, phrases of its message)
+MASK_ERROR = "is not a plain causal mask"
+FAILING = {
+    "length": (Case("length", module=MODELS["gpt"], data="tests.cp_models:odd_length_data", strategy={"cp": 2},
+                    max_steps=1),
+               "ValueError", ["multiples of 2*cp = 2*2 = 4", "has length 30", "to 28 or 32 tokens"]),
+    "softmax": (Case("softmax", module=VARIANT, module_kwargs={"attention": "softmax"}, strategy={"cp": 2}, **LM),
+                "RuntimeError", ["made no scaled_dot_product_attention call", "hand-written softmax"]),
+    "padding": (Case("padding", module="tests.cp_models:PaddedLlama", strategy={"cp": 2}, **LM),
+                "ValueError", [MASK_ERROR]),
+    "window_mask": (Case("window_mask", module=VARIANT, module_kwargs={"attention": "window"}, strategy={"cp": 2},
+                         **LM), "ValueError", [MASK_ERROR]),
+    "documents_mask": (Case("documents_mask", module=VARIANT, module_kwargs={"attention": "documents"},
+                            strategy={"cp": 2}, **LM), "ValueError", [MASK_ERROR]),
+    "sliding_window_config": (Case("sliding_window_config", module="tests.cp_models:SlidingWindowMistral",
+                                   strategy={"cp": 2}, **LM),
+                              "ValueError", ["model (MistralForCausalLM) has config.sliding_window=12",
+                                             "shorter than the sequences (16 tokens)"]),
+    "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
+                  "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),
+    "checkpointing": (Case("checkpointing", module="tests.cp_models:CheckpointedLlama", strategy={"cp": 2}, **LM),
+                      "ValueError", ["Gradient checkpointing is on in model.model, model.model.layers.0, "]),
+}
+FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
+        for layout, strategy in (("cp4", {"cp": 4}), ("dp2_cp2", {"dp": 2, "cp": 2}), ("cp2_tp2", {"cp": 2, "tp": 2}))
+        for model, spec in MODELS.items()] + [
+    Case("cp2_tp2_sequence_parallel_gpt", module=MODELS["gpt"], strategy={"cp": 2, "tp": 2, "sequence_parallel": True},
+         **LM),
+    Case("pp2_cp2_gpt", module=MODELS["gpt"], strategy={"pp": 2, "cp": 2}, **LM),
+]
+
+
+# ------------------------------------------------------------------------------------ 2-process launch
+
+
+def worker(spec_path: str) -> None:
+    """One rank: train the parity cases (rank 0 saves records), then the failing ones (rank 0 saves errors)."""
+    spec = json.loads(Path(spec_path).read_text())
+    out, world = Path(spec["out"]), int(os.environ["WORLD_SIZE"])
+    for fields in spec["cases"]:
+        case = Case(**fields)
+        record = train(case, distributed=True, dp=_dp(case, world), devices=world)
+        if record["rank"] == 0:
+            torch.save(record, out / f"{case.name}.pt")
+    for fields in spec["failing"]:
+        case = Case(**fields)
+        try:
+            train(case, distributed=True, dp=_dp(case, world), devices=world)
+            outcome = "no error"
+        except Exception as error:  # noqa: BLE001  recorded for the test to judge
+            outcome = f"{type(error).__name__}: {error}"
+        if os.environ["RANK"] == "0":
+            (out / f"{case.name}.txt").write_text(outcome)
+
+
+def _dp(case: Case, world: int) -> int:
+    sizes = {name: case.strategy.get(name, default) for name, default in
+             (("dp", "auto"), ("pp", 1), ("cp", 1), ("tp", 1))}
+    return ParallelDims.resolve(world, **sizes).dp
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cp2")
+    cases, failing = TWO + UNHANDLED, [case for case, _, _ in FAILING.values()]
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing],
+                                "out": str(tmp)}))
+    returncodes, output, _ = launch(["-m", "tests.test_context_parallel", str(spec)], 2, timeout=600)
+    assert returncodes == [0, 0], f"ranks failed: {returncodes}\n{output[-6000:]}"
+    records = {c.name: torch.load(tmp / f"{c.name}.pt", weights_only=False) for c in cases}
+    errors = {c.name: (tmp / f"{c.name}.txt").read_text() for c in failing}
+    return records, errors
+
+
+@pytest.fixture(scope="module")
+def four():
+    result = run_layout(FOUR, 4, timeout=900)
+    check_launch(result, FOUR)
+    return result.results
+
+
+def _report(case: Case, expected: dict, got: dict) -> None:
+    loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+    weight = max((got["weights"][k] - v).abs().max().item() for k, v in expected["weights"].items())
+    print(f"{case.name}: max |loss diff| {loss:.2e}, max |weight diff| {weight:.2e}")
+
+
+@pytest.mark.parametrize("case", TWO, ids=lambda c: c.name)
+def test_cp2_matches_single_process(two, case):
+    records, _ = two
+    expected = reference(case)
+    epoch_metrics = ("val_loss",) if case.trainer.get("limit_val_batches") else ()
+    _report(case, expected, records[case.name])
+    assert_parity(case, expected, records[case.name], epoch_metrics=epoch_metrics)
+
+
+@pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
+def test_four_ranks_match_single_process(four, case):
+    _report(case, reference(case), four[case.name])
+    assert_parity(case, reference(case), four[case.name])
+
+
+@pytest.mark.parametrize("case", UNHANDLED, ids=lambda c: c.name)
+def test_local_positions_give_a_different_model(two, case):
+    records, _ = two
+    expected = reference(replace(case, strategy={}))
+    _report(case, expected, records[case.name])
+    with pytest.raises(AssertionError):
+        assert_parity(case, expected, records[case.name])
+
+
+def test_prediction_runs_on_whole_sequences(two):
+    extras = two[0]["cp2_gpt"]["extras"]
+    assert extras["predicted"].shape == (4,)
+    assert torch.equal(extras["predicted"], extras["direct"])
+
+
+@pytest.mark.parametrize("name", FAILING)
+def test_unsupported_input_raises(two, name):
+    _, errors = two
+    _, kind, phrases = FAILING[name]
+    assert errors[name].startswith(kind + ":"), errors[name]
+    for phrase in phrases:
+        assert phrase in errors[name], errors[name]
+
+
+# ------------------------------------------------------------------------------ without processes
+
+
+def test_strategy_options_are_validated():
+    for kwargs, phrase in (({"cp_comm": "nccl"}, "cp_comm='nccl'"), ({"cp_seq_dim": -1}, "cp_seq_dim=-1"),
+                           ({"cp_batch_keys": "input_ids"}, "cp_batch_keys='input_ids' must be a list"),
+                           ({"cp_buffers": [1.5]}, "cp_buffers=[1.5]")):
+        with pytest.raises(ValueError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
+            FourDStrategy(cp=2, **kwargs)
+
+
+def test_options_from_yaml():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(FourDStrategy, "strategy")
+    config = parser.parse_string("""
+strategy:
+  cp: 2
+  cp_comm: allgather
+  cp_batch_keys: [input_ids, labels]
+  cp_position_modules: ["model.*.rotary_emb"]
+  cp_buffers: []
+""")
+    strategy = parser.instantiate(config).strategy
+    assert strategy._cp_options == dict(comm="allgather", seq_dim=1, batch_keys=["input_ids", "labels"],
+                                        position_modules=["model.*.rotary_emb"], buffers=[])
+    with pytest.raises(SystemExit):
+        parser.parse_string("strategy: {cp_comm: p2p}")
+
+
+def test_causal_mask_detection():
+    T = 8
+    assert is_causal_mask(build_mask("causal_bool", T, "cpu"), T)
+    assert is_causal_mask(build_mask("causal_float", T, "cpu")[None, None].expand(2, 1, T, T), T)
+    infinite = torch.zeros(T, T).masked_fill(~build_mask("causal_bool", T, "cpu"), float("-inf"))
+    assert is_causal_mask(infinite, T)
+    assert not is_causal_mask(build_mask("causal_bool", T, "cpu"), T + 1)
+    assert not is_causal_mask(build_mask("causal_float", T, "cpu") / 2, T)  # a finite bias lets keys through
+    for kind in ("window", "documents"):
+        assert not is_causal_mask(build_mask(kind, T, "cpu"), T)
+    padded = build_mask("causal_bool", T, "cpu").repeat(2, 1, 1, 1)
+    padded[1, :, :, 0] = False
+    assert not is_causal_mask(padded, T)
+
+
+def test_sequence_tensors_are_found():
+    ids, labels = torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long)
+    batch = {"input_ids": ids, "extra": {"labels": labels}, "lengths": torch.zeros(2), "feats": torch.zeros(2, 3)}
+    assert sequence_paths(batch) == (["input_ids", "extra.labels"], 16)
+    assert sequence_paths((ids, labels, torch.zeros(2, 16, 3)), keys=[0, "2"]) == (["0", "2"], 16)
+    assert sequence_paths(torch.zeros(16, 2), seq_dim=0) == ([""], 16)
+    with pytest.raises(ValueError, match="'labels' is not a tensor with a sequence dim 1"):
+        sequence_paths(batch, keys=["input_ids", "labels"])
+    with pytest.raises(ValueError, match="different lengths"):
+        sequence_paths(batch, keys=["input_ids", "feats"])
+    with pytest.raises(ValueError, match="no tensor with a sequence dim 2"):
+        sequence_paths((ids, labels), seq_dim=2)
+
+
+def test_sequence_length_must_split_into_two_chunks_per_rank():
+    check_sequence_length(32, cp=4)
+    with pytest.raises(ValueError, match="multiples of 2\\*cp = 2\\*4 = 8, but the batch has length 6.*to 8 tokens"):
+        check_sequence_length(6, cp=4)
+    with pytest.raises(ValueError, match="multiples of 2\\*cp\\*tp = 2\\*2\\*2 = 8.*length 20.*16 or 24 tokens"):
+        check_sequence_length(20, cp=2, sequence_parallel=2)
+
+
+def test_position_inputs_are_found():
+    from tests.lm_models import HFCausalLM, NanoGPT, tiny_gpt
+
+    gpt, nanogpt, llama = tiny_gpt(), NanoGPT(), HFCausalLM("llama")
+    assert (find_position_modules(gpt), find_position_buffers(gpt)) == ({}, ["model.cos", "model.sin"])
+    assert (find_position_modules(nanogpt), find_position_buffers(nanogpt)) == ({"transformer.wpe": "input"}, [])
+    assert find_position_modules(llama) == {"model.model.rotary_emb": "position_ids"}
+    assert find_position_buffers(llama) == []  # its inv_freq is per frequency, not per position
+    assert find_position_modules(llama, ["*.rotary_emb"]) == {"model.model.rotary_emb": "position_ids"}
+    with pytest.raises(ValueError, match="'transformer.wpe' matches no module"):
+        find_position_modules(gpt, ["transformer.wpe"])
+    with pytest.raises(ValueError, match="lm_head .Linear. is neither an nn.Embedding"):
+        find_position_modules(nanogpt, ["lm_head"])
+    with pytest.raises(ValueError, match="'cos' matches no buffer.*model.cos, model.sin"):
+        find_position_buffers(gpt, ["cos"])
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
