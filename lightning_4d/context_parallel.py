@@ -386,13 +386,8 @@ class ContextParallel:
             yield
             return
         logs = StepLogs(self.module)
-        enclosing = vars(self.module).get("log")  # the pipeline's per-micro-batch recorder, if any
-        try:
-            with self.context(), logs.recording():
-                yield
-        finally:
-            if enclosing is not None:  # StepLogs took its own shadow off, and with it the enclosing one
-                self.module.log = enclosing
+        with self.context(), logs.recording():
+            yield
         values = logs.combined()
         StepLogs.all_reduce(values, self.group)
         logs.replay(values)

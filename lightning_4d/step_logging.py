@@ -54,11 +54,15 @@ class StepLogs:
                 value = torch.tensor(float(value))
             record[name] = (value, kwargs)
 
+        enclosing = vars(self.module).get("log")  # another recorder (pipeline micro-batches around cp)
         self.module.log = log  # shadows the bound method for the duration of the step
         try:
             yield
         finally:
-            del self.module.log
+            if enclosing is None:
+                del self.module.log
+            else:
+                self.module.log = enclosing
             if index is not None and index < len(self.records):
                 self.records[index] = record
             else:
