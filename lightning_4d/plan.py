@@ -1,0 +1,630 @@
+"""Layout planner: which ``(dp, pp, cp, tp)`` layouts fit a model on a number of devices, and what they cost.
+
+``python -m lightning_4d.plan --devices 8 --memory 80GiB --module examples.gpt:GPT --seq 2048 --global-batch 16``
+ranks every valid layout by estimated communication per step among those whose estimated peak memory per
+device fits. The estimate is arithmetic only (no devices, no model weights: ``--module`` is built on the meta
+device), so it answers in seconds for any model size.
+
+Memory per device, on the pipeline stage that needs most:
+
+* model state: parameters, gradients and optimizer state of the stage's share of the layers, split by tp
+  (1-D norm gains stay whole), plus the vocabulary-parallel embedding on the first stage and the head on the
+  last. Bytes per parameter follow Lightning's precisions: ``bf16-mixed`` keeps fp32 parameters (they are the
+  master weights) and fp32 gradients; ``bf16-true`` keeps everything, AdamW's two moments included, in bf16.
+* gradient buckets: with dp*cp > 1 the data-parallel all-reduce holds a flat copy of the gradients until the
+  optimizer step (``lightning_4d.data_parallel``).
+* activations, by the accounting of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models"), whose ``s*b*h*(34 + 5*a*s/h)`` bytes per layer are the 16-bit tensors a block keeps
+  for backward. Written per element, so that any precision and size fits, per ``s*b*h``:
+  outside the tensor-parallel regions, each of the two norms keeps its input and output, and, unless it is
+  one fused kernel (``nn.LayerNorm``; torch's ``nn.RMSNorm`` on CPU is not), also its normalized input: 4 or
+  6 elements, split by tp only under sequence parallelism (whose regions still keep the gathered input
+  whole); inside them q, k and v (``1 + 2*kv_heads/heads``), the attention output, which is the output
+  projection's input (1), and the MLP's inner activation before and after the nonlinearity
+  (``2*ffn/h``; a gated MLP keeps gate, activation, up and product: ``4*ffn/h``), split by tp. Without a fused attention kernel the ``a*s*s*b`` softmax is kept too (with
+  dropout also its mask and dropped-out copy: the paper's ``5*a*s/h``), and dropout adds one-byte masks.
+  Context parallelism divides ``s`` by cp. Stage ``i`` of ``pp`` holds ``min(pp - i, m)`` micro-batches
+  under 1F1B (all ``m`` under GPipe), each of ``b = global_batch / dp / m`` samples (``m`` defaults to
+  ``2*pp``, as ``FourDStrategy(pp_microbatches=None)``). The last stage adds the final norm, the logits and
+  their fp32 log-softmax.
+* the peak: the previous step's gradients live until ``zero_grad``, which Lightning calls after the forward,
+  so the forward's activations meet a full set of gradients; under pipeline parallelism the schedule
+  computes fresh gradients inside the forward while those are set aside, so two sets meet the activations.
+  The gradient buckets peak at the end of the backward, when activations are gone.
+  Peak = state + max(activations (+ gradients under pp), buckets).
+
+Communication per step is what one device sends, with ring collectives (an all-reduce of ``S`` bytes over
+``n`` ranks sends ``2(n-1)/n*S``): the gradient all-reduce over dp*cp; four activation all-reduces per layer
+and micro-batch over tp (forward and backward; all-gather/reduce-scatter pairs under sequence parallelism send
+the same); the ring's K/V blocks over cp (forward, and K/V plus their gradients in backward); and stage
+boundaries' activations and gradients over pp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+# Bytes per element: (parameters, gradients, activations).
+PRECISIONS = {
+    "32-true": (4, 4, 4),
+    "bf16-mixed": (4, 4, 2),
+    "16-mixed": (4, 4, 2),
+    "bf16-true": (2, 2, 2),
+    "16-true": (2, 2, 2),
+}
+# Optimizer state per parameter, in units of the parameter's own size.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
+PP_SCHEDULES = ("1f1b", "gpipe")
+HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+KV_HEAD_ATTRIBUTES = ("n_kv_heads", "num_key_value_heads", "n_query_groups", "num_kv_heads")
+VOCAB_PADDING = 128
+
+
+class PlanError(ValueError):
+    """A request no layout can satisfy; the message names the input and what to change."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """Sizes of a decoder-only transformer and its parameter counts by where they live."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab: int
+    layer_matrix_params: int  # per block: 2-D weights, split by tp
+    layer_vector_params: int  # per block: norm gains and other 1-D tensors, whole on every tp rank
+    embedding_params: int  # token embedding, vocabulary-parallel, first stage
+    head_params: int  # output head, vocabulary-parallel, last stage; 0 when tied to the embedding
+    other_params: int  # final norm, position tables, ...: last stage, whole
+    gated_mlp: bool = False  # SwiGLU-style: gate and up projections, their product feeds down
+
+    @property
+    def params(self) -> int:
+        return (self.layers * (self.layer_matrix_params + self.layer_vector_params) + self.embedding_params
+                + self.head_params + self.other_params)
+
+    @property
+    def tied(self) -> bool:
+        return self.head_params == 0
+
+    @classmethod
+    def from_sizes(cls, layers: int, hidden: int, heads: int, vocab: Optional[int] = None,
+                   ffn_hidden: Optional[int] = None, kv_heads: Optional[int] = None, tied: bool = False,
+                   params: Optional[int] = None, gated_mlp: bool = False) -> Model:
+        """A GPT-style block without biases (``examples/gpt.py``). With ``params`` but no ``vocab``, what the
+        blocks do not account for is taken to be the embedding and head; with both, they must agree."""
+        for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
+            _check_positive(name, value)
+        kv_heads = heads if kv_heads is None else kv_heads
+        ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
+        _check_positive("kv_heads", kv_heads)
+        _check_positive("ffn_hidden", ffn_hidden)
+        _check_heads(hidden, heads, kv_heads)
+        head_dim = hidden // heads
+        mlp = (3 if gated_mlp else 2) * hidden * ffn_hidden
+        matrices = hidden * (hidden + 2 * kv_heads * head_dim) + hidden * hidden + mlp
+        vectors = 2 * hidden
+        in_blocks = layers * (matrices + vectors) + hidden
+        if vocab is None:
+            if params is None:
+                raise PlanError("give the vocabulary size (--vocab) or the total parameter count (--params):"
+                                " the embedding and head size follow from either.")
+            if params < in_blocks:
+                raise PlanError(
+                    f"params={params:,} is less than the {in_blocks:,} that {layers} layers of hidden size {hidden}"
+                    f" (ffn {ffn_hidden}) hold: check --params, --layers, --hidden and --ffn-hidden.")
+            vocab = (params - in_blocks) // (hidden if tied else 2 * hidden)
+            vocab = max(VOCAB_PADDING, vocab // VOCAB_PADDING * VOCAB_PADDING)  # as vocabularies are padded for tp
+        _check_positive("vocab", vocab)
+        total = in_blocks + vocab * hidden * (1 if tied else 2)
+        if params is not None and abs(total - params) > 0.05 * params:
+            raise PlanError(
+                f"params={params:,} disagrees with the sizes, which give {total:,} ({layers} layers, hidden {hidden},"
+                f" ffn {ffn_hidden}, vocab {vocab}{', tied' if tied else ''}): drop --params, or fix the sizes.")
+        return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab,
+                   layer_matrix_params=matrices, layer_vector_params=vectors, embedding_params=vocab * hidden,
+                   head_params=0 if tied else vocab * hidden, other_params=hidden, gated_mlp=gated_mlp)
+
+    @classmethod
+    def from_module(cls, module: Any) -> Model:
+        """Counts read from a module (build it on the meta device: only shapes are needed).
+
+        The blocks are the longest ``ModuleList``/``Sequential`` of one module type, the token embedding the
+        largest ``nn.Embedding``, the head a ``Linear`` with ``vocab`` outputs, the head counts integer
+        attributes such as ``n_head`` or a ``config.num_attention_heads``."""
+        from torch import nn
+
+        blocks = _repeated_blocks(module)
+        if blocks is None:
+            raise PlanError(f"{type(module).__name__} has no ModuleList or Sequential of repeated blocks to"
+                            " count layers from: give the sizes instead (--layers --hidden --heads --vocab).")
+        embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
+        if not embeddings:
+            raise PlanError(f"{type(module).__name__} has no nn.Embedding to read the vocabulary and hidden size"
+                            " from: give the sizes instead (--layers --hidden --heads --vocab).")
+        token = max(embeddings, key=lambda m: m.num_embeddings)
+        vocab, hidden = token.num_embeddings, token.embedding_dim
+        heads = _find_int(blocks[0], HEAD_ATTRIBUTES) or _find_int(module, HEAD_ATTRIBUTES)
+        if heads is None:
+            raise PlanError(f"could not find the number of attention heads of {type(module).__name__} (looked for"
+                            f" {', '.join(HEAD_ATTRIBUTES)}): give it with --heads.")
+        kv_heads = _find_int(blocks[0], KV_HEAD_ATTRIBUTES) or _find_int(module, KV_HEAD_ATTRIBUTES) or heads
+        _check_heads(hidden, heads, kv_heads)
+        linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
+        widths = [m.in_features for m in linears if m.out_features == hidden and m.in_features != hidden]
+        ffn_hidden = max(widths, default=4 * hidden)
+        expanding = [m for m in linears if (m.in_features, m.out_features) == (hidden, ffn_hidden)]
+        unique = {id(p): p for p in module.parameters()}
+        in_blocks = {id(p) for p in blocks.parameters()}
+        block_params = list({id(p): p for p in blocks[0].parameters()}.values())
+        inside = {id(m) for m in blocks.modules()}
+        head = next((m.weight for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in inside
+                     and (m.in_features, m.out_features) == (hidden, vocab) and m.weight is not token.weight), None)
+        embedding_params = token.weight.numel()
+        head_params = 0 if head is None else head.numel()
+        other = sum(p.numel() for i, p in unique.items()
+                    if i not in in_blocks and p is not token.weight and p is not head)
+        return cls(layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
+                   ffn_hidden=ffn_hidden, vocab=vocab,
+                   layer_matrix_params=sum(p.numel() for p in block_params if p.dim() >= 2),
+                   layer_vector_params=sum(p.numel() for p in block_params if p.dim() < 2),
+                   embedding_params=embedding_params, head_params=head_params, other_params=other,
+                   gated_mlp=len(expanding) >= 2)
+
+
+@dataclass(frozen=True)
+class Training:
+    """What one optimizer step processes and how."""
+
+    seq_len: int
+    global_batch: int  # samples per optimizer step, all replicas together
+    precision: str = "32-true"
+    optimizer: str = "adamw"
+    microbatches: Optional[int] = None  # pipeline micro-batches per step; default: 2 * pp
+    pp_schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    fused_attention: bool = True  # flash/memory-efficient SDPA kernels: no s*s score matrix is kept
+    fused_norm: bool = False  # one-kernel norms (nn.LayerNorm) keep no normalized copy of their input
+    dropout: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive("seq_len", self.seq_len)
+        _check_positive("global_batch", self.global_batch)
+        if self.microbatches is not None:
+            _check_positive("microbatches", self.microbatches)
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise PlanError(f"pp_schedule={self.pp_schedule!r} is not one of {', '.join(PP_SCHEDULES)}.")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise PlanError(f"optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATES)}.")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp}"
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float]  # bytes per device on the heaviest stage, by kind, and "total"
+    comm: dict[str, float]  # bytes one device sends per step, by dim, and "total"
+    fits: Optional[bool] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layout": asdict(self.layout), "memory_bytes": self.memory, "comm_bytes": self.comm,
+                "fits": self.fits}
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}={value!r} must be a positive integer.")
+
+
+def _check_heads(hidden: int, heads: int, kv_heads: int) -> None:
+    if hidden % heads:
+        raise PlanError(f"hidden={hidden} is not divisible by heads={heads}: each head gets hidden/heads channels."
+                        f" Change the hidden size or the head count (divisors of {hidden}: {_divisors(hidden)}).")
+    if heads % kv_heads:
+        raise PlanError(f"heads={heads} is not a multiple of kv_heads={kv_heads}: grouped-query attention shares"
+                        " each key/value head among an equal number of query heads.")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _microbatches(training: Training, layout: Layout) -> int:
+    if layout.pp == 1:
+        return 1
+    return training.microbatches or 2 * layout.pp
+
+
+def layout_problems(model: Model, training: Training, layout: Layout) -> list[str]:
+    """Why ``layout`` cannot run this model and batch (empty when it can)."""
+    problems = []
+    for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
+                       ("vocab", model.vocab)):
+        if size % layout.tp:
+            problems.append(f"tp={layout.tp} does not divide {name} ({size})")
+    if layout.pp > model.layers:
+        problems.append(f"pp={layout.pp} exceeds the {model.layers} layers")
+    if training.seq_len % (2 * layout.cp):
+        problems.append(f"cp={layout.cp} needs the sequence ({training.seq_len}) divisible by 2*cp={2 * layout.cp}")
+    if training.global_batch % layout.dp:
+        problems.append(f"dp={layout.dp} does not divide the global batch ({training.global_batch})")
+    elif layout.pp > 1 and (training.global_batch // layout.dp) % _microbatches(training, layout):
+        problems.append(f"the batch per replica ({training.global_batch // layout.dp}) does not divide into"
+                        f" {_microbatches(training, layout)} pipeline micro-batches")
+    if layout.pp > 1 and training.pp_schedule == "1f1b" and _microbatches(training, layout) < layout.pp:
+        problems.append(f"1f1b needs at least pp={layout.pp} micro-batches, not {_microbatches(training, layout)}")
+    return problems
+
+
+def all_layouts(devices: int) -> list[Layout]:
+    """Every ``(dp, pp, cp, tp)`` whose product is ``devices``."""
+    _check_positive("devices", devices)
+    return [Layout(dp, pp, cp, devices // (dp * pp * cp))
+            for dp in _divisors(devices) for pp in _divisors(devices // dp)
+            for cp in _divisors(devices // (dp * pp))]
+
+
+# ------------------------------------------------------------------------------------------ estimates
+
+
+def _stage_layers(layers: int, pp: int) -> list[int]:
+    return [layers // pp + (1 if stage < layers % pp else 0) for stage in range(pp)]
+
+
+def _stage_params(model: Model, layout: Layout, stage: int, layers: int) -> float:
+    tp, last = layout.tp, layout.pp - 1
+    params = layers * (model.layer_matrix_params / tp + model.layer_vector_params)
+    if stage == 0:
+        params += model.embedding_params / tp
+    if stage == last:
+        # A tied head on its own stage is a second copy of the embedding.
+        head = model.embedding_params if model.tied and layout.pp > 1 else model.head_params
+        params += head / tp + model.other_params
+    return params
+
+
+def _norm_elements(training: Training) -> int:
+    return 2 if training.fused_norm else 3
+
+
+def activation_bytes_per_layer(model: Model, training: Training, layout: Layout) -> float:
+    """Bytes one block keeps for backward for one micro-batch on one device."""
+    e = PRECISIONS[training.precision][2]
+    h, tp = model.hidden, layout.tp
+    local_seq = training.seq_len / layout.cp
+    tokens = local_seq * training.global_batch / layout.dp / _microbatches(training, layout)
+    masks = 2 if training.dropout else 0  # after attention and after the MLP, one byte per element
+    norms = 2 * _norm_elements(training) * e
+    if training.sequence_parallel:
+        # The norms run on sequence shards; each region keeps its gathered input (the norm's output) whole.
+        outside = (norms - 2 * e + masks) / tp + 2 * e
+    else:
+        outside = norms + masks
+    mlp = (4 if model.gated_mlp else 2) * model.ffn_hidden / h  # gated: gate, its activation, up, product
+    inside = (1 + 2 * model.kv_heads / model.heads + 1 + mlp) * e / tp
+    per_token = h * (outside + inside)
+    if not training.fused_attention:
+        # the softmax over local_seq keys per head; with dropout also its mask and the dropped-out copy
+        per_token += model.heads * local_seq * (e + (1 + e if training.dropout else 0)) / tp
+    return tokens * per_token
+
+
+def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
+    """Peak memory per device (heaviest pipeline stage) and bytes sent per device per step."""
+    pbytes, gbytes, e = PRECISIONS[training.precision]
+    obytes = OPTIMIZER_STATES[training.optimizer] * pbytes
+    m = _microbatches(training, layout)
+    tokens = training.seq_len / layout.cp * training.global_batch / layout.dp / m
+    per_layer = activation_bytes_per_layer(model, training, layout)
+    stage_layers = _stage_layers(model.layers, layout.pp)
+    heaviest: Optional[tuple[dict[str, float], float]] = None
+    for stage, layers in enumerate(stage_layers):
+        params = _stage_params(model, layout, stage, layers)
+        in_flight = min(layout.pp - stage, m) if training.pp_schedule == "1f1b" else m
+        activations = in_flight * layers * per_layer
+        if stage == layout.pp - 1:
+            final_norm = _norm_elements(training) * tokens * model.hidden * e
+            activations += final_norm / (layout.tp if training.sequence_parallel else 1)
+            activations += tokens * model.vocab / layout.tp * (e + 4)  # logits and their fp32 log-softmax
+        memory = {
+            "params": params * pbytes,
+            "grads": params * gbytes,
+            "optimizer": params * obytes,
+            "pipeline_grads": params * gbytes if layout.pp > 1 else 0.0,
+            "grad_buckets": params * gbytes if layout.dp * layout.cp > 1 else 0.0,
+            "activations": activations,
+        }
+        memory["total"] = (memory["params"] + memory["grads"] + memory["optimizer"]
+                           + max(memory["activations"] + memory["pipeline_grads"], memory["grad_buckets"]))
+        if heaviest is None or memory["total"] > heaviest[0]["total"]:
+            heaviest = (memory, params)
+    memory, params = heaviest
+    return Estimate(layout, memory, _communication(model, training, layout, params * gbytes, max(stage_layers)))
+
+
+def _communication(model: Model, training: Training, layout: Layout, grad_bytes: float,
+                   layers: int) -> dict[str, float]:
+    e = PRECISIONS[training.precision][2]
+    m = _microbatches(training, layout)
+    tokens = training.seq_len / layout.cp * training.global_batch / layout.dp / m
+    n = layout.dp * layout.cp
+    comm = {"dp": 2 * (n - 1) / n * grad_bytes}
+    t = layout.tp
+    activation = tokens * model.hidden * e
+    # Per layer: two forward and two backward all-reduces of the block's output/input gradient.
+    comm["tp"] = 4 * 2 * (t - 1) / t * activation * layers * m
+    if t > 1:
+        comm["tp"] += 2 * (t - 1) / t * activation * m  # the vocabulary-parallel embedding's all-reduce
+    kv_block = 2 * tokens * model.kv_heads * (model.hidden // model.heads) / t * e
+    comm["cp"] = 3 * (layout.cp - 1) * kv_block * layers * m
+    boundary = activation / (t if training.sequence_parallel else 1)
+    comm["pp"] = (2 if layout.pp > 2 else 1) * m * boundary if layout.pp > 1 else 0.0
+    comm["total"] = sum(comm.values())
+    return comm
+
+
+def plan(model: Model, training: Training, devices: int, memory_per_device: Optional[float] = None,
+         include_unfit: bool = False) -> list[Estimate]:
+    """Valid layouts ranked by communication per step (then memory), fitting ones first.
+
+    Raises :class:`PlanError` when no layout of ``devices`` is valid, or none fits ``memory_per_device``
+    and ``include_unfit`` is false."""
+    if memory_per_device is not None and memory_per_device <= 0:
+        raise PlanError(f"memory per device ({memory_per_device!r}) must be positive.")
+    candidates = all_layouts(devices)
+    rejected = {layout: layout_problems(model, training, layout) for layout in candidates}
+    valid = [layout for layout in candidates if not rejected[layout]]
+    if not valid:
+        raise PlanError(_no_valid_layout_message(model, training, devices, rejected))
+    estimates = [estimate(model, training, layout) for layout in valid]
+    if memory_per_device is not None:
+        for est in estimates:
+            est.fits = est.memory["total"] <= memory_per_device
+        if not include_unfit and not any(est.fits for est in estimates):
+            raise PlanError(_no_fit_message(estimates, memory_per_device, training))
+        if not include_unfit:
+            estimates = [est for est in estimates if est.fits]
+    estimates.sort(key=lambda est: (est.fits is False, est.comm["total"], est.memory["total"]))
+    return estimates
+
+
+def _no_valid_layout_message(model: Model, training: Training, devices: int,
+                             rejected: dict[Layout, list[str]]) -> str:
+    lines = [f"no layout of {devices} devices can run this model and batch:"]
+    for layout, problems in list(rejected.items())[:8]:
+        lines.append(f"  {layout}: {'; '.join(problems)}")
+    if len(rejected) > 8:
+        lines.append(f"  ... and {len(rejected) - 8} more layouts")
+    near = [d for d in range(1, 2 * devices + 1) if d != devices and any(
+        not layout_problems(model, training, layout) for layout in all_layouts(d))]
+    nearest = sorted(near, key=lambda d: (abs(d - devices), d))[:3]
+    lines.append(f"Change the number of devices (nearest that work: {', '.join(map(str, sorted(nearest)))}), the"
+                 " global batch (a multiple of more dp sizes), or the sequence length (a multiple of 2*cp).")
+    return "\n".join(lines)
+
+
+def _no_fit_message(estimates: list[Estimate], memory_per_device: float, training: Training) -> str:
+    best = min(estimates, key=lambda est: est.memory["total"])
+    state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
+    hints = ["more devices", "devices with more memory"]
+    if best.memory["activations"] > 0.2 * best.memory["total"]:
+        hints.insert(0, "a shorter sequence or smaller global batch (activations"
+                        f" {_format_bytes(best.memory['activations'])})")
+    if training.precision == "32-true":
+        hints.append("precision bf16-true (half the model state)")
+    copies = best.memory["total"] - state - best.memory["activations"]
+    parts = f"model state {_format_bytes(state)}, activations {_format_bytes(best.memory['activations'])}"
+    if copies > 0:
+        parts += f", gradient copies {_format_bytes(copies)}"
+    return (f"no layout fits in {_format_bytes(memory_per_device)} per device: the smallest estimate is"
+            f" {_format_bytes(best.memory['total'])} ({best.layout}: {parts}). Use {', or '.join(hints)}.")
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_table(estimates: Sequence[Estimate]) -> str:
+    header = ["#", "dp", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "memory", "comm/step",
+              "dp", "tp", "cp", "pp", "fits"]
+    rows = []
+    for rank, est in enumerate(estimates, 1):
+        mem, comm = est.memory, est.comm
+        state = mem["params"] + mem["grads"] + mem["optimizer"]
+        fits = {None: "", True: "yes", False: "no"}[est.fits]
+        rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "pp", "cp", "tp")),
+                     _format_bytes(state), _format_bytes(mem["activations"]), _format_bytes(mem["pipeline_grads"]),
+                     _format_bytes(mem["grad_buckets"]),
+                     _format_bytes(mem["total"]), _format_bytes(comm["total"]),
+                     *(_format_bytes(comm[d]) for d in ("dp", "tp", "cp", "pp")), fits])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+_UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``80GiB``, ``80GB`` (1e9), ``512MiB``; a bare number is GiB."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write e.g. 80GiB, 80GB or 512MiB.")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _parse_count(text: str) -> int:
+    """``7e9``, ``124M``, ``1.3B``, ``1_000``."""
+    match = re.fullmatch(r"\s*([0-9._]+(?:e[0-9]+)?)\s*([kKmMbBtT]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write e.g. 124M, 7B or 7e9.")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
+    return int(float(match.group(1).replace("_", "")) * scale)
+
+
+# ------------------------------------------------------------------------------------------ modules
+
+
+def _repeated_blocks(module: Any) -> Any:
+    from torch import nn
+
+    best = None
+    for child in module.modules():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
+            if len({type(block) for block in child}) == 1 and (best is None or len(child) > len(best)):
+                best = child
+    return best
+
+
+def _find_int(module: Any, names: Sequence[str]) -> Optional[int]:
+    sources = [module, getattr(module, "config", None), getattr(module, "hparams", None)]
+    for child in module.modules():
+        sources += [child, getattr(child, "config", None)]
+    for source in sources:
+        for name in names:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def build_module(spec: str, init_args: dict[str, Any]) -> Any:
+    """Instantiate ``package.module:Class`` (or ``package.module.Class``) on the meta device."""
+    import torch
+
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise PlanError(f"--module {spec!r} is not importable ({error}): write package.module:ClassName.") from None
+    with torch.device("meta"):
+        module = cls(**init_args)
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    return module
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_4d.plan",
+        description="Rank the (dp, pp, cp, tp) layouts of a model on N devices by estimated memory per device"
+                    " and communication per step.")
+    parser.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
+    parser.add_argument("--memory", type=parse_bytes, help="memory per device: 80GiB, 80GB, 24GiB (bare: GiB)")
+    model = parser.add_argument_group("model: a LightningModule class, or sizes")
+    model.add_argument("--module", help="package.module:Class, built on the meta device to read its sizes")
+    model.add_argument("--init-args", type=json.loads, default={}, help="JSON keyword arguments for --module")
+    model.add_argument("--params", type=_parse_count, help="total parameters (7B, 124M, 7e9)")
+    model.add_argument("--layers", type=int)
+    model.add_argument("--hidden", type=int)
+    model.add_argument("--heads", type=int)
+    model.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention); default: heads")
+    model.add_argument("--ffn-hidden", type=int, help="MLP inner size; default 4*hidden")
+    model.add_argument("--vocab", type=int)
+    model.add_argument("--tied", action="store_true", help="the head shares the embedding's weight")
+    model.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (gate, up and down projections)")
+    train = parser.add_argument_group("training")
+    train.add_argument("--seq", type=int, required=True, help="sequence length")
+    train.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step, all replicas")
+    train.add_argument("--precision", default="32-true", choices=list(PRECISIONS))
+    train.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    train.add_argument("--microbatches", type=int, help="pipeline micro-batches per step (default: 2*pp)")
+    train.add_argument("--pp-schedule", default="1f1b", choices=list(PP_SCHEDULES))
+    train.add_argument("--sequence-parallel", action="store_true")
+    train.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
+                       help="attention materializes its s*s scores (no flash/memory-efficient kernel)")
+    train.add_argument("--fused-norm", action="store_true",
+                       help="the norms are single kernels (nn.LayerNorm) that keep no normalized copy")
+    train.add_argument("--dropout", action="store_true")
+    out = parser.add_argument_group("output")
+    out.add_argument("--all", action="store_true", help="also list valid layouts that do not fit")
+    out.add_argument("--top", type=int, help="print only the best N")
+    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def _model_from_args(args: argparse.Namespace) -> Model:
+    sizes = {name: getattr(args, name) for name in ("layers", "hidden", "heads")}
+    if args.module:
+        return Model.from_module(build_module(args.module, args.init_args))
+    missing = [f"--{name}" for name, value in sizes.items() if value is None]
+    if missing:
+        raise PlanError(f"describe the model with --module package.module:Class, or with sizes: missing"
+                        f" {' '.join(missing)}.")
+    return Model.from_sizes(**sizes, vocab=args.vocab, ffn_hidden=args.ffn_hidden, kv_heads=args.kv_heads,
+                            tied=args.tied, params=args.params, gated_mlp=args.gated_mlp)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        model = _model_from_args(args)
+        training = Training(seq_len=args.seq, global_batch=args.global_batch, precision=args.precision,
+                            optimizer=args.optimizer, microbatches=args.microbatches,
+                            pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
+                            fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout)
+        estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all)
+    except PlanError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if args.top:
+        estimates = estimates[:args.top]
+    if args.json:
+        print(json.dumps({"model": asdict(model), "params": model.params, "training": asdict(training),
+                          "devices": args.devices, "memory_per_device": args.memory,
+                          "layouts": [est.as_dict() for est in estimates]}, indent=2))
+        return 0
+    print(f"model: {model.params / 1e6:,.1f}M parameters, {model.layers} layers, hidden {model.hidden}, heads"
+          f" {model.heads} (kv {model.kv_heads}), ffn {model.ffn_hidden}{' gated' if model.gated_mlp else ''},"
+          f" vocab {model.vocab}"
+          f"{' (tied)' if model.tied else ''}")
+    print(f"step: global batch {training.global_batch} x sequence {training.seq_len}, {training.precision},"
+          f" {training.optimizer}{', sequence parallel' if training.sequence_parallel else ''}")
+    print(f"{args.devices} devices" + (f", {_format_bytes(args.memory)} each" if args.memory else "")
+          + "; memory = state + max(activations + pp grads, buckets); comm = bytes sent per device per step\n")
+    print(format_table(estimates))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

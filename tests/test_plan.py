@@ -1,0 +1,267 @@
+"""The layout planner: its arithmetic against Megatron's formulas, its refusals, and its memory estimate
+against the peak measured in CPU runs of the example GPT under several layouts.
+
+Measuring on CPU: the peak is the process's resident-set high-water mark (``VmHWM``), restarted right before
+the model is built, minus the resident set at that moment, so the runtime's own ~300 MB is not counted.
+glibc's malloc raises its mmap threshold after large frees and then keeps freed memory in its heap; the
+measured processes fix the threshold (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors go back to the
+system and the resident set follows live tensors, as ``max_memory_allocated`` does on a GPU.
+"""
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import TensorDataset
+
+from examples.gpt import GPT
+from lightning_4d.plan import (
+    Layout,
+    Model,
+    PlanError,
+    Training,
+    activation_bytes_per_layer,
+    all_layouts,
+    estimate,
+    layout_problems,
+    main,
+    plan,
+)
+from tests.parity import Case, check_launch, run_layout
+
+# ----------------------------------------------------------------------------------- arithmetic
+
+
+def test_counts_read_from_a_module_match_its_parameters_and_the_sizes():
+    config = dict(vocab_size=256, n_layer=3, n_head=4, n_embd=64, block_size=32)
+    module = GPT(**config)
+    model = Model.from_module(module)
+    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn_hidden, model.vocab) == (
+        3, 64, 4, 4, 256, 256)
+    assert model.params == sum(p.numel() for p in module.parameters())
+    assert model == Model.from_sizes(layers=3, hidden=64, heads=4, vocab=256)
+    tied = Model.from_module(GPT(**config, tie_weights=True))
+    assert tied.tied and tied.params == sum(p.numel() for p in GPT(**config, tie_weights=True).parameters())
+    assert tied == Model.from_sizes(layers=3, hidden=64, heads=4, vocab=256, tied=True)
+    # A Hugging Face Llama: grouped-query attention and a gated MLP, head counts from its config.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                      num_attention_heads=8, num_key_value_heads=2)
+    llama = transformers.LlamaForCausalLM(config)
+    model = Model.from_module(llama)
+    assert model.params == sum(p.numel() for p in llama.parameters())
+    assert model == Model.from_sizes(layers=3, hidden=64, heads=8, kv_heads=2, ffn_hidden=176, vocab=128,
+                                     gated_mlp=True)
+
+
+def test_activations_are_megatrons_formula_in_its_setting():
+    """16-bit activations, dropout, materialized attention scores and one-kernel norms: Korthikanti et al.
+    give s*b*h*(34 + 5*a*s/h) bytes per layer; with tp, 10 + 24/t + 5*a*s/(h*t); with sequence parallelism
+    everything divided by t, except the gathered region inputs ours keep whole."""
+    s, b, h, a = 256, 2, 128, 8
+    model = Model.from_sizes(layers=4, hidden=h, heads=a, vocab=512)
+    megatron = Training(seq_len=s, global_batch=b, precision="16-true", fused_attention=False, fused_norm=True,
+                        dropout=True)
+    per_layer = activation_bytes_per_layer
+    assert per_layer(model, megatron, Layout()) == s * b * h * (34 + 5 * a * s / h)
+    for t in (2, 4):
+        assert per_layer(model, megatron, Layout(tp=t)) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        sp = Training(**{**megatron.__dict__, "sequence_parallel": True})
+        gathered_inputs = 2 * 2  # the q/k/v and MLP inputs, 2 bytes each
+        assert per_layer(model, sp, Layout(tp=t)) == pytest.approx(
+            s * b * h * ((34 - gathered_inputs) / t + gathered_inputs + 5 * a * s / (h * t)))
+    # Context parallelism splits the sequence: per layer, the fused-attention bytes halve at cp=2.
+    fused = Training(seq_len=s, global_batch=b)
+    assert per_layer(model, fused, Layout(cp=2)) == per_layer(model, fused, Layout()) / 2
+
+
+def test_model_state_and_communication_by_dim():
+    model = Model.from_sizes(layers=8, hidden=256, heads=8, vocab=1024)
+    training = Training(seq_len=64, global_batch=8, precision="bf16-mixed")
+    params = model.params
+    single = estimate(model, training, Layout())
+    assert single.memory["params"] == 4 * params and single.memory["grads"] == 4 * params
+    assert single.memory["optimizer"] == 8 * params and single.comm["total"] == 0
+    dp = estimate(model, training, Layout(dp=4))
+    assert dp.comm["dp"] == 2 * 3 / 4 * 4 * params and dp.memory["grad_buckets"] == 4 * params
+    assert dp.memory["activations"] == pytest.approx(single.memory["activations"] / 4, rel=0.01)
+    true16 = estimate(model, Training(seq_len=64, global_batch=8, precision="bf16-true"), Layout())
+    assert true16.memory["params"] + true16.memory["grads"] + true16.memory["optimizer"] == 8 * params
+    tp = estimate(model, training, Layout(tp=2))
+    tokens, layers = 64 * 8, 8
+    all_reduce = 2 * 1 / 2 * tokens * 256 * 2  # ring all-reduce of one bf16 activation at tp=2
+    assert tp.comm["tp"] == 4 * all_reduce * layers + all_reduce
+    assert tp.memory["params"] < single.memory["params"] / 2 + 256 * layers * 2 * 4 + 1
+    pp = estimate(model, training, Layout(pp=2))  # 1F1B, 4 micro-batches of 2 samples
+    assert pp.comm["pp"] == 4 * 64 * 2 * 256 * 2 and pp.memory["pipeline_grads"] == pp.memory["grads"]
+    cp = estimate(model, training, Layout(cp=2))
+    assert cp.comm["cp"] == 3 * 1 * (2 * 32 * 8 * 256 * 2) * layers
+
+
+def test_layouts_are_every_factorization_and_problems_name_the_constraint():
+    assert len(all_layouts(8)) == 20 and all(layout.devices == 8 for layout in all_layouts(8))
+    model = Model.from_sizes(layers=4, hidden=96, heads=6, vocab=301)
+    training = Training(seq_len=90, global_batch=6)
+    assert layout_problems(model, training, Layout(dp=2, tp=3)) == ["tp=3 does not divide vocab (301)"]
+    assert layout_problems(model, training, Layout(tp=4)) == ["tp=4 does not divide heads (6)",
+                                                              "tp=4 does not divide kv_heads (6)",
+                                                              "tp=4 does not divide vocab (301)"]
+    assert layout_problems(model, training, Layout(cp=2)) == [
+        "cp=2 needs the sequence (90) divisible by 2*cp=4"]
+    assert layout_problems(model, training, Layout(dp=4)) == ["dp=4 does not divide the global batch (6)"]
+    assert layout_problems(model, training, Layout(pp=8)) == [
+        "pp=8 exceeds the 4 layers", "the batch per replica (6) does not divide into 16 pipeline micro-batches"]
+    assert layout_problems(model, training, Layout(dp=3, pp=2)) == [
+        "the batch per replica (2) does not divide into 4 pipeline micro-batches"]
+
+
+def test_plan_ranks_fitting_layouts_by_communication():
+    model = Model.from_sizes(layers=8, hidden=512, heads=8, vocab=256)
+    training = Training(seq_len=128, global_batch=8)
+    ranked = plan(model, training, devices=4, memory_per_device=300 * 2**20)
+    assert ranked and all(est.fits for est in ranked)
+    assert all(est.memory["total"] <= 300 * 2**20 for est in ranked)
+    comm = [est.comm["total"] for est in ranked]
+    assert comm == sorted(comm)
+    everything = plan(model, training, devices=4, memory_per_device=300 * 2**20, include_unfit=True)
+    assert len(everything) > len(ranked) and everything[:len(ranked)] == ranked
+    assert not any(est.fits for est in everything[len(ranked):])
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+
+def test_impossible_device_count_names_the_inputs_and_nearby_counts():
+    model = Model.from_sizes(layers=8, hidden=512, heads=4, vocab=256)
+    with pytest.raises(PlanError) as error:
+        plan(model, Training(seq_len=100, global_batch=4), devices=7)
+    message = str(error.value)
+    assert "no layout of 7 devices" in message
+    assert "tp=7 does not divide heads (4)" in message and "dp=7 does not divide the global batch (4)" in message
+    assert "cp=7 needs the sequence (100) divisible by 2*cp=14" in message
+    assert "nearest that work: 4, 5, 8" in message
+
+
+def test_too_little_memory_names_the_smallest_estimate_and_what_to_change():
+    model = Model.from_sizes(layers=32, hidden=4096, heads=32, vocab=32000)
+    with pytest.raises(PlanError) as error:
+        plan(model, Training(seq_len=4096, global_batch=8), devices=8, memory_per_device=16 * 2**30)
+    message = str(error.value)
+    assert message.startswith("no layout fits in 16.00 GiB per device: the smallest estimate is")
+    assert "more devices" in message and "bf16-true" in message and "shorter sequence" in message
+
+
+def test_bad_sizes_are_refused_with_the_fix():
+    with pytest.raises(PlanError, match=r"hidden=100 is not divisible by heads=3.*divisors of 100"):
+        Model.from_sizes(layers=2, hidden=100, heads=3, vocab=10)
+    with pytest.raises(PlanError, match=r"heads=8 is not a multiple of kv_heads=3"):
+        Model.from_sizes(layers=2, hidden=64, heads=8, kv_heads=3, vocab=10)
+    with pytest.raises(PlanError, match=r"params=1,000 is less than the .* that 2 layers of hidden size 64"):
+        Model.from_sizes(layers=2, hidden=64, heads=8, params=1000)
+    with pytest.raises(PlanError, match=r"params=1,000,000,000 disagrees with the sizes"):
+        Model.from_sizes(layers=2, hidden=64, heads=8, vocab=10, params=10**9)
+    with pytest.raises(PlanError, match=r"global_batch=0 must be a positive integer"):
+        Training(seq_len=8, global_batch=0)
+
+
+def test_cli_table_json_and_errors(capsys):
+    sizes = ["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "128", "--global-batch", "4"]
+    assert main(["--devices", "2", "--vocab", "256", *sizes]) == 0
+    table = capsys.readouterr().out
+    assert "25.4M parameters" in table and "dp  pp  cp  tp" in table
+    assert main(["--devices", "2", "--module", "examples.gpt:GPT", "--init-args",
+                 '{"n_layer": 8, "n_embd": 512, "n_head": 8}', "--seq", "128", "--global-batch", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["params"] == sum(p.numel() for p in GPT(n_layer=8, n_embd=512, n_head=8).parameters())
+    assert {tuple(e["layout"].values()) for e in report["layouts"]} == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1),
+                                                                        (1, 1, 1, 2)}
+    with pytest.raises(SystemExit) as exit_:
+        main(["--devices", "2", "--vocab", "256", "--memory", "1MiB", *sizes])
+    assert exit_.value.code == 2
+    assert "error: no layout fits in 1.00 MiB per device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--devices", "2", "--seq", "128", "--global-batch", "4", "--hidden", "512"])
+    assert "missing --layers --heads" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- estimate vs measured
+
+MEASURED_MODEL = dict(vocab_size=256, n_layer=8, n_head=8, n_embd=512, block_size=128)  # 25.4M parameters
+SEQ, GLOBAL_BATCH = 128, 4
+LAYOUTS = {1: [{}], 2: [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}]}
+_baseline: dict[str, int] = {}
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            name, value = line.split(":", 1)
+            if name == key:
+                return int(value.split()[0]) * 1024
+    raise KeyError(key)
+
+
+def measured_gpt(**config):
+    """The harness's module factory: restart the peak and take the baseline right before the model exists."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    _baseline["rss"] = _proc_status("VmRSS")
+    return GPT(**config)
+
+
+def measured_tokens(train: bool = True):
+    tokens = torch.randint(0, MEASURED_MODEL["vocab_size"], (16, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class PeakGrowth(Callback):
+    """Every rank's peak resident memory above the baseline, read before the harness gathers full weights."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.growth = _proc_status("VmHWM") - _baseline["rss"]
+
+    def parity_extras(self, trainer):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.growth)
+        return {"peak_growth": everyone}
+
+
+def _name(layout: dict) -> str:
+    return "_".join(f"{dim}{size}" for dim, size in layout.items()) or "single"
+
+
+@pytest.fixture(scope="module")
+def measured_peaks():
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to restart the peak resident-set size")
+    peaks = {}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+        for world_size, layouts in LAYOUTS.items():
+            cases = [Case(_name(layout), module="tests.test_plan:measured_gpt", module_kwargs=MEASURED_MODEL,
+                          data="tests.test_plan:measured_tokens", strategy=layout, batch_size=GLOBAL_BATCH,
+                          max_steps=2, callbacks=["tests.test_plan:PeakGrowth"]) for layout in layouts]
+            result = run_layout(cases, world_size, timeout=300)
+            check_launch(result, cases)
+            for layout, case in zip(layouts, cases):
+                peaks[case.name] = (Layout(**layout), max(result.results[case.name]["extras"]["peak_growth"]))
+    return peaks
+
+
+def test_memory_estimate_is_within_20_percent_of_the_measured_peak(measured_peaks):
+    model = Model.from_module(GPT(**MEASURED_MODEL))
+    training = Training(seq_len=SEQ, global_batch=GLOBAL_BATCH)
+    lines, errors = [], {}
+    for name, (layout, measured) in measured_peaks.items():
+        estimated = estimate(model, training, layout).memory["total"]
+        errors[name] = estimated / measured - 1
+        lines.append(f"{layout}: estimated {estimated / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB"
+                     f" ({errors[name]:+.1%})")
+    print("\n".join(lines))
+    assert len(errors) >= 5
+    assert all(abs(error) <= 0.2 for error in errors.values()), "\n".join(lines)
