@@ -217,6 +217,10 @@ class TensorParallelPlan:
     def enabled(self) -> bool:
         return self.tp_size > 1 and bool(self.styles)
 
+    def step_context(self) -> contextlib.AbstractContextManager[None]:
+        """``tensor_parallel_context(self)``, so that a strategy can enter the plan like its other step components."""
+        return tensor_parallel_context(self)
+
     def describe(self) -> str:
         tp = self.tp_size
         head = (
@@ -622,13 +626,17 @@ def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
                     f"{fqn} ({kind}) has {count} {what}, not divisible by tp={tp}. Fix: choose a tensor-parallel "
                     f"size that divides {count}, or keep it unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}."
                 )
-    if region.inner % tp or region.width % tp:
-        size = "intermediate size" if region.kind == "mlp" else "hidden size"
-        value = region.inner if region.inner % tp else region.width
-        raise ValueError(
-            f"{fqn} ({kind}) has {size} {value}, not divisible by tp={tp}. Fix: choose a tensor-parallel size "
-            f"that divides {value}, or tp_plan: {{'{_pattern(fqn)}': replicate}}."
-        )
+    # An MLP's width is never split (its row-wise output is all-reduced whole); an attention's code sees the
+    # hidden state narrowed to width/tp.
+    sizes = [("intermediate size" if region.kind == "mlp" else "attention width", region.inner)]
+    if region.kind == "attention":
+        sizes.append(("hidden size", region.width))
+    for size, value in sizes:
+        if value % tp:
+            raise ValueError(
+                f"{fqn} ({kind}) has {size} {value}, not divisible by tp={tp}. Fix: choose a tensor-parallel size "
+                f"that divides {value}, or tp_plan: {{'{_pattern(fqn)}': replicate}}."
+            )
 
 
 def _plan_vocabulary(
@@ -987,10 +995,12 @@ def _sum_over(group: dist.ProcessGroup):
     return hook
 
 
-def _reduce_partial_grad(param: nn.Parameter) -> None:
-    """Replicated parameters used on sharded activations accumulate Partial grads; make them plain-replicated."""
+def _grad_like_param(param: nn.Parameter) -> None:
+    """Give a gradient its parameter's layout, which optimizers and data-parallel buckets rely on: replicated
+    parameters used on sharded activations accumulate Partial gradients, and DTensor's embedding backward
+    returns a replicated gradient for a vocabulary-sharded weight."""
     grad = param.grad
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(placements=param.placements)
 
 
@@ -1052,8 +1062,9 @@ def apply_tensor_parallel(
 
     Collective over ``tp_mesh``: every rank must call it with an identically initialised module.
     ``module`` may be a pipeline stage cut from the module the plan was made for: entries for
-    modules the stage no longer holds (or holds replaced, e.g. by ``nn.Identity``) are skipped.
-    Plan on the whole model, so that the last stage still knows its LM head.
+    modules the stage no longer holds (or holds replaced, e.g. by ``nn.Identity``, or as a stand-in whose
+    parameters became buffers) are skipped. Plan on the whole model, so that the last stage still knows its
+    LM head. Parameters are replaced by new DTensor parameters: collect them for an optimizer afterwards.
     """
     if not plan.enabled:
         return None
@@ -1062,7 +1073,11 @@ def apply_tensor_parallel(
             f"The plan is for tp={plan.tp_size} but the mesh has shape {tuple(tp_mesh.shape)}; pass mesh['tp']."
         )
     tp = plan.tp_size
-    present = {fqn for fqn, m in module.named_modules() if type(m).__name__ == plan.classes.get(fqn)}
+    present = {
+        fqn
+        for fqn, m in module.named_modules()
+        if type(m).__name__ == plan.classes.get(fqn) and not {"weight", "bias"} & set(m._buffers)
+    }
     plan = replace(
         plan,
         styles={f: s for f, s in plan.styles.items() if f in present},
@@ -1131,7 +1146,7 @@ def apply_tensor_parallel(
             m.register_parameter(name, shared)
     for param in module.parameters():  # deduplicated, so tied parameters get one hook
         if isinstance(param, DTensor):
-            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            param.register_post_accumulate_grad_hook(_grad_like_param)
     if not replicas:
         return None
     return TensorParallelSelfCheck(
@@ -1147,7 +1162,9 @@ class TensorParallelCheckError(RuntimeError):
 
 
 def _check_replicas(module: nn.Module, plan: TensorParallelPlan) -> dict[str, nn.Module]:
-    """Unsharded copies of the first block of each type whose children get column/row-wise styles."""
+    """Unsharded copies of the first block of each type whose children get column/row-wise styles; a container
+    without a forward of its own (an ``nn.ModuleDict`` whose children the parent calls) is never called, so it has
+    nothing to compare."""
     replicas: dict[str, nn.Module] = {}
     kinds: set[type] = set()
     for fqn, style in plan.styles.items():
@@ -1159,7 +1176,11 @@ def _check_replicas(module: nn.Module, plan: TensorParallelPlan) -> dict[str, nn
             continue
         parent_fqn = fqn.rsplit(".", 1)[0]
         parent = module.get_submodule(parent_fqn)
-        if isinstance(module.get_submodule(fqn), nn.Embedding) or type(parent) in kinds:
+        if (
+            isinstance(module.get_submodule(fqn), nn.Embedding)
+            or type(parent) in kinds
+            or type(parent).forward is nn.Module.forward
+        ):
             continue
         kinds.add(type(parent))
         replicas[parent_fqn] = copy.deepcopy(parent)
@@ -1238,45 +1259,59 @@ class TensorParallelSelfCheck:
             self.captured[fqn] = (_snapshot(args), _snapshot(kwargs))
 
     @torch.no_grad()
-    def verify(self) -> dict[str, float]:
-        """Returns the relative error per checked block; raises TensorParallelCheckError on a mismatch."""
+    def verify(self, failed: bool = False) -> dict[str, float]:
+        """Returns the relative error per checked block; raises TensorParallelCheckError on a mismatch.
+
+        ``failed``: the armed forward raised. Only the blocks that got an input are checked, so that a sharded
+        block that cannot run at all (a size attribute left global breaks its ``view``) is named.
+        """
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         missing = [fqn for fqn in self.targets if fqn not in self.captured]
-        if missing:
+        if missing and not failed:
             raise RuntimeError(
                 f"Tensor-parallel self-check: no input captured for {missing}; call arm() before a forward."
             )
-        errors, tolerances = [], []
-        for fqn, (block, replica) in self.targets.items():
+        checked = [fqn for fqn in self.targets if fqn in self.captured]
+        errors, tolerances, raised = [], [], {}
+        for fqn in checked:
+            block, replica = self.targets[fqn]
             args, kwargs = self.captured[fqn]
-            sharded = self._run(block, _snapshot(args), _snapshot(kwargs))
             reference = self._run(replica, _full(_snapshot(args)), _full(_snapshot(kwargs)))
-            if sharded is None or reference is None:
+            try:
+                sharded = self._run(block, _snapshot(args), _snapshot(kwargs))
+            except Exception as error:  # noqa: BLE001  reported below, after every rank has taken part
+                raised[fqn], sharded = f"{type(error).__name__}: {error}", None
+            if reference is None:
                 raise RuntimeError(f"Tensor-parallel self-check: {fqn} returned no tensor.")
             eps = torch.finfo(reference.dtype).eps if reference.is_floating_point() else 0.0
             tolerances.append(
                 self.rtol if self.rtol is not None else (1e-4 if reference.dtype == torch.float32 else 16 * eps)
             )
-            if sharded.shape != reference.shape:
+            if sharded is None or sharded.shape != reference.shape:
                 errors.append(math.inf)
             else:
                 scale = reference.abs().max().clamp_min(1e-12)
                 errors.append(((sharded.float() - reference.float()).abs().max() / scale).item())
         worst = torch.tensor(errors, dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
-        result = dict(zip(self.targets, worst.tolist()))
+        if checked:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
+        result = dict(zip(checked, worst.tolist()))
         self.targets, self.captured = {}, {}
         for (fqn, err), tol in zip(result.items(), tolerances):
             if not err <= tol:
+                what = (
+                    f"the sharded block raised {raised[fqn]}, while its unsharded copy runs"
+                    if fqn in raised
+                    else f"the sharded block's output differs from its unsharded copy by {err:.3g} (relative; "
+                    f"tolerance {tol:.1g}), so it would train as a different model"
+                )
                 raise TensorParallelCheckError(
-                    f"Tensor-parallel self-check failed for {fqn}: the sharded block's output differs from its "
-                    f"unsharded copy by {err:.3g} (relative; tolerance {tol:.1g}), so it would train as a different "
-                    f"model. Likely cause: a head-count or width attribute not divided by tp={self.plan.tp_size} "
-                    f"(divided: {self.plan.attributes.get(fqn, {})}), or a tp_plan entry that does not fit the "
-                    f"module's code. Fix: name the size attributes with tp_plan: "
-                    f"{{'{_pattern(fqn)}': {{divide: [...]}}}}, "
+                    f"Tensor-parallel self-check failed for {fqn}: {what}. Likely cause: a head-count or width "
+                    f"attribute not divided by tp={self.plan.tp_size} (divided: {self.plan.attributes.get(fqn, {})}),"
+                    f" or a tp_plan entry that does not fit the module's code. Fix: name the size attributes with "
+                    f"tp_plan: {{'{_pattern(fqn)}': {{divide: [...]}}}}, "
                     f"or keep it unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}."
                 )
         return result
