@@ -8,15 +8,20 @@ A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` only a
 a crash while saving leaves no directory at ``<path>`` that a resume could pick up half-written.
 Lightning's own metadata (loops, callbacks, schedulers) goes into ``meta.pt`` and is read back with
 ``weights_only=True``, so loading never executes code from the file.
+
+Under pipeline parallelism a rank's module holds only its stage (other stages' parameters are not
+parameters there at all), so each stage writes exactly the tensors it owns and nothing stale; a weight kept
+by the first and the last stage (tied embedding and head) is written once, as any replicated tensor.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,13 +40,38 @@ from torch.optim import Optimizer
 META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
 
+_pipeline_groups: "weakref.WeakKeyDictionary[nn.Module, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+
+
+def set_pipeline_group(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Mark ``model`` as one pipeline stage of the ranks in ``group`` (the other stages hold the rest)."""
+    _pipeline_groups[model] = group
+
+
+def _stage_key_union(model: nn.Module, keys: set[str]) -> Optional[set[str]]:
+    """Every stage's state-dict keys (collective over the pipeline group), or None without pipelining."""
+    group = _pipeline_groups.get(model)
+    if group is None:
+        return None
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(keys), group=group)
+    return set().union(*everyone)
+
 
 def model_state(model: nn.Module) -> dict[str, Any]:
+    """The tensors this rank holds, by full parameter name (DTensor shards stay shards)."""
     return get_model_state_dict(model)
 
 
+# Optimizer state flattened to one entry per parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``):
+# nested ``param_groups`` would be one object per rank under a single key, and when pipeline stages hold
+# different parameters only one rank's copy would be kept.
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(model, optimizer)
+    """This rank's optimizer state, one entry per parameter name and state (see ``_FLAT_OPTIMIZER``)."""
+    return get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
 
 
 def _barrier() -> None:
@@ -84,27 +114,42 @@ def load(
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = {"state_dict": get_model_state_dict(model)}
-    _check_model_fits(state["state_dict"], stored, path, strict)
+    _check_model_fits(state["state_dict"], stored, path, strict, _stage_key_union(model, set(state["state_dict"])))
     for index, optimizer in enumerate(optimizers):
-        optimizer_state = get_optimizer_state_dict(model, optimizer)
+        flat = optimizer_state(model, optimizer)
         # A parameter that never had a gradient has no optimizer state in the file; leave it without one.
-        prefix = f"optimizer_{index}.state."
-        for fqn in list(optimizer_state["state"]):
-            if not any(f"{prefix}{fqn}.{name}" in stored for name in optimizer_state["state"][fqn]):
-                del optimizer_state["state"][fqn]
-        state[f"optimizer_{index}"] = optimizer_state
+        with_state = _names_with_state(stored, f"optimizer_{index}.state.")
+        for name, param in model.named_parameters():
+            if name not in with_state and param in optimizer.state:
+                del optimizer.state[param]
+                for key in [k for k in flat if k.startswith(f"state.{name}.")]:
+                    del flat[key]
+        state[f"optimizer_{index}"] = flat
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"], options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"],
+                                 options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
     return meta
 
 
-def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], path: Path, strict: bool) -> None:
-    """Name every missing, unexpected or mis-shaped tensor at once, instead of DCP's first-key error."""
+def _names_with_state(stored: Mapping[str, Any], prefix: str) -> set[str]:
+    """Parameter names that have optimizer state in the file (its keys are ``<prefix><name>.<state>...``)."""
+    names = set()
+    for key in stored:
+        if key.startswith(prefix):
+            parts = key[len(prefix):].split(".")
+            names.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    return names
+
+
+def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], path: Path, strict: bool,
+                      all_stages: Optional[set[str]] = None) -> None:
+    """Name every missing, unexpected or mis-shaped tensor at once, instead of DCP's first-key error.
+    ``all_stages``: under pipelining, the keys of the whole model (this rank loads only its stage's)."""
     saved = {key[len("state_dict."):]: meta for key, meta in stored.items() if key.startswith("state_dict.")}
     missing = sorted(set(model_state) - set(saved))
-    unexpected = sorted(set(saved) - set(model_state)) if strict else []
+    unexpected = sorted(set(saved) - (all_stages or set(model_state))) if strict else []
     shapes = [
         f"{key}: checkpoint {tuple(saved[key].size)} vs model {tuple(value.shape)}"
         for key, value in model_state.items()
@@ -123,9 +168,10 @@ def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True)
     file, or a file holding a plain ``state_dict``."""
     path = Path(path)
     model_state = get_model_state_dict(model)
+    all_stages = _stage_key_union(model, set(model_state))
     if path.is_dir():
         stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        _check_model_fits(model_state, stored, path, strict)
+        _check_model_fits(model_state, stored, path, strict, all_stages)
         state = {"state_dict": model_state}
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
@@ -134,7 +180,10 @@ def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True)
     full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
     if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):
         raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state_dict of tensors.")
-    _check_model_fits(model_state, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict)
+    _check_model_fits(model_state, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict,
+                      all_stages)
+    if all_stages is not None:  # a pipeline stage takes its own part of the whole model
+        full = {key: value for key, value in full.items() if key in model_state}
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
@@ -146,6 +195,7 @@ class _Shape:
 
 
 def remove(path: str | os.PathLike) -> None:
+    """Delete a checkpoint directory (or a single file)."""
     path = Path(path)
     if path.is_dir():
         shutil.rmtree(path)
@@ -165,6 +215,17 @@ def _plain(value: Any) -> Any:
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model as plain tensors on every rank (for export and tests of small models)."""
+    """The whole model as plain tensors on every rank (for export and tests of small models); a collective
+    over the tensor-parallel ranks and, under pipelining, over the pipeline stages."""
     state = get_model_state_dict(model)
-    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+    state = {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+    group = _pipeline_groups.get(model)
+    if group is None:
+        return state
+    stages: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, {key: value.detach().cpu() for key, value in state.items()}, group=group)
+    device = next(iter(state.values())).device if state else torch.device("cpu")
+    merged: dict[str, torch.Tensor] = {}
+    for part in stages:
+        merged.update(part)  # a weight kept by two stages (tied embedding and head) is equal on both
+    return {key: value.to(device) for key, value in merged.items()}

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -20,19 +21,34 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_4d import checkpoint
+from lightning_4d.context_parallel import ContextParallel, check_options as check_context_parallel_options
 from lightning_4d.faults import report_failure
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
+from lightning_4d.pipeline import PipelineConfig, PipelineRunner, check_blocks, find_blocks
 from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
+from lightning_4d.tensor_parallel import (
+    TensorParallelPlan,
+    TensorParallelSelfCheck,
+    apply_tensor_parallel,
+    clip_grad_norm_,
+    plan_tensor_parallel,
+    tensor_parallel_context,
+)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+# The plan each module was sharded with: a later Trainer on the same module finds its plan again.
+_tensor_parallel_plans: "weakref.WeakKeyDictionary[torch.nn.Module, TensorParallelPlan]" = weakref.WeakKeyDictionary()
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -49,6 +65,32 @@ class FourDStrategy(ModelParallelStrategy):
         init_from: weights to start from, in whatever layout this run uses: a lightning-4d checkpoint
             directory, a Lightning checkpoint file, or a file with a plain ``state_dict``. Loop and optimizer
             state are not restored (that is ``fit(ckpt_path=...)``).
+        cp_comm: how context-parallel attention exchanges K/V: ``"ring"`` (P2P, O(L/cp) memory) or ``"allgather"``.
+        cp_seq_dim: the sequence dim of the batch's tensors, which context parallelism shards.
+        cp_batch_keys: batch entries to shard (``"input_ids"``, ``"0"`` for a tuple's first); ``None``: every
+            tensor as long on ``cp_seq_dim`` as the batch's first one.
+        cp_position_modules: module FQN globs whose position input gets global positions; ``None``: learned
+            position embeddings (``*wpe``, ...) and rotary embeddings with ``position_ids`` found by name.
+        cp_buffers: buffer FQN globs of per-position tables (dim 0) swapped for their global rows during a step;
+            ``None``: ``cos``, ``sin``, ``freqs_cis``, ... found by name.
+        pp_schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``,
+            ``interleaved_zero_bubble``, ``zbv_zero_bubble`` or ``dualpipev``.
+        pp_microbatches: micro-batches per batch; ``None``: ``2 * pp``. Every batch must split into equal parts.
+        pp_blocks: dotted path of the block list to split (``"model.layers"``); ``None``: the longest list of
+            blocks of one type.
+        pp_split_points: the block index where each stage but the first begins; ``None``: an even split.
+        pp_virtual_stages: stages per rank for ``interleaved_1f1b``, ``looped_bfs`` and
+            ``interleaved_zero_bubble`` (default 2); the others fix it.
+        tp_plan: how tensor parallelism shards the module: ``"auto"`` (attention, MLP, vocabulary found by
+            name and shape), ``"none"``/``None`` (every tp rank holds the whole module), or a mapping of module
+            FQN globs (relative to the LightningModule) to ``colwise``/``rowwise``/``sequence_parallel``/
+            ``replicate`` or ``{style, input, output, divide}``, merged over the automatic plan. Ignored when
+            ``configure_model`` already made DTensor parameters.
+        sequence_parallel: keep activations between attention and MLP regions sharded on the sequence dim (dim 1);
+            not with ``pp > 1``.
+        tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded
+            copy and fail naming the block if they differ (a head count that was not divided, ...).
+        loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
     """
 
     strategy_name = "fourd"
@@ -63,6 +105,20 @@ class FourDStrategy(ModelParallelStrategy):
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: Optional[str] = None,
         init_from: Optional[str] = None,
+        cp_comm: Literal["ring", "allgather"] = "ring",
+        cp_seq_dim: int = 1,
+        cp_batch_keys: Optional[list[Union[str, int]]] = None,
+        cp_position_modules: Optional[list[str]] = None,
+        cp_buffers: Optional[list[str]] = None,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: Optional[int] = None,
+        pp_blocks: Optional[str] = None,
+        pp_split_points: Optional[list[int]] = None,
+        pp_virtual_stages: Optional[int] = None,
+        tp_plan: Union[str, dict, None] = "auto",
+        sequence_parallel: bool = False,
+        tp_self_check: bool = True,
+        loss_parallel: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -74,12 +130,30 @@ class FourDStrategy(ModelParallelStrategy):
         ParallelDims.check_sizes(dp, pp, cp, tp)
         self.bucket_mb = float(bucket_mb)
         self.init_from = init_from
+        check_context_parallel_options(cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
+        self._cp_options = dict(comm=cp_comm, seq_dim=cp_seq_dim, batch_keys=cp_batch_keys,
+                                position_modules=cp_position_modules, buffers=cp_buffers)
+        self._context_parallel: Optional[ContextParallel] = None
+        self._pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points,
+                                         pp_virtual_stages)
+        self._pipeline: Optional[PipelineRunner] = None
         self.parallel_dims: Optional[ParallelDims] = None
         self._dp_cp_mesh: Optional[DeviceMesh] = None
         self._grad_buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
         self._train_loaders: list[object] = []
         self._step_components: list[Any] = []  # objects with a ``step_context()`` context manager
+        if not (tp_plan is None or tp_plan in ("auto", "none") or isinstance(tp_plan, Mapping)):
+            raise ValueError(f"tp_plan={tp_plan!r}: use 'auto', 'none' or a mapping of module globs to styles, e.g."
+                             " {'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}.")
+        if sequence_parallel and pp > 1:
+            raise ValueError(f"sequence_parallel=True with pp={pp} is not supported: sequence parallelism keeps the"
+                             " hidden state split over the tp ranks as a DTensor, and a pipeline stage sends a plain"
+                             " tensor. Use sequence_parallel=False with pipeline parallelism.")
+        self._tp_options = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self.tp_self_check = tp_self_check
+        self._tp_plan: Optional[TensorParallelPlan] = None
+        self._tp_check: Optional[TensorParallelSelfCheck] = None
 
     # ----------------------------------------------------------------------------------------- layout
 
@@ -91,8 +165,10 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
         assert self.parallel_dims is not None
+        if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module):
+            self._check_pipeline()  # a misfit module fails here, before any process group exists
+        self._setup_distributed()
         self._device_mesh, self._dp_cp_mesh = self.parallel_dims.build_mesh(self.root_device.type)
         rank_zero_info(self.layout_table())
         assert self.lightning_module is not None
@@ -140,7 +216,13 @@ class FourDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
+        tp_plan = self._plan_tensor_parallel()  # on the whole model, before the pipeline cuts it
+        self._setup_pipeline()
         self.model_to_device()
+        self._setup_tensor_parallel(tp_plan)
+        self._setup_context_parallel()
+        if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled:
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self._sync_metrics_over_replicas()
         if self.init_from is not None:
             checkpoint.load_weights(self.init_from, self.model, strict=self.lightning_module.strict_loading)
@@ -150,13 +232,89 @@ class FourDStrategy(ModelParallelStrategy):
             self._build_grad_buckets()
         self.setup_precision_plugin()
 
+    def _check_pipeline(self) -> None:
+        """What makes a module unfit for pipelining, found without communicating (the same on every rank)."""
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(f"FourDStrategy(pp={self.parallel_dims.pp}) needs automatic optimization, but"
+                             f" {type(module).__name__}.automatic_optimization is False: the pipeline schedule runs"
+                             " forward and backward of every micro-batch itself, so manual_backward cannot. Use"
+                             " automatic optimization, or pp=1.")
+        path, blocks = find_blocks(module, self._pp_config.blocks)
+        check_blocks(blocks, path, self._pp_config)
+
+    def _setup_pipeline(self) -> None:
+        """Cut the module down to this rank's stages before the other components see it; once per module,
+        since ``setup`` runs again for every validate/test/predict."""
+        if not self.parallel_dims.pp_enabled or (
+                self._pipeline is not None and self._pipeline.module is self.lightning_module):
+            return
+        self._check_pipeline()
+        self._pipeline = PipelineRunner(self.lightning_module, self._pp_config, self.device_mesh, self.root_device,
+                                        self._step_context)
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        # Lightning's clipping sees this rank's stage and shards only, and torch's refuses plain and DTensor
+        # gradients together; the norm must cover the whole model.
+        params = list(self.precision_plugin.main_params(optimizer))
+        if self._pipeline is not None:
+            self._pipeline.clip_grad_norm_(params, float(clip_val))  # a weight tied across stages counts once
+        else:
+            clip_grad_norm_(params, float(clip_val))
+
+    def _plan_tensor_parallel(self) -> Optional[TensorParallelPlan]:
+        """How to shard a module not sharded yet; pure, so a misfit module fails alike on every rank, before any
+        collective."""
+        module = self.lightning_module
+        if not self.parallel_dims.tp_enabled or module in _tensor_parallel_plans:
+            return None
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            rank_zero_info(f"{type(module).__name__}.configure_model made DTensor parameters: tensor parallelism"
+                           " stays as configured there, tp_plan is not applied.")
+            return None
+        plan = plan_tensor_parallel(module, self.parallel_dims.tp, **self._tp_options)
+        rank_zero_info(plan.describe())
+        return plan
+
+    def _setup_tensor_parallel(self, plan: Optional[TensorParallelPlan]) -> None:
+        """Shard in place, once per module (``setup`` runs again for every validate/test/predict), then enter
+        the module's plan around every step and backward."""
+        module = self.lightning_module
+        if plan is not None:
+            self._tp_check = apply_tensor_parallel(module, self.device_mesh["tp"], plan,
+                                                   self_check=self.tp_self_check)
+            _tensor_parallel_plans[module] = plan
+        if self._tp_plan is not None:
+            self._step_components.remove(self._tp_plan)
+        applied = _tensor_parallel_plans.get(module)
+        self._tp_plan = applied if applied is not None and applied.enabled else None
+        if self._tp_plan is not None:
+            self._step_components.append(self._tp_plan)
+
     def _sync_metrics_over_replicas(self) -> None:
-        """torchmetrics sync over the world by default; ranks of one replica hold the same state."""
+        """torchmetrics sync over the world by default; ranks of one replica hold the same state, except cp
+        ranks, whose metrics each saw their part of every sequence."""
         from torchmetrics import Metric
 
         for metric in self.lightning_module.modules():
             if isinstance(metric, Metric) and metric.process_group is None:
-                metric.process_group = self.group("dp")
+                metric.process_group = self.group("dp_cp")
+
+    def _setup_context_parallel(self) -> None:
+        """Hooks for sharded sequences; ``setup`` runs again for every fit/validate/test, so old ones go first."""
+        self._remove_context_parallel()
+        if self.parallel_dims.cp_enabled:
+            # Sequence parallelism splits each cp shard again over the tp ranks.
+            sp = self.parallel_dims.tp if self._tp_plan is not None and self._tp_plan.sequence_parallel else 1
+            self._context_parallel = ContextParallel(self.lightning_module, self.group("cp"), **self._cp_options,
+                                                     sequence_parallel=sp)
+            self._step_components.append(self._context_parallel)
+
+    def _remove_context_parallel(self) -> None:
+        if self._context_parallel is not None:
+            self._context_parallel.remove()
+            self._step_components.remove(self._context_parallel)
+            self._context_parallel = None
 
     def _build_grad_buckets(self) -> None:
         self._remove_grad_buckets()
@@ -173,24 +331,72 @@ class FourDStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------- step methods
 
     @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        # Prediction outputs are per token or per sequence, so prediction runs on whole sequences.
+        if self._context_parallel is not None and not self.lightning_module.trainer.predicting:
+            batch = self._context_parallel.shard_batch(batch)
+        return batch
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            return super().training_step(*args, **kwargs)
+        if self._pipeline is not None:
+            if self._armed is not None:
+                # The schedule runs a backward per micro-batch: the buckets wait for ``backward`` to commit the
+                # gradients, then ``synchronize`` reduces them all.
+                self._armed.overlap = False
+            # The schedule runs the backward passes here too.
+            with self.precision_plugin.train_step_context(), self._tensor_parallel_check(), \
+                    self._tensor_parallel_context():
+                output = self._pipeline.step("training_step", args, kwargs)
+        else:
+            with self._tensor_parallel_check(), self._step_context():
+                output = super().training_step(*args, **kwargs)
+        if self._context_parallel is not None:
+            output = self._context_parallel.global_loss(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.val_step_context():
+                return self._pipeline.step("validation_step", args, kwargs)
         with self._step_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.test_step_context():
+                return self._pipeline.step("test_step", args, kwargs)
         with self._step_context():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            with self.precision_plugin.predict_step_context():
+                return self._pipeline.step("predict_step", args, kwargs)
         with self._step_context():
             return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _tensor_parallel_check(self) -> Iterator[None]:
+        """Around the first training step after sharding: each sharded block type against an unsharded copy."""
+        check, self._tp_check = self._tp_check, None
+        if check is None:
+            yield
+            return
+        check.arm()
+        try:
+            yield
+        except Exception:
+            check.verify(failed=True)  # names a sharded block that could not run; otherwise the error stands
+            raise
+        check.verify()
+
+    def _tensor_parallel_context(self) -> AbstractContextManager[None]:
+        return self._tp_plan.step_context() if self._tp_plan is not None else nullcontext()
 
     @contextmanager
     def _step_context(self) -> Iterator[None]:
@@ -234,7 +440,11 @@ class FourDStrategy(ModelParallelStrategy):
         lightning_module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, lightning_module)
-        self.precision_plugin.backward(closure_loss, lightning_module, optimizer, *args, **kwargs)
+        if self._pipeline is not None:
+            self._pipeline.commit_gradients()  # the schedule ran the backward passes inside training_step
+        else:
+            with self._tensor_parallel_context():
+                self.precision_plugin.backward(closure_loss, lightning_module, optimizer, *args, **kwargs)
         if self._armed is not None:
             # As with DDP, ``on_after_backward`` sees averaged gradients.
             self._armed.synchronize()
@@ -303,6 +513,7 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self._remove_grad_buckets()
+        self._remove_context_parallel()
         super().teardown()
 
 

@@ -1,0 +1,400 @@
+"""The replayed, hook-truncated step: every stage runs the user's own step method on each micro-batch.
+
+A ``torch.distributed.pipelining`` stage calls :class:`_StageModule` with a micro-batch index. That runs the
+user's unchanged ``training_step`` (or ``validation_step``, ...) on the micro-batch, with the block list
+holding only the stage's blocks. Everything before the blocks (embeddings, masks, rotary tables, position
+ids) is recomputed locally, so only the hidden state crosses stage boundaries: a forward pre-hook on the
+stage's first block replaces the hidden state by the activation received from the previous stage, and a
+forward hook on its last block stops the step by raising :class:`_StageExit` with the activation to send.
+On the last stage the step runs to its end and returns the user's loss, which the schedule backpropagates.
+
+Shapes at stage boundaries are given to the schedule statically. They are learned once per batch shape by
+running micro-batch 0 on the first stage for real (the schedule then reuses that forward) and broadcasting
+the activation's shape: no user code ever runs on placeholder tensors, and a torchmetrics metric is updated
+exactly once per micro-batch.
+
+Lightning's closure calls ``zero_grad`` after ``training_step`` and before ``backward``, but the schedule
+computes the gradients inside ``training_step``. So the fresh gradients are set aside after the schedule
+(:meth:`PipelineRunner.step`) and committed in the strategy's ``backward`` (:meth:`commit_gradients`), which
+keeps zero_grad, gradient accumulation and the backward hooks where Lightning puts them.
+
+Logs: ``self.log`` calls are recorded per micro-batch (:class:`~lightning_4d.step_logging.StepLogs`). Only the
+last stage ran the whole step; it merges its records, broadcasts them with the step's output over the
+pipeline group, and every stage replays identical ``log`` calls, so ``sync_dist``, ModelCheckpoint and
+EarlyStopping see the same keys on every rank and rank 0 (a first stage) logs the real values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+
+from lightning_4d import checkpoint
+from lightning_4d.pipeline.config import PipelineConfig
+from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
+from lightning_4d.pipeline.split import split_module
+from lightning_4d.step_logging import StepLogs
+
+_CACHED_SCHEDULES = 4  # one per batch shape seen recently, for training and for evaluation
+
+
+class _StageExit(BaseException):
+    """Ends the user's step after the stage's last block; a BaseException, so ``except Exception`` in user
+    code cannot swallow it."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        self.hidden = hidden
+
+
+@dataclass
+class _Running:
+    """The stage currently executing on this rank."""
+
+    stage: int
+    hidden: Optional[Tensor]  # the received activation, until the first block consumes it
+    injected: bool = False
+
+
+class _MetricRef(NamedTuple):
+    """A logged torchmetrics Metric, by its module name (the object itself cannot cross processes)."""
+
+    name: str
+
+
+class _StageModule(nn.Module):
+    """What a ``PipelineStage`` runs. Its parameters are exactly those the stage's computation uses: the
+    zero-bubble schedules compute weight gradients for these and nothing else."""
+
+    def __init__(self, run: Callable[[int, int, Optional[Tensor]], Tensor], stage: int,
+                 params: Callable[[int], list[nn.Parameter]]) -> None:
+        super().__init__()
+        self._run = run
+        self.stage = stage
+        self._params = params
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return iter(self._params(self.stage))
+
+    def forward(self, hidden: Tensor, mb: Tensor) -> Tensor:
+        return self._run(self.stage, int(mb), None if self.stage == 0 else hidden)
+
+
+class PipelineRunner:
+    """Splits ``module`` for this rank's stages and runs its step methods through pipeline schedules."""
+
+    def __init__(self, module: LightningModule, config: PipelineConfig, mesh: DeviceMesh, device: torch.device,
+                 step_context: Callable[[], AbstractContextManager]) -> None:
+        self.module = module
+        self.config = config
+        self.device = device
+        self.step_context = step_context
+        self.group = mesh.get_group("pp")
+        ranks = config.stage_ranks()
+        self.local_stages = [s for s, r in enumerate(ranks) if r == mesh.get_local_rank("pp")]
+        self.last = config.num_stages - 1
+        self.holds_last = self.last in self.local_stages
+        self._last_rank = dist.get_global_rank(self.group, ranks[-1])
+        self._first_rank = dist.get_global_rank(self.group, ranks[0])
+        self.split = split_module(module, config, self.local_stages, device)
+        # A weight kept by the first and the last stage gets its gradient from both.
+        self._ends_group = self._pair_group(mesh) if ranks[0] != ranks[-1] and self.split.has_ends else None
+        self._stage_modules = {s: _StageModule(self._run_stage, s, self.split.params_of) for s in self.local_stages}
+        # The hooks stay for the module's lifetime: outside a pipeline step they do nothing.
+        for s, blocks in self.split.chunks.items():
+            first_block, last_block = next(iter(blocks.values())), next(reversed(blocks.values()))
+            if s != 0:
+                first_block.register_forward_pre_hook(self._inject, with_kwargs=True)
+            if s != self.last:
+                last_block.register_forward_hook(self._stop)
+        for name, stubbed, role in self.split.stubbed:
+            stubbed.register_forward_pre_hook(self._placement_check(name, role))
+        from torchmetrics import Metric
+
+        self._metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
+        # Only the last stage updates metrics; the others keep default states (zeros, empty lists), so a
+        # sync over the pipeline, replica and context ranks gives every rank the last stage's values.
+        metric_group = mesh["pp", "dp", "cp"]._flatten("pp_dp_cp").get_group()
+        for metric in self._metrics.values():
+            if metric.process_group is None:
+                metric.process_group = metric_group
+        self._schedules: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
+        self._logs = StepLogs(module)
+        self._running: Optional[_Running] = None
+        self._ready: dict[int, Tensor] = {}  # micro-batch 0's activation, when a new batch shape ran it early
+        self._outputs: dict[int, Any] = {}
+        self._forward_caches: dict[str, list[Any]] = {}
+        self._boundary: Optional[tuple] = None
+        self._params: list[nn.Parameter] = []  # the module's parameters as of the last training step
+        self._pending: Optional[list[Optional[Tensor]]] = None
+        self._call: Optional[Callable[[int], Any]] = None  # the user's step on micro-batch i, set per step
+        self._training = False
+        self._loss_scale = 1.0
+        checkpoint.set_pipeline_group(module, self.group)
+
+    # ---------------------------------------------------------------------------------- groups
+
+    def _pair_group(self, mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+        """The group of this pipeline's first and last rank (every rank creates every pair, in one order)."""
+        ranks = self.config.stage_ranks()
+        pipelines = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, self.config.pp)
+        mine = None
+        for pipeline in pipelines.tolist():
+            pair = [pipeline[ranks[0]], pipeline[ranks[-1]]]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+        return mine
+
+    # ------------------------------------------------------------------------------- one step
+
+    def step(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """Run ``module.<method>`` on every micro-batch of ``args[0]`` through the pipeline; returns the step
+        output on every rank (the merged outputs of the micro-batches, computed on the last stage)."""
+        training = self._training = method == "training_step"
+        n = self.config.num_microbatches
+        micro = split_batch(args[0], n)
+        user_step = getattr(self.module, method)
+        self._call = lambda index: user_step(micro[index], *args[1:], **kwargs)
+        counts = {name: m._update_count for name, m in self._metrics.items()}
+        schedule = self._schedule(training, shape_key(micro[0]))
+        index = torch.arange(n, device=self.device)
+        if training:
+            self._loss_scale = 1.0 / (n * self.module.trainer.accumulate_grad_batches)
+            self._params = list(self.module.parameters())
+            earlier = self._take_grads()
+            try:
+                schedule.step(index, mb=index, target=index, return_outputs=False)
+            finally:
+                self._pending = self._take_grads()
+                for p, grad in zip(self._params, earlier):
+                    p.grad = grad
+        else:
+            schedule.step(index, mb=index, return_outputs=False)
+        return self._finish(n, counts)
+
+    def _schedule(self, training: bool, key: tuple) -> Any:
+        key = (training, key)
+        if key not in self._schedules:
+            self._boundary = None
+            boundary = self._learn_boundary()
+            self._schedules[key] = (self._build(training, boundary), boundary)
+            if len(self._schedules) > _CACHED_SCHEDULES:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
+        schedule, self._boundary = self._schedules[key]
+        return schedule
+
+    def _learn_boundary(self) -> tuple:
+        """Shape and dtype of the activation between stages, from a real forward of micro-batch 0."""
+        info: list[Any] = [None]
+        if 0 in self.local_stages:
+            hidden = self._ready[0] = self._run_stage(0, 0, None)
+            info[0] = (tuple(hidden.shape), hidden.dtype)
+        dist.broadcast_object_list(info, src=self._first_rank, group=self.group)
+        return info[0]
+
+    def _build(self, training: bool, boundary: tuple) -> Any:
+        shape, dtype = boundary
+        count = self.config.num_stages
+
+        def example(stage_shape: tuple, stage_dtype: torch.dtype) -> Tensor:
+            return torch.empty(stage_shape, dtype=stage_dtype, device="meta", requires_grad=training)
+
+        stages = []
+        for s in self.local_stages:
+            inputs = torch.zeros(1, dtype=torch.long, device="meta") if s == 0 else example(shape, dtype)
+            outputs = example((), torch.float32) if s == self.last else example(shape, dtype)
+            stages.append(PipelineStage(self._stage_modules[s], s, count, self.device, input_args=inputs,
+                                        output_args=outputs, group=self.group))
+        spec = self.config.spec
+        return spec.cls(stages if spec.stages_per_rank != 1 else stages[0], self.config.num_microbatches,
+                        loss_fn=self._scaled_loss if training else None, scale_grads=False)
+
+    def _scaled_loss(self, loss: Tensor, _: Tensor) -> Tensor:
+        # The mean over micro-batches (and over accumulated batches) of the user's loss, as in one process.
+        return loss * self._loss_scale
+
+    # ------------------------------------------------------------------------ one stage, one micro-batch
+
+    def _run_stage(self, stage: int, index: int, hidden: Optional[Tensor]) -> Tensor:
+        if stage == 0 and index in self._ready:
+            return self._ready.pop(index)
+        logs = self._logs if stage == self.last else StepLogs(self.module)
+        self._running = _Running(stage, hidden)
+        self.split.enter(stage)
+        before = {name: m._update_count for name, m in self._metrics.items()}
+        try:
+            with logs.recording(index if stage == self.last else None), self.step_context():
+                output = self._call(index)
+        except _StageExit as stop:
+            return stop.hidden
+        finally:
+            running, self._running = self._running, None
+            self.split.rest()
+        if stage != self.last:
+            raise RuntimeError(f"Pipeline stage {stage}: the step method returned without running the last block"
+                               f" of the stage in {self.split.path}; under pipeline parallelism every step must run"
+                               " the model's blocks.")
+        if stage != 0 and not running.injected:
+            raise RuntimeError(f"Pipeline stage {stage}: the step never called the first block of the stage in"
+                               f" {self.split.path}, so it did not use the activation of the previous stage.")
+        for name, m in self._metrics.items():
+            if m._update_count != before[name]:
+                self._forward_caches.setdefault(name, []).append(m._forward_cache)
+        self._outputs[index] = detached(output)
+        if self._training:
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor):
+                raise RuntimeError("Under pipeline parallelism training_step must return the loss (a tensor, or a"
+                                   f" dict with a 'loss' tensor); it returned {type(output).__name__}. Skipping a"
+                                   " batch by returning None is not supported.")
+            return loss
+        return torch.zeros((), device=self.device)  # the forward-only schedule needs a tensor
+
+    def _inject(self, block: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        running = self._running
+        if running is None or running.hidden is None:
+            return None
+        hidden, running.hidden, running.injected = running.hidden, None, True
+        if args:
+            return (hidden, *args[1:]), kwargs
+        first = next(iter(inspect.signature(block.forward).parameters))
+        return args, {**kwargs, first: hidden}
+
+    def _stop(self, block: nn.Module, args: tuple, output: Any) -> None:
+        if self._running is None:
+            return
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if not isinstance(hidden, Tensor) or isinstance(hidden, DTensor):
+            raise TypeError(f"Pipeline stage boundary after a block of {self.split.path}: the block returned"
+                            f" {type(hidden).__name__}, but only a plain tensor hidden state (or a tuple that"
+                            " starts with one) can be sent to the next stage.")
+        if self._boundary is not None and (tuple(hidden.shape), hidden.dtype) != self._boundary:
+            raise ValueError(f"Pipeline stage {self._running.stage} produced an activation of shape"
+                             f" {tuple(hidden.shape)} ({hidden.dtype}) where micro-batch 0 gave {self._boundary}:"
+                             " the blocks must keep the hidden state's shape, and every micro-batch must have the"
+                             " same shapes.")
+        raise _StageExit(hidden if hidden.is_contiguous() else hidden.contiguous())
+
+    def _placement_check(self, name: str, role: str) -> Callable:
+        def check(module: nn.Module, args: tuple) -> None:
+            running = self._running
+            if running is None:
+                return
+            if role == "suffix" or running.injected:
+                side, other = ("after", "before") if role == "suffix" else ("before", "after")
+                raise RuntimeError(
+                    f"{name} is registered {side} the block list {self.split.path} but runs {other} it. Pipeline"
+                    " parallelism gives the modules registered before the blocks to the first stage and those"
+                    " registered after them to the last stage, so register it on the side where it runs.")
+
+        return check
+
+    # ------------------------------------------------------------------------------ step results
+
+    def _finish(self, n: int, counts: dict[str, int]) -> Any:
+        payload: list[Any] = [None]
+        if self.holds_last:
+            outputs = [self._outputs.pop(i) for i in range(n)]
+            logs = {name: (_MetricRef(self._metric_name(value)) if not isinstance(value, Tensor) else value, kw)
+                    for name, (value, kw) in self._logs.combined().items()}
+            updates = {name: (m._update_count - counts[name], _mean_or_none(self._forward_caches.get(name, [])))
+                       for name, m in self._metrics.items() if m._update_count != counts[name]}
+            self._forward_caches.clear()
+            payload[0] = apply_to_collection((merge(outputs), logs, updates), Tensor, Tensor.cpu)
+        dist.broadcast_object_list(payload, src=self._last_rank, group=self.group)
+        output, logs, updates = apply_to_collection(payload[0], Tensor, Tensor.to, self.device)
+        for name, (count, forward_cache) in updates.items():
+            metric = self._metrics[name]
+            if not self.holds_last:
+                # This rank never saw the data; its (default) state adds nothing when the metric syncs over
+                # the pipeline and data-parallel ranks, but it must know that the metric was updated.
+                metric._update_count += count
+                metric._computed = None
+            if forward_cache is not None:
+                metric._forward_cache = forward_cache
+        self._logs.replay({name: (self._metrics[value.name] if isinstance(value, _MetricRef) else value, kw)
+                           for name, (value, kw) in logs.items()})
+        return output
+
+    def _metric_name(self, value: Any) -> str:
+        for name, metric in self._metrics.items():
+            if metric is value:
+                return name
+        raise ValueError(f"Under pipeline parallelism a logged {type(value).__name__} must be a torchmetrics Metric"
+                         " that is an attribute of the LightningModule, so that every stage can log it.")
+
+    # -------------------------------------------------------------------------------- gradients
+
+    def _take_grads(self) -> list[Optional[Tensor]]:
+        grads = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        return grads
+
+    def commit_gradients(self) -> None:
+        """Add the gradients of the last pipeline step to ``.grad`` (Lightning's ``backward``)."""
+        if self._pending is None:
+            raise RuntimeError("backward ran without a pipeline training_step before it; under pipeline"
+                               " parallelism backward only commits the gradients the schedule computed.")
+        pending, self._pending = self._pending, None
+        if self._ends_group is not None:
+            pending = self._sum_over_ends(pending)
+        for p, grad in zip(self._params, pending):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
+
+    def _sum_over_ends(self, pending: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
+        position = {id(p): i for i, p in enumerate(self._params)}
+        for p in self.split.ends():
+            i = position[id(p)]
+            grad, shard = pending[i], _local(p)
+            values = torch.zeros_like(shard) if grad is None else _local(grad)
+            # The last element counts the stages that have a gradient: none anywhere keeps ``grad=None``.
+            flat = torch.cat([values.reshape(-1), values.new_full((1,), float(grad is not None))])
+            dist.all_reduce(flat, group=self._ends_group)
+            if flat[-1] > 0:
+                summed = flat[:-1].view_as(shard)
+                pending[i] = DTensor.from_local(summed, p.device_mesh, p.placements, shape=p.shape,
+                                                stride=p.stride()) if isinstance(p, DTensor) else summed
+        return pending
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
+        """Scale the gradients so that their norm over every stage is at most ``max_norm``; returns that norm.
+        A weight kept by the first and the last stage counts once."""
+        counted_twice = {id(p) for p in self.split.ends()} if self._ends_group is not None and not (
+            0 in self.local_stages) else set()
+        grads = [p.grad for p in params if p.grad is not None]
+        norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None and id(p) not in counted_twice]
+        squares = [(n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2 for n in norms]
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            _local(grad).mul_(coefficient.to(grad.dtype))
+        return norm
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _mean_or_none(values: list[Any]) -> Optional[Tensor]:
+    if values and all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
+        return torch.stack([v.detach() for v in values]).mean(0)
+    return None
