@@ -34,7 +34,7 @@ _TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter
 
 
 class DesyncError(RuntimeError):
-    pass
+    """Ranks that must agree do not; the message names the ranks and the first tensor or call that differs."""
 
 
 def fingerprint(tensor: Tensor) -> tuple[float, float]:

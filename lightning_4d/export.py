@@ -67,6 +67,7 @@ def _module_from(class_path: str, hyper_parameters: Optional[dict[str, Any]]) ->
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """The ``python -m lightning_4d.export`` command line."""
     parser = argparse.ArgumentParser(prog="python -m lightning_4d.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a lightning-4d checkpoint directory")
     parser.add_argument("output", help="the file to write, or the directory with --hf")

@@ -460,6 +460,7 @@ def _format_bytes(n: float) -> str:
 
 
 def format_table(estimates: Sequence[Estimate]) -> str:
+    """The ranked layouts as an aligned text table: memory parts, bytes sent per dim, and whether it fits."""
     header = ["#", "dp", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "memory", "comm/step",
               "dp", "tp", "cp", "pp", "fits"]
     rows = []
@@ -596,6 +597,7 @@ def _model_from_args(args: argparse.Namespace) -> Model:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``python -m lightning_4d.plan`` command line; returns the exit status."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:

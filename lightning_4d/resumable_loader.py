@@ -30,6 +30,8 @@ class _SkipFirst:
 
 
 class ResumableDataLoader(DataLoader):
+    """A DataLoader that Lightning can checkpoint and restore mid-epoch (it implements ``state_dict``)."""
+
     consumed_batches = 0  # set by the strategy before every training batch
     _skip = 0
 
