@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten_with_path, keystr
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from lightning_4d.parallel_dims import ParallelDims
 
 # Group collectives only: point-to-point calls legitimately differ between the two ends.
 _TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
@@ -154,3 +156,49 @@ class CollectiveTrace:
         finally:
             for name, original in originals.items():
                 setattr(dist, name, original)
+
+
+class DesyncMonitor:
+    """The three checks over the first ``steps`` training steps of a layout (``FourDStrategy(debug=True)``).
+
+    Batches are compared within each data-parallel replica (ranks with one dp coordinate) before context
+    parallelism shards them; plain weights within each pipeline stage and DTensor shards within each
+    ``dp_cp`` group, at the start of each checked step (so after the previous optimizer step); and every
+    collective of the checked steps is compared with its group before it runs.
+    """
+
+    def __init__(self, dims: ParallelDims, dp_cp_group: dist.ProcessGroup, steps: int = 2,
+                 timeout: timedelta = timedelta(seconds=60)) -> None:
+        self.steps = steps
+        self.replica = self._own_group(dims.groups(("pp", "cp", "tp")))
+        self.stage = self._own_group(dims.groups(("dp", "cp", "tp")))
+        self.shards = dp_cp_group
+        self._trace = CollectiveTrace(dist.distributed_c10d._get_default_store(), timeout)
+        self._recording: Optional[Any] = None
+
+    @staticmethod
+    def _own_group(groups: list[list[int]]) -> dist.ProcessGroup:
+        mine = None
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
+
+    def check_batch(self, batch: Any, step: int) -> None:
+        if step < self.steps:
+            check_batch(batch, self.replica)
+
+    def on_step_start(self, module: nn.Module, step: int) -> None:
+        """Weights as the previous step left them; collectives of this step are traced while it is checked."""
+        self.stop_tracing()
+        if step <= self.steps:
+            check_replicas(module, {"stage": self.stage, "shards": self.shards})
+        if step < self.steps:
+            self._recording = self._trace.recording()
+            self._recording.__enter__()
+
+    def stop_tracing(self) -> None:
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None

@@ -90,17 +90,19 @@ class ParallelDims:
             rank //= size
         return {name: coords[name] for name in ("dp", "pp", "cp", "tp")}
 
+    def groups(self, free: tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks that differ only in the ``free`` dims, in rank order (for ``new_group`` calls,
+        which every rank must make in the same order)."""
+        found: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            coords = self.coordinates(rank)
+            found.setdefault(tuple(coords[n] for n in MESH_DIMS if n not in free), []).append(rank)
+        return list(found.values())
+
     def group_members(self, rank: int) -> dict[str, list[int]]:
         """Global ranks of every group ``rank`` belongs to, including the joint ``dp_cp`` gradient group."""
-        coords = self.coordinates(rank)
-        ranks = range(self.world_size)
-
-        def peers(free: tuple[str, ...]) -> list[int]:
-            fixed = [name for name in MESH_DIMS if name not in free]
-            return [r for r in ranks if all(self.coordinates(r)[n] == coords[n] for n in fixed)]
-
-        return {"dp": peers(("dp",)), "pp": peers(("pp",)), "cp": peers(("cp",)), "tp": peers(("tp",)),
-                "dp_cp": peers(("dp", "cp"))}
+        free = {"dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
+        return {name: next(g for g in self.groups(dims) if rank in g) for name, dims in free.items()}
 
     def layout_table(self) -> str:
         """One line per rank: its coordinates and the members of its groups."""

@@ -31,7 +31,9 @@ from typing_extensions import override
 
 from lightning_4d import checkpoint
 from lightning_4d.context_parallel import ContextParallel, check_options as check_context_parallel_options
+from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import report_failure
+from lightning_4d.telemetry import Telemetry
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
 from lightning_4d.pipeline import PipelineConfig, PipelineRunner, check_blocks, find_blocks
@@ -91,6 +93,12 @@ class FourDStrategy(ModelParallelStrategy):
         tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded
             copy and fail naming the block if they differ (a head count that was not divided, ...).
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
+        debug: for the first ``debug_steps`` training steps, check that the ranks of a replica receive identical
+            batches, that replicated weights stay bit-identical, and that every rank issues the same collectives
+            (each checked before it runs); the first difference is reported by rank and tensor name.
+        debug_steps: how many training steps ``debug`` checks.
+        telemetry: add the :class:`~lightning_4d.telemetry.Telemetry` callback (tokens/s, MFU, memory,
+            communication time per dimension, pipeline bubble), logged through the Trainer's loggers.
     """
 
     strategy_name = "fourd"
@@ -119,6 +127,9 @@ class FourDStrategy(ModelParallelStrategy):
         sequence_parallel: bool = False,
         tp_self_check: bool = True,
         loss_parallel: bool = True,
+        debug: bool = False,
+        debug_steps: int = 2,
+        telemetry: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -152,6 +163,10 @@ class FourDStrategy(ModelParallelStrategy):
                              " tensor. Use sequence_parallel=False with pipeline parallelism.")
         self._tp_options = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         self.tp_self_check = tp_self_check
+        if isinstance(debug_steps, bool) or not isinstance(debug_steps, int) or debug_steps < 1:
+            raise ValueError(f"debug_steps={debug_steps!r} must be a positive number of training steps.")
+        self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
+        self._desync: Optional[DesyncMonitor] = None
         self._tp_plan: Optional[TensorParallelPlan] = None
         self._tp_check: Optional[TensorParallelSelfCheck] = None
 
@@ -173,6 +188,12 @@ class FourDStrategy(ModelParallelStrategy):
         rank_zero_info(self.layout_table())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+        if self.debug and self._desync is None:
+            self._desync = DesyncMonitor(self.parallel_dims, self._dp_cp_mesh.get_group(), self.debug_steps,
+                                         timeout=min(self._timeout, timedelta(seconds=60)))
+        trainer = self.lightning_module.trainer
+        if self.telemetry and not any(isinstance(c, Telemetry) for c in trainer.callbacks):
+            trainer.callbacks.append(Telemetry())
 
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""
@@ -207,6 +228,8 @@ class FourDStrategy(ModelParallelStrategy):
         for loader in self._train_loaders:
             if isinstance(loader, ResumableDataLoader):
                 loader.consumed_batches = consumed
+        if self._desync is not None:
+            self._desync.on_step_start(self.lightning_module, self.lightning_module.trainer.global_step)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -333,6 +356,9 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        trainer = self.lightning_module.trainer
+        if self._desync is not None and trainer.training:
+            self._desync.check_batch(batch, trainer.global_step)
         # Prediction outputs are per token or per sequence, so prediction runs on whole sequences.
         if self._context_parallel is not None and not self.lightning_module.trainer.predicting:
             batch = self._context_parallel.shard_batch(batch)
@@ -512,6 +538,8 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._desync is not None:
+            self._desync.stop_tracing()
         self._remove_grad_buckets()
         self._remove_context_parallel()
         super().teardown()

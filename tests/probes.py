@@ -61,3 +61,25 @@ class FailOnRank(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class PerturbWeightOnRank(Callback):
+    """Changes one weight on rank 1 only, before step 1: a replica silently diverging."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == 1:
+            with torch.no_grad():
+                next(pl_module.parameters()).view(-1)[0] += 1e-3
+
+
+def rank_seeded_token_data(train: bool = True):
+    """A data pipeline with a bug: it seeds itself by global rank, so tp/cp/pp peers get different samples."""
+    import os
+
+    from tests.lm_models import token_data
+
+    generator = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
+    dataset = token_data(train)
+    inputs, labels = dataset.tensors
+    order = torch.randperm(len(inputs), generator=generator)
+    return torch.utils.data.TensorDataset(inputs[order], labels[order])

@@ -21,13 +21,15 @@ TWO = [
     Case("dp2_bucket_per_param", **MODEL, strategy={"dp": 2, "bucket_mb": 1e-6}, max_steps=8, callbacks=COMM),
     Case("dp2_one_bucket", **MODEL, strategy={"dp": 2, "bucket_mb": 1e4}, max_steps=8, callbacks=COMM),
     Case("dp2_resumed_mid_epoch", **MODEL, strategy={"dp": 2}, max_steps=16, resume_at=12),
+    # debug=True on a correct run: its checks pass and change nothing.
+    Case("dp2_debug", **MODEL, strategy={"dp": 2, "debug": True, "debug_steps": 3}, max_steps=8, trainer=VALIDATE),
 ]
 FOUR = [
     Case("dp4", **MODEL, strategy={"dp": 4}, max_steps=8, trainer=VALIDATE),
     Case("dp4_accumulate_clip", **MODEL, strategy={"dp": "auto"}, max_steps=16,
          trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
     # The classifier has nothing tensor parallelism could shard on its own: its tp ranks hold it whole.
-    Case("dp2_tp2_sampler", **MODEL, strategy={"dp": 2, "tp": 2, "tp_plan": "none"}, max_steps=4,
+    Case("dp2_tp2_sampler", **MODEL, strategy={"dp": 2, "tp": 2, "tp_plan": "none", "debug": True}, max_steps=4,
          callbacks=["tests.probes:BatchTrace"]),
 ]
 
@@ -51,7 +53,8 @@ def _case(cases, name):
     return next(c for c in cases if c.name == name)
 
 
-@pytest.mark.parametrize("name", ["dp2", "dp2_accumulate_clip", "dp2_bucket_per_param", "dp2_one_bucket"])
+@pytest.mark.parametrize("name", ["dp2", "dp2_accumulate_clip", "dp2_bucket_per_param", "dp2_one_bucket",
+                                  "dp2_debug"])
 def test_dp2_matches_single_process(two, name):
     case = _case(TWO, name)
     epoch_metrics = ("train_acc", "val_loss", "val_acc") if case.trainer.get("limit_val_batches") else ("train_acc",)

@@ -74,3 +74,25 @@ def test_desync_reports_rank_and_name(tmp_path):
         " hang or mix unrelated tensors.")
     assert "rank 1 issued all_reduce (5,), rank 0 issued all_reduce (3,)" in results[1]["collective_sequence"]
     assert results[2]["collective_sequence"] == results[3]["collective_sequence"] == "ok"
+
+
+def test_strategy_debug_reports_different_batches_on_tensor_parallel_peers():
+    from tests.parity import Case, run_layout
+
+    case = Case("bad_data", module="tests.lm_models:tiny_gpt", data="tests.probes:rank_seeded_token_data",
+                strategy={"tp": 2, "debug": True}, max_steps=2, batch_size=4)
+    result = run_layout([case], 2, timeout=180)
+    assert all(code != 0 for code in result.returncodes), result.returncodes
+    assert ("DesyncError: Ranks of one data-parallel replica received different batches: batch entry '[0]'"
+            " differs between rank 0 and rank 1") in result.output, result.output[-3000:]
+
+
+def test_strategy_debug_reports_a_perturbed_replica():
+    from tests.parity import Case, run_layout
+
+    case = Case("perturbed", module="tests.models:Classifier", data="tests.models:classification_data",
+                strategy={"dp": 2, "debug": True}, max_steps=3, callbacks=["tests.probes:PerturbWeightOnRank"])
+    result = run_layout([case], 2, timeout=180)
+    assert all(code != 0 for code in result.returncodes), result.returncodes
+    assert "DesyncError: Replicated weights diverged (stage group [0, 1]): 'net.0.weight' differs between rank 0" \
+           " and rank 1" in result.output, result.output[-3000:]
