@@ -6,10 +6,14 @@ almost all of the work, so the sequence is cut into ``2 * cp`` equal chunks and
 rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` (the "zigzag" layout): every
 rank then sees the same amount of unmasked attention.
 
-The attention itself is computed block by block (local queries against one rank's
-K/V at a time) and the partial results are merged exactly with their log-sum-exp,
-so the output equals full attention over the whole sequence. Pure
-``torch.distributed``; no Lightning needed.
+The attention itself is computed tile by tile (a tile of the local queries against a
+tile of one rank's K/V at a time; quarters where the length allows) and the partial
+results are merged exactly with their log-sum-exp, so the output equals full attention
+over the whole sequence. K/V, and in backward their gradients' partial sums, travel
+round the ring in the same tiles, overlapped with the compute: with quarters a rank
+holds 1.25 blocks of each beyond its own share, where whole-block double buffering
+holds 2. Pure ``torch.distributed``; no
+Lightning needed.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import torch.distributed as dist
 
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "zigzag_positions"]
 
-_COMM_MODES = ("ring", "allgather")
 # K/V and dK/dV exchanges can be in flight at the same time between the same peers;
 # separate tags keep them from being matched with each other.
 _KV_TAG = 0
 _GRAD_TAG = 1
-
+# Tiles per K/V block (fewer where the local length does not divide): a rank holds (n + 1) / n
+# blocks of others' K/V, and as much of dK/dV partial sums, at a cost of n messages per block
+# step and about n * n / 2 kernel calls per block.
+_TILES = 4
 
 
 # --------------------------------------------------------------------------- layout
@@ -81,10 +87,10 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim:
 
 # --------------------------------------------------------------------------- local kernels
 #
-# A kernel computes attention of some queries against one K/V block and returns the
+# A kernel computes attention of some queries against one K/V tile and returns the
 # output, the fp32 log-sum-exp [B, Hq, Sq] that the merge needs, and whatever opaque
 # state its backward wants back. Its backward is handed the *final* (merged) output and
-# log-sum-exp, which makes the per-block gradients exact without any extra correction.
+# log-sum-exp, which makes the per-tile gradients exact without any extra correction.
 
 
 class _CpuFlashKernel:
@@ -137,7 +143,7 @@ class _MathKernel:
 class _CudaKernel:
     """Shared plumbing for the fused CUDA kernels (not exercised by the CPU test suite).
 
-    They want equal head counts and contiguous inputs, so K/V are expanded per block
+    They want equal head counts and contiguous inputs, so K/V are expanded per tile
     (only locally, after communication) and their gradients folded back.
     """
 
@@ -203,7 +209,7 @@ def _select_kernel(q: torch.Tensor, is_causal: bool):
     if q.device.type == "cpu":
         return _CpuFlashKernel()
     if q.device.type == "cuda":
-        # Checked on a same-head-count stand-in: K/V get expanded per block before the call.
+        # Checked on a same-head-count stand-in: K/V get expanded per tile before the call.
         params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, is_causal, False)
         if torch.backends.cuda.can_use_flash_attention(params):
             return _CudaFlashKernel()
@@ -212,42 +218,70 @@ def _select_kernel(q: torch.Tensor, is_causal: bool):
     return _MathKernel()
 
 
-# --------------------------------------------------------------------------- block schedule
+# --------------------------------------------------------------------------- tile schedule
 
 
-def _block_plan(q_rank: int, kv_rank: int, is_causal: bool, seq: int) -> tuple[slice, slice, bool]:
-    """Which local query rows attend to which rows of ``kv_rank``'s block, and whether causally.
+def _tile_rows(seq: int) -> list[slice]:
+    """Equal tiles of the local sequence: ``_TILES`` of them where the length allows, else 2 or 1.
 
-    With zigzag chunks (q: r, 2cp-1-r; kv: j, 2cp-1-j) each chunk pair is fully visible,
-    fully masked or diagonal. Off-diagonal blocks reduce to one fully visible rectangle of
-    half the block: all queries vs. the first K/V chunk (j < r) or the second query chunk
-    vs. all keys (j > r), so every rank does the same work at every step.
+    A causal (zigzag) local length is even, so its tiles never straddle the two chunks.
     """
-    everything = slice(None)
+    count = next(count for count in (_TILES, 2, 1) if seq % count == 0)
+    rows = seq // count
+    return [slice(i * rows, (i + 1) * rows) for i in range(count)]
+
+
+def _global_tile(rank: int, tile: int, tiles: int, cp: int) -> int:
+    """Position of ``rank``'s local ``tile`` among the equal tiles of the whole zigzag sequence."""
+    half = tiles // 2
+    chunk = rank if tile < half else 2 * cp - 1 - rank
+    return chunk * half + tile % half
+
+
+def _visible(q_rank: int, kv_rank: int, kv_tile: int, tiles: int, cp: int, is_causal: bool) -> list[tuple[int, bool]]:
+    """The local query tiles that attend to ``kv_rank``'s K/V tile ``kv_tile``, each with whether causally.
+
+    Zigzag tiles are equal, aligned ranges of global positions, so a query/key tile pair is fully
+    visible (keys earlier), fully masked (keys later) or diagonal (same range, causal mask). Over
+    one K/V block every rank gets the same work: half of the pairs, counting a diagonal as half.
+    """
     if not is_causal:
-        return everything, everything, False
-    half = seq // 2
-    if kv_rank == q_rank:
-        return everything, everything, True
-    if kv_rank < q_rank:
-        return everything, slice(0, half), False
-    return slice(half, None), everything, False
+        return [(i, False) for i in range(tiles)]
+    key = _global_tile(kv_rank, kv_tile, tiles, cp)
+    queries = (_global_tile(q_rank, i, tiles, cp) for i in range(tiles))
+    return [(i, key == query) for i, query in enumerate(queries) if key <= query]
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's softmax-normalised result into the running (fp32) one, in place."""
-    new_lse = torch.logaddexp(lse, block_lse)
+def _merge(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor, tile_lse: torch.Tensor) -> None:
+    """Fold one tile's softmax-normalised result into the running (fp32) one, in place.
+
+    The running result starts as output 0 and log-sum-exp -inf, which the first tile replaces exactly.
+    ``tile_out`` is the kernel's own fresh output and is overwritten.
+    """
+    new_lse = torch.logaddexp(lse, tile_lse)
     out.mul_((lse - new_lse).exp_().unsqueeze(-1))
-    out.add_(block_out.float() * (block_lse - new_lse).exp_().unsqueeze(-1))
+    out.add_(tile_out.float().mul_((tile_lse - new_lse).exp_().unsqueeze(-1)))
     lse.copy_(new_lse)
 
 
 # --------------------------------------------------------------------------- communication
+#
+# K/V travel round the ring in tiles rather than whole blocks. Stream position ``g`` is tile
+# ``g % n`` of the block a rank computes on at step ``g // n`` (its own block at step 0). The
+# next rank computes on the same tile one block step (n positions) later, so at position ``g``
+# a rank sends the tile it computes on and receives position ``g + n``, overlapped with the
+# compute. Position ``g`` lives in slot ``g % (n + 1)`` of a pool: ``g + n`` lands in the slot
+# that position ``g - 1`` has just left. A rank so holds 1 + 1/n blocks of others' K/V where
+# whole-block double buffering holds 2. dK/dV partial sums travel the same way, one position
+# behind their tiles' compute.
 
 
 def _ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> list:
-    """Send to the next cp rank and receive from the previous one, asynchronously."""
+    """Send to the next cp rank and receive from the previous one, asynchronously (a copy when alone)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1:
+        recv.copy_(send)
+        return []
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prv = dist.get_global_rank(group, (rank - 1) % size)
     return dist.batch_isend_irecv(
@@ -258,102 +292,205 @@ def _ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> list
     )
 
 
-def _visit_kv(kv: torch.Tensor, group, comm: str):
-    """Yield ``(owner cp rank, stacked [K, V] block)`` for every rank, own block first.
+def _tile_pool(t: torch.Tensor, tiles: list[slice], dtype: torch.dtype) -> torch.Tensor:
+    """``len(tiles) + 1`` contiguous slots, each a stacked pair of ``t``-shaped tiles."""
+    shape = (len(tiles) + 1, 2, t.size(0), t.size(1), t.size(2) // len(tiles), t.size(3))
+    return torch.empty(shape, dtype=dtype, device=t.device)
 
-    The transfer of the next block is in flight while the caller computes on the
-    current one (ring: P2P shift; allgather: the gather runs under the local block).
+
+def _ring_kv(k: torch.Tensor, v: torch.Tensor, group, tiles: list[slice]):
+    """Yield ``(owner cp rank, tile index, K tile, V tile)`` over every rank's block, own block first.
+
+    The tile computed on is forwarded, and the tile needed one block step later received, while
+    the caller computes (see the comment above).
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    if comm == "allgather":
-        gathered = kv.new_empty((size * kv.size(0), *kv.shape[1:]))
-        work = dist.all_gather_single(gathered, kv, group=group, async_op=True)
-        yield rank, kv
-        work.wait()
-        blocks = gathered.unflatten(0, (size, kv.size(0)))
-        for step in range(1, size):
-            owner = (rank - step) % size
-            yield owner, blocks[owner]
-        return
-    current, spare = kv, torch.empty_like(kv)
+    n = len(tiles)
+    pool = _tile_pool(k, tiles, k.dtype) if size > 1 else None
     for step in range(size):
-        works = _ring_shift(current, spare, group, _KV_TAG) if step < size - 1 else []
-        yield (rank - step) % size, current
-        for work in works:
-            work.wait()
-        current, spare = spare, current
+        for j, rows in enumerate(tiles):
+            g = step * n + j
+            k_tile, v_tile = (k[:, :, rows], v[:, :, rows]) if step == 0 else pool[g % (n + 1)]
+            works = []
+            if step < size - 1:
+                slot = pool[g % (n + 1)]
+                if step == 0:  # a contiguous copy to send
+                    slot[0].copy_(k_tile)
+                    slot[1].copy_(v_tile)
+                works = _ring_shift(slot, pool[(g + n) % (n + 1)], group, _KV_TAG)
+            yield (rank - step) % size, j, k_tile, v_tile
+            for work in works:
+                work.wait()
+
+
+def _gathered_kv(k: torch.Tensor, v: torch.Tensor, group, tiles: list[slice]):
+    """Like :func:`_ring_kv`, from one all-gather that runs while the own block is computed on."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gathered = k.new_empty((2, size * k.size(0), *k.shape[1:]))
+    works = [
+        dist.all_gather_single(gathered[0], k.contiguous(), group=group, async_op=True),
+        dist.all_gather_single(gathered[1], v.contiguous(), group=group, async_op=True),
+    ]
+    for j, rows in enumerate(tiles):
+        yield rank, j, k[:, :, rows], v[:, :, rows]
+    for work in works:
+        work.wait()
+    blocks = gathered.unflatten(1, (size, k.size(0)))
+    for step in range(1, size):
+        owner = (rank - step) % size
+        for j, rows in enumerate(tiles):
+            yield owner, j, blocks[0, owner][:, :, rows], blocks[1, owner][:, :, rows]
 
 
 class _RingGrads:
-    """dK/dV partial sums that travel with their K/V block and reach the owner after a full cycle."""
+    """dK/dV partial sums (fp32) of every K/V tile, passed round the ring behind the tile.
 
-    def __init__(self, kv: torch.Tensor, group):
-        self.group = group
-        self.size = dist.get_world_size(group)
+    A tile's partial sum arrives from the previous rank, takes this rank's share and leaves for
+    the next one; after the last rank it reaches the owner. Slots as in :func:`_ring_kv`.
+    """
+
+    def __init__(self, k: torch.Tensor, group, tiles: list[slice]):
+        self.group, self.tiles, self.shape = group, tiles, k.shape
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         # fp32 so low-precision gradients are summed over cp ranks without extra rounding.
-        self.acc = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        self.spare = torch.empty_like(self.acc)
+        self.pool = _tile_pool(k, tiles, torch.float32)
         self.works: list = []
+        self.current = -1  # stream position whose partial sum is being added to
+        self.arriving = -1  # stream position whose partial sum the pending works receive
 
-    def add(self, owner: int, rows: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        for work in self.works:
-            work.wait()  # ``acc`` now holds owner's partial sum from the previous rank
-        self.acc[0][:, :, rows] += dk
-        self.acc[1][:, :, rows] += dv
-        if self.size > 1:
-            self.works = _ring_shift(self.acc, self.spare, self.group, _GRAD_TAG)
-            self.acc, self.spare = self.spare, self.acc
+    def _position(self, owner: int, tile: int) -> int:
+        return (self.rank - owner) % self.size * len(self.tiles) + tile
 
-    def result(self) -> torch.Tensor:
+    def _slot(self, g: int) -> torch.Tensor:
+        return self.pool[g % len(self.pool)]
+
+    def _finish(self) -> None:
         for work in self.works:
             work.wait()
-        return self.acc
+        self.works = []
+
+    def target(self, owner: int, tile: int) -> torch.Tensor:
+        """The partial sum of ``owner``'s K/V tile, to add this rank's share to."""
+        g = self._position(owner, tile)
+        if g != self.current:
+            if g == self.arriving:  # one tile per block: posted at the previous position (else long done)
+                self._finish()
+            if g < len(self.tiles):  # own block: the sum starts here
+                self._slot(g).zero_()
+            self.current = g
+        return self._slot(g)
+
+    def done(self, owner: int, tile: int) -> None:
+        """Pass the partial sum of ``owner``'s tile on, once the previous one has left."""
+        g = self._position(owner, tile)
+        self.target(owner, tile)  # also for a tile no local query sees: it must still move on
+        self._finish()
+        n = len(self.tiles)
+        self.works = _ring_shift(self._slot(g), self._slot(g + n), self.group, _GRAD_TAG)
+        self.arriving = g + n
+
+    def result(self) -> torch.Tensor:
+        """dK/dV of the own block: its tiles' sums, back after a full cycle."""
+        self._finish()
+        n = len(self.tiles)
+        dkv = self.pool.new_empty((2, *self.shape))
+        for j, rows in enumerate(self.tiles):
+            dkv[:, :, :, rows].copy_(self._slot(self.size * n + j))
+        return dkv
 
 
 class _GatheredGrads:
     """dK/dV for every rank's block, summed onto their owners with one reduce-scatter."""
 
-    def __init__(self, kv: torch.Tensor, group):
-        self.group = group
+    def __init__(self, k: torch.Tensor, group, tiles: list[slice]):
+        self.group, self.tiles = group, tiles
         self.size = dist.get_world_size(group)
-        self.kv_shape = kv.shape
-        self.acc = torch.zeros((self.size, *kv.shape), dtype=torch.float32, device=kv.device)
+        self.acc = torch.zeros((self.size, 2, *k.shape), dtype=torch.float32, device=k.device)
 
-    def add(self, owner: int, rows: slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        self.acc[owner, 0][:, :, rows] += dk
-        self.acc[owner, 1][:, :, rows] += dv
+    def target(self, owner: int, tile: int) -> torch.Tensor:
+        return self.acc[owner][:, :, :, self.tiles[tile]]
+
+    def done(self, owner: int, tile: int) -> None:
+        """Nothing moves before the final reduce-scatter."""
 
     def result(self) -> torch.Tensor:
-        mine = self.acc.new_empty(self.kv_shape)
+        mine = self.acc.new_empty(self.acc.shape[1:])
         dist.reduce_scatter_single(mine, self.acc.flatten(0, 1), group=self.group)
         return mine
 
 
+_STREAMS = {"ring": (_ring_kv, _RingGrads), "allgather": (_gathered_kv, _GatheredGrads)}
+
+
 # --------------------------------------------------------------------------- autograd
+#
+# Every tile pair's results are dropped as soon as they are merged or added (the helpers'
+# locals), and the K/V pool before the dK/dV result is assembled (the passes' locals).
+
+
+def _forward_tile(kernel, q, k, v, out, lse, causal: bool, scale: float):
+    """Attend one query tile to one K/V tile, merge into ``out``/``lse``; the kernel's state for backward."""
+    tile_out, tile_lse, aux = kernel.forward(q, k, v, causal, scale)
+    _merge(out, lse, tile_out, tile_lse)
+    return aux
+
+
+def _backward_tile(kernel, dout, q, k, v, out, lse, aux, causal: bool, scale: float, dq, grads, owner: int, tile: int):
+    """Gradients of one query tile / K/V tile pair, added into ``dq`` and the K/V tile's partial sums."""
+    dq_tile, dk_tile, dv_tile = kernel.backward(dout, q, k, v, out, lse, aux, causal, scale)
+    dq.add_(dq_tile)
+    dkv = grads.target(owner, tile)  # after the kernel, so a partial sum still arriving overlaps it
+    dkv[0].add_(dk_tile)
+    dkv[1].add_(dv_tile)
+
+
+def _forward_pass(q, k, v, group, is_causal: bool, scale: float, comm: str, kernel):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    tiles = _tile_rows(q.size(2))
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    auxes = []
+    for owner, j, k_tile, v_tile in _STREAMS[comm][0](k, v, group, tiles):
+        for i, causal in _visible(rank, owner, j, len(tiles), size, is_causal):
+            rows = tiles[i]
+            q_tile, out_tile, lse_tile = q[:, :, rows], out[:, :, rows], lse[:, :, rows]
+            auxes.append(_forward_tile(kernel, q_tile, k_tile, v_tile, out_tile, lse_tile, causal, scale))
+    return out, lse, auxes
+
+
+def _backward_pass(ctx: Any, dout, q, k, v, out, lse, dq, grads) -> None:
+    rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+    tiles = grads.tiles
+    auxes = iter(ctx.auxes)
+    for owner, j, k_tile, v_tile in _STREAMS[ctx.comm][0](k, v, ctx.group, tiles):
+        for i, causal in _visible(rank, owner, j, len(tiles), size, ctx.is_causal):
+            rows = tiles[i]
+            _backward_tile(
+                ctx.kernel,
+                dout[:, :, rows],
+                q[:, :, rows],
+                k_tile,
+                v_tile,
+                out[:, :, rows],
+                lse[:, :, rows],
+                next(auxes),
+                causal,
+                ctx.scale,
+                dq[:, :, rows],
+                grads,
+                owner,
+                j,
+            )
+        grads.done(owner, j)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Forward merges blocks by log-sum-exp; backward recomputes each block against the
+    """Forward merges tiles by log-sum-exp; backward recomputes each tile pair against the
     saved final output/log-sum-exp and returns dK/dV to their owners."""
 
     @staticmethod
     def forward(ctx: Any, q, k, v, group, is_causal: bool, scale: float, comm: str, kernel):
-        seq = q.size(2)
-        rank = dist.get_rank(group)
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        auxes = []
-        for step, (owner, kv) in enumerate(_visit_kv(torch.stack([k, v]), group, comm)):
-            q_rows, kv_rows, causal = _block_plan(rank, owner, is_causal, seq)
-            block_out, block_lse, aux = kernel.forward(
-                q[:, :, q_rows], kv[0][:, :, kv_rows], kv[1][:, :, kv_rows], causal, scale
-            )
-            auxes.append(aux)
-            if step == 0:  # own block: always covers every query row
-                out.copy_(block_out)
-                lse.copy_(block_lse)
-            else:
-                _merge(out[:, :, q_rows], lse[:, :, q_rows], block_out, block_lse)
+        out, lse, auxes = _forward_pass(q, k, v, group, is_causal, scale, comm, kernel)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.is_causal, ctx.scale, ctx.comm, ctx.kernel, ctx.auxes = (
@@ -365,34 +502,17 @@ class _RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, kernel = ctx.group, ctx.kernel
-        dout = dout.contiguous()
-        seq, rank = q.size(2), dist.get_rank(group)
-        kv = torch.stack([k, v])
+        # fp32 accumulation; for fp32 inputs it is the returned gradient itself.
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grads = (_RingGrads if ctx.comm == "ring" else _GatheredGrads)(kv, group)
-        for (owner, kv_block), aux in zip(_visit_kv(kv, group, ctx.comm), ctx.auxes):
-            q_rows, kv_rows, causal = _block_plan(rank, owner, ctx.is_causal, seq)
-            dq_block, dk_block, dv_block = kernel.backward(
-                dout[:, :, q_rows],
-                q[:, :, q_rows],
-                kv_block[0][:, :, kv_rows],
-                kv_block[1][:, :, kv_rows],
-                out[:, :, q_rows],
-                lse[:, :, q_rows],
-                aux,
-                causal,
-                ctx.scale,
-            )
-            dq[:, :, q_rows] += dq_block
-            grads.add(owner, kv_rows, dk_block, dv_block)
+        grads = _STREAMS[ctx.comm][1](k, ctx.group, _tile_rows(q.size(2)))
+        _backward_pass(ctx, dout.contiguous(), q, k, v, out, lse, dq, grads)
         dkv = grads.result()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, comm: str) -> None:
-    if comm not in _COMM_MODES:
-        raise ValueError(f"unknown comm mode {comm!r}; use one of {_COMM_MODES}")
+    if comm not in _STREAMS:
+        raise ValueError(f"unknown comm mode {comm!r}; use one of {tuple(_STREAMS)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")

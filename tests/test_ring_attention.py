@@ -3,7 +3,8 @@
 The distributed cases run on CPU/gloo. Process start-up dominates on small machines, so
 one 4-process world is launched once, cp groups of size 4, 2 and 1 are carved out of it,
 and every rank loops over all cases, writing max errors to a JSON file per rank; the
-parent then asserts per case. A launch that does not finish within LAUNCH_TIMEOUT_S is
+parent then asserts per case. The same launch measures the peak memory of one cp=4 ring
+call the way bench/cp.py does. A launch that does not finish within LAUNCH_TIMEOUT_S is
 killed and fails (a hang must not block the suite).
 """
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from bench.cp import LiveStorage
 from lightning_4d.ring_attention import (
     _CpuFlashKernel,
     _MathKernel,
@@ -41,6 +43,12 @@ BF16_REL_TOL = 2e-2
 BATCH, HEAD_DIM = 2, 16
 
 WORLD = 4
+# Peak live tensor storage per rank of one causal cp=4 ring forward+backward, in blocks of one rank's
+# q ([1, 4, MEMORY_SEQ, HEAD_DIM] fp32): q, k, v, output gradient, output and dq (6); K/V tiles and
+# dK/dV partial-sum tiles in flight, 5 quarter-block tiles of K+V each (2 x 2 x 5/4); the gradients
+# of one tile pair (3/4); the log-sum-exp (1/HEAD_DIM). Whole-block double buffering measured 19.5.
+MEMORY_SEQ = 64
+MEMORY_BLOCKS = 6 + 2 * 2 * 5 / 4 + 3 / 4 + 1 / HEAD_DIM
 # cp groups carved out of the one launched world: name -> rank lists (None: the whole world).
 GROUPINGS = {
     "world": None,
@@ -127,6 +135,18 @@ def _run_case(case: Case, group, cp_rank: int, group_id: int) -> dict:
     return errors
 
 
+def _peak_blocks(group) -> float:
+    """Peak tensor storage of one causal ring forward+backward, inputs and gradients included, in q blocks."""
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    shape = (1, 4, MEMORY_SEQ, HEAD_DIM)
+    with LiveStorage() as memory:
+        q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+        ring_attention(q, k, v, group=group, is_causal=True).backward(dout)
+    return memory.peak / (math.prod(shape) * 4)
+
+
 def _worker(rank: int, init_file: str, result_dir: str) -> None:
     torch.set_num_threads(1)
     results: dict = {}
@@ -146,6 +166,7 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
         for case in _cases():
             group, cp_rank, group_id = groups[case.grouping]
             results[case.name] = _run_case(case, group, cp_rank, group_id)
+        results["__peak_blocks__"] = _peak_blocks(dist.group.WORLD)
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -196,6 +217,14 @@ def test_matches_full_attention(case, dist_results):
             tol = FP32_TOL if case.dtype == "float32" else BF16_REL_TOL * max(1.0, e["scale"])
             assert e["dtype_ok"], f"{case.name} rank {rank}: {name} has the wrong dtype"
             assert e["abs"] <= tol, f"{case.name} rank {rank}: {name} max abs error {e['abs']:.3g} > {tol:.3g}"
+
+
+def test_ring_peak_memory(dist_results):
+    """Tiles in flight, not whole double-buffered blocks: the cp=4 peak that bench/cp.py reports at 16k tokens."""
+    for rank, per_rank in enumerate(dist_results):
+        assert per_rank["__peak_blocks__"] <= MEMORY_BLOCKS, (
+            f"rank {rank}: peak {per_rank['__peak_blocks__']:.3f} blocks > {MEMORY_BLOCKS:.3f}"
+        )
 
 
 # --------------------------------------------------------------------------- single process
