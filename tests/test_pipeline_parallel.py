@@ -99,7 +99,8 @@ class PredictTestExport(Callback):
 
         predictions = trainer.predict(trainer.lightning_module, dataloaders=_held_out())
         tested = trainer.test(trainer.lightning_module, dataloaders=_held_out(), verbose=False)
-        path = Path(trainer.strategy.broadcast(tempfile.mkdtemp(prefix="l4d-pp-"))) / "final"
+        scratch = tempfile.mkdtemp(prefix="l4d-pp-") if trainer.global_rank == 0 else None
+        path = Path(trainer.strategy.broadcast(scratch)) / "final"
         trainer.save_checkpoint(path)
         exported = read_checkpoint(path)["state_dict"] if trainer.global_rank == 0 else None
         trainer.strategy.barrier()

@@ -27,11 +27,12 @@ def split_batch(batch: Any, n: int) -> list[Any]:
 
     apply_to_collection(batch, Tensor, check)
     if uneven:
+        shapes = ", ".join(map(str, dict.fromkeys(uneven)))
         raise ValueError(
-            f"The batch does not split into pp_microbatches={n} equal micro-batches: tensors of shape"
-            f" {', '.join(map(str, dict.fromkeys(uneven)))} have a first dimension that is not a multiple of {n}. Use a batch"
-            f" size that is a multiple of {n} (with drop_last=True in the DataLoader, so that the last batch is"
-            " full too), or set pp_microbatches to a divisor of the batch size.")
+            f"The batch does not split into pp_microbatches={n} equal micro-batches: tensors of shape {shapes}"
+            f" have a first dimension that is not a multiple of {n}. Use a batch size that is a multiple of {n}"
+            " (with drop_last=True in the DataLoader, so that the last batch is full too), or set pp_microbatches"
+            " to a divisor of the batch size.")
     pieces: dict[int, tuple[Tensor, ...]] = {}
 
     def piece(tensor: Tensor, index: int) -> Tensor:

@@ -1,0 +1,234 @@
+"""Pipeline schedules on the example GPT: step time, bubble fraction against theory, and the overhead of
+FourDStrategy against the same torch schedule driven by hand on hand-split stages.
+
+    OMP_NUM_THREADS=1 python bench/pp.py [--pp 2 4] [--steps 8] [--rounds 3]
+
+For each pipeline size the script starts itself with ``--worker`` (Lightning's launcher then starts the
+other ranks). Each rank trains the example GPT through ``Trainer(strategy=FourDStrategy(pp=...))`` for every
+schedule and micro-batch count, and, in the same processes, the same ``torch.distributed.pipelining``
+schedule class on stages cut by hand (embedding + blocks, blocks, blocks + norm + head, cross entropy as the
+schedule's loss), with the same optimizer. Step time is the median after two warm-up steps, of the slowest
+rank. The hand-driven comparison runs at ``m = 2p`` for every schedule; there the two alternate for
+``--rounds`` rounds and each keeps its best. CPU time per step (summed over ranks) is reported next to wall
+time: on a machine shared with other jobs it is the steadier measure of extra work.
+
+Bubble fraction: every rank times its stage's forward and backward calls (``PipelineStage.forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk``); the rest of the step is waiting. The measured fraction
+is ``1 - busy / step time``, averaged over ranks. Theory for GPipe and 1F1B: ``(p - 1) / (m + p - 1)``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.pipelining import PipelineStage  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from bench.common import write  # noqa: E402
+from examples.gpt import GPT  # noqa: E402
+from lightning_4d import FourDStrategy  # noqa: E402
+from lightning_4d.pipeline import SCHEDULES, PipelineConfig  # noqa: E402
+
+MODEL = dict(vocab_size=256, n_layer=8, n_head=4, n_embd=128, block_size=128)
+BATCH, SEQ = 16, 128
+WARMUP = 2
+TIMEOUT_S = 1800
+
+_busy = [0.0]  # seconds this rank spent inside its stages' forward and backward calls during the step
+
+
+def _timed(method):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _busy[0] += time.perf_counter() - start
+
+    return run
+
+
+for _name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+    setattr(PipelineStage, _name, _timed(getattr(PipelineStage, _name)))
+
+
+def _data(steps: int) -> TensorDataset:
+    tokens = torch.randint(0, MODEL["vocab_size"], (BATCH * steps, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+class _Steps(Callback):
+    """Per-step wall time, stage busy time and CPU time, after warm-up."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _busy[0] = 0.0
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx >= WARMUP:
+            self.samples.append((time.perf_counter() - self._start[0], _busy[0], time.process_time() - self._start[1]))
+
+
+def run_fourd(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
+    pl.seed_everything(0, verbose=False)
+    timer = _Steps()
+    trainer = pl.Trainer(accelerator="cpu", devices=pp, max_steps=WARMUP + steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         strategy=FourDStrategy(pp=pp, pp_schedule=schedule, pp_microbatches=micro),
+                         callbacks=[timer])
+    trainer.fit(GPT(**MODEL), DataLoader(_data(WARMUP + steps), batch_size=BATCH))
+    return timer.samples
+
+
+class _HandStage(nn.Module):
+    """One stage cut by hand, as a torchtitan-style model would be written for pipelining."""
+
+    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.tok_emb = model.tok_emb if first else None
+        self.layers = nn.ModuleList(model.layers[i] for i in blocks)
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("cos", model.cos, persistent=False)
+        self.register_buffer("sin", model.sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_emb(x) if self.first else x
+        cos, sin = self.cos[:h.size(1)], self.sin[:h.size(1)]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h)) if self.last else h
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def run_by_hand(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
+    torch.manual_seed(0)
+    model = GPT(**MODEL).model
+    config = PipelineConfig(pp, schedule, micro)
+    rank = dist.get_rank()
+    bounds = config.stage_bounds(len(model.layers))
+    local = [s for s, r in enumerate(config.stage_ranks()) if r == rank]
+    modules = [_HandStage(model, range(*bounds[s]), s == 0, s == config.num_stages - 1) for s in local]
+    stages = [PipelineStage(m, s, config.num_stages, torch.device("cpu")) for m, s in zip(modules, local)]
+    spec = config.spec
+    schedule_obj = spec.cls(stages if spec.stages_per_rank != 1 else stages[0], micro, loss_fn=_loss)
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
+    data = _data(WARMUP + steps).tensors
+    samples = []
+    for step in range(WARMUP + steps):
+        x, y = (t[step * BATCH:(step + 1) * BATCH] for t in data)
+        _busy[0] = 0.0
+        start = (time.perf_counter(), time.process_time())
+        optimizer.zero_grad()
+        schedule_obj.step(x, target=y)
+        optimizer.step()
+        if step >= WARMUP:
+            samples.append((time.perf_counter() - start[0], _busy[0], time.process_time() - start[1]))
+    return samples
+
+
+def _summary(samples: list[tuple[float, float, float]]) -> dict[str, float]:
+    """This rank's medians, then over ranks: the slowest step time, the mean bubble, the total CPU time."""
+    mine = [statistics.median(t for t, _, _ in samples), 1 - statistics.median(b / t for t, b, _ in samples),
+            statistics.median(c for _, _, c in samples)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"step_s": max(r[0] for r in everyone), "bubble": statistics.fmean(r[1] for r in everyone),
+            "cpu_s": sum(r[2] for r in everyone)}
+
+
+def theory(schedule: str, pp: int, micro: int) -> float | None:
+    return (pp - 1) / (micro + pp - 1) if schedule in ("gpipe", "1f1b") else None
+
+
+def worker(pp: int, steps: int, rounds: int, out: str) -> None:
+    rows = []
+    for schedule in SCHEDULES:
+        for micro in (pp, 2 * pp, 4 * pp):
+            try:
+                PipelineConfig(pp, schedule, micro)
+            except ValueError:
+                continue  # the schedule needs more micro-batches than this
+            runs = (("fourd", run_fourd), ("by_hand", run_by_hand)) if micro == 2 * pp else (("fourd", run_fourd),)
+            best: dict[str, dict[str, float]] = {}
+            for _ in range(rounds if micro == 2 * pp else 1):
+                for name, run in runs:
+                    result = _summary(run(pp, schedule, micro, steps))
+                    if name not in best or result["step_s"] < best[name]["step_s"]:
+                        best[name] = result
+            row = {"pp": pp, "schedule": schedule, "microbatches": micro, "theory_bubble": theory(schedule, pp, micro),
+                   **{f"{name}_{key}": value for name, result in best.items() for key, value in result.items()}}
+            if "by_hand" in best:
+                row["overhead_wall"] = best["fourd"]["step_s"] / best["by_hand"]["step_s"] - 1
+                row["overhead_cpu"] = best["fourd"]["cpu_s"] / best["by_hand"]["cpu_s"] - 1
+            rows.append(row)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| pp | schedule | m | FourD step (s) | by hand step (s) | overhead, wall | overhead, CPU |"
+             " bubble FourD | bubble by hand | bubble theory |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        hand = "by_hand_step_s" in r
+        cells = [str(r["pp"]), r["schedule"], str(r["microbatches"]), f"{r['fourd_step_s']:.3f}",
+                 f"{r['by_hand_step_s']:.3f}" if hand else "", f"{r['overhead_wall']:+.1%}" if hand else "",
+                 f"{r['overhead_cpu']:+.1%}" if hand else "", f"{r['fourd_bubble']:.2f}",
+                 f"{r['by_hand_bubble']:.2f}" if hand else "",
+                 "" if r["theory_bubble"] is None else f"{r['theory_bubble']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.pp[0], args.steps, args.rounds, args.out)
+        return
+    rows = []
+    load_before = os.getloadavg()  # other jobs on the machine slow some runs more than others
+    for pp in args.pp:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            subprocess.run([sys.executable, __file__, "--worker", "--pp", str(pp), "--steps", str(args.steps),
+                            "--rounds", str(args.rounds), "--out", str(out)], check=True, timeout=TIMEOUT_S,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+            rows += json.loads(out.read_text())
+    command = "OMP_NUM_THREADS=1 python bench/pp.py " + " ".join(sys.argv[1:])
+    path = write("pp", {"command": command.strip(), "model": MODEL, "batch": BATCH, "seq_len": SEQ,
+                        "steps": args.steps, "rounds": args.rounds, "load_average_before": load_before,
+                        "load_average_after": os.getloadavg(), "results": rows})
+    print(_table(rows))
+    print(f"\n(written to {path})")
+
+
+if __name__ == "__main__":
+    main()
