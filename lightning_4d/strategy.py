@@ -49,6 +49,9 @@ from lightning_4d.tensor_parallel import (
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
+# Modules whose initial weights were already broadcast from rank 0.
+_broadcast_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
 # The plan each module was sharded with: a later Trainer on the same module finds its plan again.
 _tensor_parallel_plans: "weakref.WeakKeyDictionary[torch.nn.Module, TensorParallelPlan]" = weakref.WeakKeyDictionary()
 
@@ -239,6 +242,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
+        self._broadcast_initial_weights()
         tp_plan = self._plan_tensor_parallel()  # on the whole model, before the pipeline cuts it
         self._setup_pipeline()
         self.model_to_device()
@@ -254,6 +258,26 @@ class FourDStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self._build_grad_buckets()
         self.setup_precision_plugin()
+
+    def _broadcast_initial_weights(self) -> None:
+        """Every rank starts from rank 0's weights, as with DDP: a module built without a common seed would
+        otherwise train a different replica on every rank, and tp/pp would cut shards from different models."""
+        module = self.lightning_module
+        if module in _broadcast_modules:
+            return  # setup runs again for validate/test/predict; the weights are in sync since the first time
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1).to(self.root_device) for t in group])
+                dist.broadcast(flat, src=0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        _broadcast_modules.add(module)
 
     def _check_pipeline(self) -> None:
         """What makes a module unfit for pipelining, found without communicating (the same on every rank)."""

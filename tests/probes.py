@@ -83,3 +83,13 @@ def rank_seeded_token_data(train: bool = True):
     inputs, labels = dataset.tensors
     order = torch.randperm(len(inputs), generator=generator)
     return torch.utils.data.TensorDataset(inputs[order], labels[order])
+
+
+def rank_seeded_classifier():
+    """A module built without a common seed: every rank starts from different random weights."""
+    import os
+
+    from tests.models import Classifier
+
+    torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
+    return Classifier()

@@ -21,6 +21,9 @@ TWO = [
     Case("dp2_bucket_per_param", **MODEL, strategy={"dp": 2, "bucket_mb": 1e-6}, max_steps=8, callbacks=COMM),
     Case("dp2_one_bucket", **MODEL, strategy={"dp": 2, "bucket_mb": 1e4}, max_steps=8, callbacks=COMM),
     Case("dp2_resumed_mid_epoch", **MODEL, strategy={"dp": 2}, max_steps=16, resume_at=12),
+    # Built without a common seed: every rank starts from rank 0's weights, as with DDP (checked by debug=True).
+    Case("dp2_unseeded", module="tests.probes:rank_seeded_classifier", data=MODEL["data"],
+         strategy={"dp": 2, "debug": True}, max_steps=4),
     # debug=True on a correct run: its checks pass and change nothing.
     Case("dp2_debug", **MODEL, strategy={"dp": 2, "debug": True, "debug_steps": 3}, max_steps=8, trainer=VALIDATE),
 ]
@@ -116,3 +119,8 @@ def test_sampler_splits_over_dp_only(four_on_two_nodes):
         assert all(view == views[0] for view in views), f"ranks of replica {replica} saw different batches"
     first, second = (set(v for step in by_replica[d][0] for v in step) for d in (0, 1))
     assert first and second and not first & second, "replicas saw overlapping samples"
+
+
+def test_unseeded_module_starts_from_rank_0_weights(two):
+    # The launch itself passing proves it: debug=True compares the replicas' weights before steps 0 to 2.
+    assert len(two["dp2_unseeded"]["losses"]) == 4

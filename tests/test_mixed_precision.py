@@ -2,8 +2,10 @@
 
 bf16 keeps 8 bits of mantissa, so two correct runs that sum in a different order differ by about 1e-2
 relative. The stated tolerances: losses within 2e-2 relative per step; for every weight tensor, the update
-(final - initial) within 10% of the single-process update in norm. A missing gradient average, a wrong
-shard or a skipped micro-batch changes the update by 50% or more, so the bound still fails on such errors.
+(final - initial) within 10% (bf16-mixed) or 25% (bf16-true) of the single-process update in norm. Under
+bf16-true the weights themselves are bf16, so an update to a weight near 1.0 (a norm gain) is rounded to
+steps of 2**-8 and differs between two correct runs by a rounding step. A missing gradient average, a wrong
+shard or a skipped micro-batch changes the update by 50% or more, so the bounds still fail on such errors.
 """
 
 import lightning.pytorch as pl
@@ -42,4 +44,5 @@ def test_bf16_matches_single_process_bf16(results, case):
         update = got["weights"][name].float() - start.float()
         reference_update = expected["weights"][name].float() - start.float()
         error = (update - reference_update).norm() / reference_update.norm().clamp_min(1e-12)
-        assert error <= 0.1, f"{case.name}: update of {name} off by {error:.3f} of its norm"
+        bound = 0.25 if case.trainer["precision"] == "bf16-true" else 0.1
+        assert error <= bound, f"{case.name}: update of {name} off by {error:.3f} of its norm"
