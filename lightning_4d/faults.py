@@ -10,6 +10,7 @@ failure, so the real traceback is what a user reads whichever rank's log they op
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -26,8 +27,12 @@ def _store():
         return None
 
 
-def report_failure(rank: int, exception: BaseException) -> None:
-    """Record this rank's failure if it is the first; otherwise print the first one (best effort)."""
+def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
+    """Record this rank's failure if it is the first; otherwise print the first one (best effort).
+
+    Rank 0 hosts the store, so it waits (at most ``linger`` seconds) until every rank has reported before
+    it exits and takes the store with it.
+    """
     store = _store()
     if store is None:
         return
@@ -35,9 +40,11 @@ def report_failure(rank: int, exception: BaseException) -> None:
         if store.add(_KEY + "/count", 1) == 1:
             text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
             store.set(_KEY, f"rank {rank} failed first:\n{text}")
-            return
-        if store.check([_KEY]):
+        elif store.check([_KEY]):
             first = store.get(_KEY).decode(errors="replace")
             print(f"[lightning-4d] rank {rank} stopped because {first}", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + linger
+        while rank == 0 and store.add(_KEY + "/count", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.1)
     except Exception:  # noqa: BLE001  the store may be gone with the rank that hosted it
         return

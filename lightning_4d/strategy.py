@@ -558,7 +558,7 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        report_failure(self.global_rank, exception)
+        report_failure(self.global_rank, exception, self.world_size)
 
     @override
     def teardown(self) -> None:

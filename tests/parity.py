@@ -196,10 +196,11 @@ class LaunchResult:
 
 
 def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: float = 240,
-           env: Optional[dict[str, str]] = None) -> tuple[list[int], str, float]:
+           env: Optional[dict[str, str]] = None, grace: float = 5) -> tuple[list[int], str, float]:
     """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables).
 
-    The first rank to fail ends all others, and ``timeout`` ends a hang: a launch never outlives its limit.
+    ``grace`` seconds after the first rank fails the others are killed, and ``timeout`` ends a hang: a launch
+    never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.)
     """
     port = free_port()
     per_node = world_size // num_nodes
@@ -221,7 +222,7 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
             break
         if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
             failed_at = now
-        if failed_at is not None and now - failed_at > 5:
+        if failed_at is not None and now - failed_at > grace:
             break  # give peers a moment to print their own error, then stop them
         time.sleep(0.1)
     for p in procs:
@@ -242,7 +243,7 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
 
 
 def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeout: float = 300,
-               workdir: Optional[str] = None) -> LaunchResult:
+               workdir: Optional[str] = None, grace: float = 5) -> LaunchResult:
     """Train every case under its layout in one launch of ``world_size`` processes.
 
     Checkpoints written by ``resume_at`` cases go to ``workdir`` (kept) or to a temporary directory.
@@ -251,7 +252,7 @@ def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeou
         spec = Path(tmp) / "cases.json"
         spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "out": tmp, "num_nodes": num_nodes}))
         returncodes, output, elapsed = launch(["-m", "tests.parity_worker", str(spec)], world_size,
-                                              num_nodes=num_nodes, timeout=timeout)
+                                              num_nodes=num_nodes, timeout=timeout, grace=grace)
         results = {}
         for case in cases:
             path = Path(tmp) / f"{case.name}.pt"

@@ -1,5 +1,7 @@
 """Callbacks that observe a distributed run from inside; the harness collects their ``parity_extras``."""
 
+import time
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -60,7 +62,7 @@ class FailOnRank(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step} at t={time.time():.3f}")
 
 
 class PerturbWeightOnRank(Callback):
