@@ -44,7 +44,6 @@ from lightning_4d.tensor_parallel import (
     apply_tensor_parallel,
     clip_grad_norm_,
     plan_tensor_parallel,
-    tensor_parallel_context,
 )
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -265,7 +264,9 @@ class FourDStrategy(ModelParallelStrategy):
         module = self.lightning_module
         if module in _broadcast_modules:
             return  # setup runs again for validate/test/predict; the weights are in sync since the first time
-        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
+        # DTensors come from a parallelization that already placed them (configure_model, an earlier Trainer).
+        tensors = [t for t in (*module.parameters(), *module.buffers())
+                   if t.device.type != "meta" and not isinstance(t, DTensor)]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)

@@ -34,7 +34,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch._ops import OpOverloadPacket
-from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 # Dense peak FLOP/s per device by name (vendor datasheets, without sparsity): (16-bit, TF32, FP32).

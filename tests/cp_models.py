@@ -9,7 +9,6 @@ import math
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.lm_models import SEQ, VOCAB, HFCausalLM, NanoGPT, NanoGPTAttention, token_data

@@ -181,6 +181,18 @@ def reference(case: Case) -> dict[str, Any]:
     return _reference_cache[key]
 
 
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that starts its own job: without the rendezvous variables an
+    in-process Trainer earlier in the session left behind (its port is still taken by this process)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -204,9 +216,8 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
     """
     port = free_port()
     per_node = world_size // num_nodes
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                PYTHONUNBUFFERED="1")
+    base = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                     PYTHONUNBUFFERED="1")
     base.update(env or {})
     logs = [tempfile.TemporaryFile() for _ in range(world_size)]
     procs = []

@@ -1,7 +1,6 @@
 """The docs cannot rot: their Python snippets run, their YAML parses into the strategy, and the API
 reference is what docs/api_reference.py generates from the docstrings."""
 
-import os
 import re
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from lightning_4d import FourDStrategy
+from tests.parity import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -31,7 +31,7 @@ def _snippets(language: str) -> list[tuple[str, str]]:
 def test_python_snippet_runs(where, code, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, f"{where}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

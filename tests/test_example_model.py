@@ -1,6 +1,5 @@
 """Single-process checks that the example model and data are sound before any parallelism."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch
 
 from examples.data import TextDataModule, read_stdlib_source
 from examples.gpt import GPT
+from tests.parity import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -90,7 +90,7 @@ def test_a_few_steps_reduce_the_loss():
 
 
 def test_cli_runs_single_process(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = child_env()
     cmd = [
         sys.executable,
         "examples/train.py",

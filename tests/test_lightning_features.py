@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
-from tests.parity import ROOT
+from tests.parity import ROOT, child_env
 
 
 def test_lightning_features_work_under_fourd(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     done = subprocess.run([sys.executable, "tests/lightning_features_script.py", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

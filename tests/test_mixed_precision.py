@@ -10,7 +10,6 @@ shard or a skipped micro-batch changes the update by 50% or more, so the bounds 
 
 import lightning.pytorch as pl
 import pytest
-import torch
 
 from tests.lm_models import tiny_gpt
 from tests.parity import Case, check_launch, reference, run_layout
