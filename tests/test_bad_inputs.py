@@ -101,3 +101,16 @@ def test_pipeline_module_that_cannot_be_split():
 def test_batch_that_does_not_split_into_microbatches():
     with pytest.raises(ValueError, match=r"does not split into pp_microbatches=4 equal micro-batches"):
         split_batch((torch.zeros(6, 3), torch.zeros(6)), 4)
+
+
+def test_fp16_grad_scaling_is_refused_before_launch():
+    # Lightning's own check for this strategy family: a GradScaler cannot follow a pipeline schedule's backward.
+    with pytest.raises(ValueError, match=r"does not support `Fabric\(\.\.\., precision='16-mixed'\)`\. Choose a"
+                                         r" different precision among: 32-true, bf16-mixed, bf16-true, 16-true"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(pp=2), precision="16-mixed")
+
+
+def test_single_machine_rendezvous_defaults_to_loopback(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(dp=2))
+    assert trainer.strategy.cluster_environment.main_address == "127.0.0.1"
