@@ -1,4 +1,8 @@
-"""One rank of a parity launch: train every case of the spec file in turn; rank 0 saves each record."""
+"""One rank of a parity launch: train every case of the spec file in turn; rank 0 saves each record.
+
+Cases under ``"failing"`` are expected to raise: every rank writes what it raised (or ``no error``) to
+``<name>.rank<r>.txt``, for the test to judge that each rank stopped with the right message.
+"""
 
 import json
 import os
@@ -13,17 +17,27 @@ from tests.parity import Case, train
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    world_size = int(os.environ["WORLD_SIZE"])
-    num_nodes = spec["num_nodes"]
-    for fields in spec["cases"]:
-        case = Case(**fields)
+    out, world_size, rank = Path(spec["out"]), int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
+    num_nodes = spec.get("num_nodes", 1)
+
+    def run(case: Case) -> dict:
         sizes = {name: case.strategy.get(name, default) for name, default in
                  (("dp", "auto"), ("pp", 1), ("cp", 1), ("tp", 1))}
         dp = ParallelDims.resolve(world_size, **sizes).dp
-        record = train(case, distributed=True, dp=dp, devices=world_size // num_nodes, num_nodes=num_nodes,
-                       workdir=spec["out"])
+        return train(case, distributed=True, dp=dp, devices=world_size // num_nodes, num_nodes=num_nodes,
+                     workdir=spec["out"])
+
+    for fields in spec["cases"]:
+        record = run(Case(**fields))
         if record["rank"] == 0:
-            torch.save(record, Path(spec["out"]) / f"{case.name}.pt")
+            torch.save(record, out / f"{fields['name']}.pt")
+    for fields in spec.get("failing", []):
+        try:
+            run(Case(**fields))
+            outcome = "no error"
+        except Exception as error:  # noqa: BLE001  recorded for the test to judge
+            outcome = f"{type(error).__name__}: {error}"
+        (out / f"{fields['name']}.rank{rank}.txt").write_text(outcome)
 
 
 if __name__ == "__main__":

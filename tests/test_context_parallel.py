@@ -7,20 +7,17 @@ sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, positi
 all-gather communication, and prediction (which runs on whole sequences). Two runs with position handling
 switched off must differ from one process, so the parity cases can tell.
 
-Process start-up dominates: one launch per world size. The 2-process launch uses this file as its worker,
-so that it can also run the cases that must fail (each on every rank) and record their errors.
+Process start-up dominates: one launch per world size. The 2-process launch also runs the cases that must
+fail (each on every rank; tests/parity_worker.py records their errors).
 """
 
 import json
-import os
-import sys
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_4d import FourDStrategy, ParallelDims
+from lightning_4d import FourDStrategy
 from lightning_4d.context_parallel import (
     check_sequence_length,
     find_position_buffers,
@@ -29,7 +26,7 @@ from lightning_4d.context_parallel import (
     sequence_paths,
 )
 from tests.cp_models import build_mask
-from tests.parity import Case, assert_parity, check_launch, launch, reference, run_layout, train
+from tests.parity import Case, assert_parity, check_launch, launch, reference, run_layout
 
 LM = dict(data="tests.lm_models:token_data", max_steps=4)
 MODELS = {"gpt": "tests.lm_models:tiny_gpt", "nanogpt": "tests.lm_models:NanoGPT",
@@ -92,32 +89,6 @@ FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
 # ------------------------------------------------------------------------------------ 2-process launch
 
 
-def worker(spec_path: str) -> None:
-    """One rank: train the parity cases (rank 0 saves records), then the failing ones (rank 0 saves errors)."""
-    spec = json.loads(Path(spec_path).read_text())
-    out, world = Path(spec["out"]), int(os.environ["WORLD_SIZE"])
-    for fields in spec["cases"]:
-        case = Case(**fields)
-        record = train(case, distributed=True, dp=_dp(case, world), devices=world)
-        if record["rank"] == 0:
-            torch.save(record, out / f"{case.name}.pt")
-    for fields in spec["failing"]:
-        case = Case(**fields)
-        try:
-            train(case, distributed=True, dp=_dp(case, world), devices=world)
-            outcome = "no error"
-        except Exception as error:  # noqa: BLE001  recorded for the test to judge
-            outcome = f"{type(error).__name__}: {error}"
-        if os.environ["RANK"] == "0":
-            (out / f"{case.name}.txt").write_text(outcome)
-
-
-def _dp(case: Case, world: int) -> int:
-    sizes = {name: case.strategy.get(name, default) for name, default in
-             (("dp", "auto"), ("pp", 1), ("cp", 1), ("tp", 1))}
-    return ParallelDims.resolve(world, **sizes).dp
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp2")
@@ -125,10 +96,10 @@ def two(tmp_path_factory):
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing],
                                 "out": str(tmp)}))
-    returncodes, output, _ = launch(["-m", "tests.test_context_parallel", str(spec)], 2, timeout=600)
+    returncodes, output, _ = launch(["-m", "tests.parity_worker", str(spec)], 2, timeout=600)
     assert returncodes == [0, 0], f"ranks failed: {returncodes}\n{output[-6000:]}"
     records = {c.name: torch.load(tmp / f"{c.name}.pt", weights_only=False) for c in cases}
-    errors = {c.name: (tmp / f"{c.name}.txt").read_text() for c in failing}
+    errors = {c.name: (tmp / f"{c.name}.rank0.txt").read_text() for c in failing}
     return records, errors
 
 
@@ -268,6 +239,3 @@ def test_position_inputs_are_found():
     with pytest.raises(ValueError, match="'cos' matches no buffer.*model.cos, model.sin"):
         find_position_buffers(gpt, ["cos"])
 
-
-if __name__ == "__main__":
-    worker(sys.argv[1])

@@ -10,12 +10,11 @@ left whole. SGD, dropout 0 (``tests/lm_models.py`` says why SGD).
 Errors (each must reach every rank, so none hangs): sizes not divisible by tp, a model with nothing to
 shard, and plans whose head count is wrong, caught by the self-check on the first batch.
 
-One launch per world size; this file is its worker, so that it can also run the cases that must fail.
+One launch per world size, which also runs the cases that must fail (tests/parity_worker.py records, on
+every rank, what each raised).
 """
 
 import json
-import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -27,10 +26,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_4d import FourDStrategy, ParallelDims
+from lightning_4d import FourDStrategy
 from lightning_4d.tensor_parallel import clip_grad_norm_, plan_tensor_parallel
 from tests.lm_models import TinyGPT, _CausalLM
-from tests.parity import Case, assert_parity, launch, reference, train
+from tests.parity import Case, assert_parity, launch, reference
 
 CLIP = {"gradient_clip_val": 0.3}
 PROBE = ["tests.test_tp_strategy:ShardingProbe"]
@@ -132,38 +131,12 @@ class MLPShardedInConfigureModel(TinyGPT):
 # ------------------------------------------------------------------------------------------ launches
 
 
-def worker(spec_path: str) -> None:
-    """One rank: train the parity cases (rank 0 saves records), then the failing ones (every rank saves its
-    error)."""
-    spec = json.loads(Path(spec_path).read_text())
-    out, world, rank = Path(spec["out"]), int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
-    for fields in spec["cases"]:
-        case = Case(**fields)
-        record = train(case, distributed=True, dp=_dp(case, world), devices=world)
-        if record["rank"] == 0:
-            torch.save(record, out / f"{case.name}.pt")
-    for fields in spec["failing"]:
-        case = Case(**fields)
-        try:
-            train(case, distributed=True, dp=_dp(case, world), devices=world)
-            outcome = "no error"
-        except Exception as error:  # noqa: BLE001  recorded for the test to judge
-            outcome = f"{type(error).__name__}: {error}"
-        (out / f"{case.name}.rank{rank}.txt").write_text(outcome)
-
-
-def _dp(case: Case, world: int) -> int:
-    sizes = {name: case.strategy.get(name, default) for name, default in
-             (("dp", "auto"), ("pp", 1), ("cp", 1), ("tp", 1))}
-    return ParallelDims.resolve(world, **sizes).dp
-
-
 def _launch(tmp: Path, world: int, cases: list[Case], failing: dict) -> tuple[dict, dict]:
     failing_cases = [case for case, _, _ in failing.values()]
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing_cases],
                                 "out": str(tmp)}))
-    returncodes, output, _ = launch(["-m", "tests.test_tp_strategy", str(spec)], world, timeout=600)
+    returncodes, output, _ = launch(["-m", "tests.parity_worker", str(spec)], world, timeout=600)
     assert returncodes == [0] * world, f"ranks failed: {returncodes}\n{output[-6000:]}"
     records = {c.name: torch.load(tmp / f"{c.name}.pt", weights_only=False) for c in cases}
     errors = {c.name: [(tmp / f"{c.name}.rank{r}.txt").read_text() for r in range(world)] for c in failing_cases}
@@ -310,6 +283,3 @@ def test_yaml_plan_none_turns_tensor_parallelism_off(tmp_path):
     assert options["tp_plan"] == "none"
     assert not plan_tensor_parallel(BodyAndHead(), 2, **options).enabled
 
-
-if __name__ == "__main__":
-    worker(sys.argv[1])
