@@ -1278,6 +1278,9 @@ class TensorParallelSelfCheck:
         for fqn in checked:
             block, replica = self.targets[fqn]
             args, kwargs = self.captured[fqn]
+            # The copy was made before sharding; a checkpoint restore or ``init_from`` has replaced the weights
+            # since. The block's state_dict is in the original layout (fused q|k|v un-permuted).
+            replica.load_state_dict({k: _full(v) for k, v in block.state_dict().items()})
             reference = self._run(replica, _full(_snapshot(args)), _full(_snapshot(kwargs)))
             try:
                 sharded = self._run(block, _snapshot(args), _snapshot(kwargs))
