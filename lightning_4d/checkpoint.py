@@ -5,7 +5,8 @@ the whole model. Tensors are keyed by their fully qualified names, which is what
 in one layout load into another.
 
 A checkpoint is written into ``<path>.partial`` and renamed to ``<path>`` only after every rank finished:
-a crash while saving leaves no directory at ``<path>`` that a resume could pick up half-written.
+a crash while saving leaves no directory at ``<path>`` that a resume could pick up half-written (nor one
+that Lightning's ``ckpt_path="last"`` or a ``*.ckpt`` glob would find: the suffix is not ``.ckpt``).
 Lightning's own metadata (loops, callbacks, schedulers) goes into ``meta.pt`` and is read back with
 ``weights_only=True``, so loading never executes code from the file.
 
@@ -39,6 +40,7 @@ from torch.optim import Optimizer
 
 META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
+REPLACED_SUFFIX = ".replaced"
 
 _pipeline_groups: "weakref.WeakKeyDictionary[nn.Module, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
 
@@ -95,9 +97,14 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, is_writer: bool) -
         torch.save(_plain(checkpoint), partial / META_FILE)
     _barrier()
     if is_writer:
+        # Overwriting (``last.ckpt``): the old checkpoint steps aside before the new one takes its name, so a
+        # crash here leaves a complete checkpoint under one of the two names, never a half-deleted one.
+        replaced = path.with_name(path.name + REPLACED_SUFFIX)
         if path.exists():
-            remove(path)
+            remove(replaced)
+            path.rename(replaced)
         partial.rename(path)
+        remove(replaced)
     _barrier()
 
 
@@ -197,9 +204,9 @@ class _Shape:
 def remove(path: str | os.PathLike) -> None:
     """Delete a checkpoint directory (or a single file)."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    elif path.exists():
+    elif path.exists() or path.is_symlink():
         path.unlink()
 
 

@@ -42,6 +42,8 @@ class Case:
     seed: int = 1234
     callbacks: list[str] = field(default_factory=list)  # "module:factory" probes with parity_extras(trainer)
     resume_at: Optional[int] = None  # checkpoint at this step, then resume from it in a new Trainer
+    save_last: bool = False  # the ModelCheckpoint also keeps ``last.ckpt``
+    resume_from: Optional[str] = None  # fit(ckpt_path=...): a checkpoint saved elsewhere, or "last"
 
 
 def _load(spec: str) -> Any:
@@ -127,8 +129,9 @@ def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_n
 
     With ``resume_at``, the run also writes a checkpoint at that step (ModelCheckpoint), and a second Trainer
     resumes from it: the record holds the resumed run, with the uninterrupted one under ``extras``.
+    With ``resume_from``, the run starts from that checkpoint and the record holds only the steps after it.
     """
-    record = _fit(case, distributed, dp, devices, num_nodes, workdir)
+    record = _fit(case, distributed, dp, devices, num_nodes, workdir, ckpt_path=case.resume_from)
     if case.resume_at is None:
         return record
     ckpt = next(Path(workdir).glob(f"{case.name}/*step={case.resume_at}.ckpt"))
@@ -148,9 +151,9 @@ def _fit(case, distributed, dp, devices, num_nodes, workdir, ckpt_path=None) -> 
     module = _load(case.module)(**case.module_kwargs)
     recorder = Recorder()
     trainer = make_trainer(case, distributed=distributed, devices=devices, num_nodes=num_nodes, recorder=recorder)
-    if workdir and case.resume_at:
+    if workdir and (case.resume_at or case.save_last):
         trainer.callbacks.append(ModelCheckpoint(dirpath=Path(workdir) / case.name, save_top_k=-1,
-                                                 every_n_train_steps=case.resume_at))
+                                                 every_n_train_steps=case.resume_at, save_last=case.save_last))
     train_loader, val_loader = dataloaders(case, dp, distributed)
     fit_kwargs = {"val_dataloaders": val_loader} if case.trainer.get("limit_val_batches") else {}
     trainer.fit(module, train_loader, ckpt_path=ckpt_path, **fit_kwargs)
@@ -173,7 +176,7 @@ _reference_cache: dict[str, dict[str, Any]] = {}
 
 def reference(case: Case) -> dict[str, Any]:
     """Single-process run of ``case`` (cached: several layouts compare against one reference)."""
-    case = replace(case, resume_at=None, callbacks=[])
+    case = replace(case, resume_at=None, save_last=False, resume_from=None, callbacks=[])
     key = json.dumps({k: v for k, v in asdict(case).items() if k not in ("name", "strategy", "callbacks")},
                      sort_keys=True, default=str)
     if key not in _reference_cache:
@@ -270,6 +273,12 @@ def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeou
             if path.exists():
                 results[case.name] = torch.load(path, weights_only=False)
     return LaunchResult(returncodes, output, elapsed, results)
+
+
+def after_step(record: dict[str, Any], step: int) -> dict[str, Any]:
+    """The part of a run after ``step``: what a run resumed from a checkpoint taken at ``step`` records."""
+    return dict(record, losses=record["losses"][step:], logged=record["logged"][step:],
+                epochs=[e for e in record["epochs"] if e["global_step"] > step])
 
 
 def assert_parity(case: Case, expected: dict[str, Any], got: dict[str, Any], *, rtol: float = 1e-5,

@@ -95,3 +95,28 @@ def rank_seeded_classifier():
 
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
     return Classifier()
+
+
+class DieWhileSaving(Callback):
+    """Rank 1 is killed (SIGKILL) while writing its shard of the third checkpoint save: half a file on disk."""
+
+    def on_fit_start(self, trainer, pl_module):
+        if trainer.global_rank != 1:
+            return
+        import itertools
+        import os
+        import signal
+        from pathlib import Path
+
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        original, saves = FileSystemWriter.write_data, itertools.count(1)
+
+        def write_data(writer, plan, planner):
+            if next(saves) == 3:
+                (Path(writer.path) / "__1_0.distcp").write_bytes(b"\0" * 1000)
+                print(f"killing rank 1 while it writes {writer.path}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(writer, plan, planner)
+
+        FileSystemWriter.write_data = write_data

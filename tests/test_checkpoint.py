@@ -1,7 +1,9 @@
-"""Checkpoints: export to one plain file, start from plain weights, refuse what does not fit."""
+"""Checkpoints: export to one plain file, start from plain weights, refuse what does not fit, survive a crash
+while saving. (Resharding across layouts: tests/test_resharding.py.)"""
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import pytest
@@ -11,7 +13,8 @@ from torch.utils.data import DataLoader
 from lightning_4d import FourDStrategy, checkpoint
 from lightning_4d.export import export_checkpoint
 from tests.models import Classifier, classification_data
-from tests.parity import ROOT, Case, check_launch, run_layout
+from tests.lm_models import tiny_gpt
+from tests.parity import ROOT, Case, after_step, assert_parity, check_launch, reference, run_layout, train
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +82,29 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
     with pytest.raises(Exception, match="Weights only load failed"):
         checkpoint.load_weights(tmp_path / "evil.ckpt", Classifier())
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
+    """tp=2, a checkpoint every 2 steps plus last.ckpt. Rank 1 is killed (SIGKILL) while it writes its shard of
+    step 4: the step-2 checkpoints stay complete; the half-written one is a ``.partial`` directory that neither
+    ``ckpt_path="last"`` nor a ``*.ckpt`` glob finds, and that cannot be loaded by mistake. Resuming from
+    "last" in one process continues as the uninterrupted single-process run (1e-5)."""
+    case = Case("killed", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data",
+                strategy={"tp": 2}, max_steps=6, resume_at=2, save_last=True,
+                callbacks=["tests.probes:DieWhileSaving"])
+    result = run_layout([case], 2, timeout=240, workdir=str(tmp_path), grace=60)
+    assert "killing rank 1 while it writes" in result.output, result.output[-4000:]
+    assert result.returncodes[1] == -9 and result.returncodes[0] > 0, (result.returncodes, result.output[-4000:])
+
+    folder = tmp_path / "killed"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt.partial",
+                                                        "last.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    half_written = folder / "epoch=0-step=4.ckpt.partial"
+    assert (half_written / "__1_0.distcp").stat().st_size == 1000 and not (half_written / checkpoint.META_FILE).exists()
+    with pytest.raises(FileNotFoundError, match="interrupted save and cannot be resumed from"):
+        checkpoint.load(half_written, tiny_gpt(), [])
+
+    resumed = train(replace(case, strategy={}, max_steps=4, resume_at=None, resume_from="last", callbacks=[]),
+                    distributed=True, workdir=str(tmp_path))
+    assert_parity(case, after_step(reference(replace(case, max_steps=4)), 2), resumed)

@@ -1,0 +1,116 @@
+"""A checkpoint saved in one layout resumes in another, optimizer state included, as one process would go on.
+
+Layout pairs (dp x pp x cp x tp): one process -> 2x2x1x2, 2x2x1x2 -> 1x1x2x2, 2x2x1x2 -> one process. The model
+is the Hugging Face Llama from a tiny config (grouped K/V heads, sharded by kv-head under tensor parallelism),
+trained with SGD, momentum 0.9: a resume that lost or misplaced a momentum buffer would move its weights by a
+step's worth, far outside the 1e-5 bound. Every resumed run is compared with the uninterrupted single-process
+run after the checkpointed step: losses and logged train_loss per step within 1e-5 relative, final weights
+within 1e-5 + 1e-5*|w|.
+"""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lightning_4d import checkpoint
+from lightning_4d.export import export_checkpoint
+from tests.lm_models import HFCausalLM, token_data
+from tests.parity import ROOT, Case, after_step, assert_parity, check_launch, reference, run_layout, train
+
+SAVE = 2
+LLAMA = Case("llama", module="tests.lm_models:HFCausalLM", data="tests.lm_models:token_data",
+             module_kwargs={"kind": "llama"}, batch_size=8, max_steps=4)
+A = {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
+B = {"dp": 1, "pp": 1, "cp": 2, "tp": 2}
+
+
+def _case(name: str, **fields) -> Case:
+    return replace(LLAMA, name=name, **fields)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("reshard")
+    ckpt = lambda name: str(workdir / name / f"epoch=0-step={SAVE}.ckpt")  # noqa: E731
+    # One process (FourDStrategy on one device), here: saves at step 2 and resumes from it in a new Trainer.
+    records = {"one": train(_case("one", resume_at=SAVE), distributed=True, workdir=str(workdir))}
+
+    eight = [_case("A", strategy=A, resume_at=SAVE), _case("one_to_A", strategy=A, resume_from=ckpt("one"))]
+    result = run_layout(eight, 8, timeout=420, workdir=str(workdir))
+    check_launch(result, eight)
+    records.update(result.results)
+
+    # The 2x2x1x2 checkpoint as one plain file: starts training, without optimizer state, in 1x1x2x2 and in
+    # one process; the two runs must agree with each other.
+    plain = export_checkpoint(ckpt("A"), workdir / "A.ckpt")
+    from_plain = dict(max_steps=SAVE)
+    four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")),
+            _case("plain_to_B", strategy=dict(B, init_from=str(plain)), **from_plain)]
+    result = run_layout(four, 4, timeout=300, workdir=str(workdir))
+    check_launch(result, four)
+    records.update(result.results)
+    records["A_to_one"] = train(_case("A_to_one", resume_from=ckpt("A")), distributed=True)
+    records["plain_to_one"] = train(_case("plain_to_one", strategy={"init_from": str(plain)}, **from_plain),
+                                    distributed=True)
+    return workdir, ckpt, records
+
+
+@pytest.mark.parametrize("name", ["one_to_A", "A_to_B", "A_to_one"])
+def test_a_checkpoint_resumes_in_another_layout_as_one_process_goes_on(runs, name):
+    _, _, records = runs
+    assert_parity(_case(name), after_step(reference(LLAMA), SAVE), records[name])
+
+
+@pytest.mark.parametrize("name", ["one", "A"])
+def test_resume_in_the_same_layout_is_exact(runs, name):
+    _, _, records = runs
+    resumed, uninterrupted = records[name], records[name]["extras"]["uninterrupted"]
+    assert resumed["losses"] == uninterrupted["losses"]
+    for key, value in uninterrupted["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+    assert_parity(_case(name), reference(LLAMA), resumed)
+
+
+def test_optimizer_state_of_a_sharded_checkpoint_loads_into_one_process(runs):
+    """The 2x2x1x2 checkpoint (TP shards, two pipeline stages) and the one-process checkpoint, both at step 2,
+    load into one plain process with the same weights and momentum buffers."""
+    _, ckpt, _ = runs
+    loaded = {}
+    for name in ("A", "one"):
+        module = HFCausalLM(kind="llama")
+        optimizer = module.configure_optimizers()
+        assert checkpoint.load(ckpt(name), module, [optimizer])["global_step"] == SAVE
+        loaded[name] = module, {n: optimizer.state[p]["momentum_buffer"] for n, p in module.named_parameters()}
+    (sharded, sharded_momentum), (single, single_momentum) = loaded["A"], loaded["one"]
+    torch.testing.assert_close(sharded.state_dict(), single.state_dict(), rtol=1e-5, atol=1e-5)
+    assert set(sharded_momentum) == {name for name, _ in single.named_parameters()}
+    torch.testing.assert_close(sharded_momentum, single_momentum, rtol=1e-5, atol=1e-5)
+    assert all(buffer.abs().sum() > 0 for buffer in single_momentum.values())
+
+
+def test_plain_weights_start_training_in_a_layout_as_in_one_process(runs):
+    _, _, records = runs
+    assert_parity(_case("plain_to_B"), records["plain_to_one"], records["plain_to_B"])
+
+
+def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(runs, tmp_path):
+    _, ckpt, _ = runs
+    trained = HFCausalLM(kind="llama")
+    checkpoint.load_weights(ckpt("A"), trained)
+    tokens = token_data(train=False).tensors[0]
+
+    module = HFCausalLM(kind="llama")
+    module.load_state_dict(torch.load(export_checkpoint(ckpt("A"), tmp_path / "m.ckpt"), weights_only=True)["state_dict"])
+    assert torch.equal(module(tokens), trained(tokens))
+
+    done = subprocess.run([sys.executable, "-m", "lightning_4d.export", ckpt("A"), str(tmp_path / "hf"), "--hf",
+                           "--module", "tests.lm_models.HFCausalLM"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(hf(input_ids=tokens).logits, trained(tokens))
