@@ -46,13 +46,11 @@ def fingerprint(tensor: Tensor) -> tuple[float, float]:
     return float(data.sum()), float((data * weights).sum())
 
 
-def _gather(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, obj, group=group)
-    return everyone
-
-
-def _first_mismatch(per_rank: list[dict[str, Any]], ranks: list[int]) -> Optional[str]:
+def _first_mismatch(fingerprints: dict[str, Any], group: dist.ProcessGroup) -> Optional[str]:
+    """Collective over ``group``: the first entry whose fingerprint differs between its ranks, described."""
+    per_rank: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(per_rank, fingerprints, group=group)
+    ranks = dist.get_process_group_ranks(group)
     reference = per_rank[0]
     for rank, fingerprints in zip(ranks[1:], per_rank[1:]):
         for name in reference:
@@ -69,8 +67,7 @@ def check_batch(batch: Any, replica_group: dist.ProcessGroup) -> None:
     leaves, _ = tree_flatten_with_path(batch)
     fingerprints = {keystr(path) or "batch": (tuple(leaf.shape), fingerprint(leaf))
                     for path, leaf in leaves if isinstance(leaf, Tensor)}
-    ranks = dist.get_process_group_ranks(replica_group)
-    problem = _first_mismatch(_gather(fingerprints, replica_group), ranks)
+    problem = _first_mismatch(fingerprints, replica_group)
     if problem:
         raise DesyncError(
             f"Ranks of one data-parallel replica received different batches: batch entry {problem}."
@@ -91,11 +88,10 @@ def check_replicas(module: nn.Module, groups: dict[str, dist.ProcessGroup]) -> N
     for label, group in groups.items():
         fingerprints = {name: fingerprint(t) for name, t in named.items()
                         if label == "shards" or not isinstance(t, DTensor)}
-        ranks = dist.get_process_group_ranks(group)
-        problem = _first_mismatch(_gather(fingerprints, group), ranks)
+        problem = _first_mismatch(fingerprints, group)
         if problem:
             raise DesyncError(
-                f"Replicated weights diverged ({label} group {ranks}): {problem}. Something changed weights on"
+                f"Replicated weights diverged ({label} group {dist.get_process_group_ranks(group)}): {problem}. Something changed weights on"
                 " one rank only (an in-place edit in a hook, a rank-dependent init, a skipped gradient sync)."
             )
 
