@@ -11,6 +11,7 @@ within 1e-5 + 1e-5*|w|.
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,15 @@ def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(ru
 
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(hf(input_ids=tokens).logits, trained(tokens))
+
+
+def test_no_rank_writes_the_whole_model(runs):
+    """2x2x1x2: each rank holds a quarter of the weights (two tp shards of one of two stages) and writes at
+    most that; a replicated tensor (dp peers, norms shared by tp peers) is written by one rank only."""
+    _, ckpt, _ = runs
+    files = sorted(Path(ckpt("A")).glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    single = sum(f.stat().st_size for f in Path(ckpt("one")).glob("*.distcp"))  # weights + momentum, whole
+    assert len(files) >= 4, files
+    assert max(sizes) < 0.4 * single, (sizes, single)
+    assert sum(sizes) < 1.2 * single, (sizes, single)  # replicas are not written once per replica
