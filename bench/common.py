@@ -1,16 +1,30 @@
-"""Pieces every benchmark shares: a step timer, the machine description, and where results go."""
+"""Pieces every benchmark shares: a step timer, trainers and data, worker processes, peak memory on CPU,
+the machine description, and where results go."""
 
+import argparse
 import json
+import math
 import os
 import platform
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import TensorDataset
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# ``BENCH_RESULTS`` redirects results (``python -m bench --quick`` keeps its smoke-size figures apart).
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+# Taken when a benchmark starts (its first import of this module): the machine is shared, so every result
+# records how busy it was before and after.
+LOAD_AT_START = os.getloadavg()
 
 
 class StepTimer(Callback):
@@ -33,6 +47,122 @@ class StepTimer(Callback):
         return statistics.median(self.times)
 
 
+def accelerator(devices: int) -> str:
+    """``BENCH_ACCELERATOR`` (``cpu`` or ``gpu``, which ``python -m bench`` sets for each pass), else ``gpu``
+    when there is one GPU per process, else ``cpu`` (gloo)."""
+    return os.environ.get("BENCH_ACCELERATOR") or ("gpu" if torch.cuda.device_count() >= devices else "cpu")
+
+
+def quiet_trainer(**kwargs) -> pl.Trainer:
+    """A Trainer that measures only training: no logger, checkpoints, progress bar or summary."""
+    return pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+def random_tokens(samples: int, seq: int, vocab: int) -> TensorDataset:
+    """``(input_ids, labels)`` pairs of random tokens, the same on every rank and every run."""
+    tokens = torch.randint(0, vocab, (samples, seq + 1), generator=torch.Generator().manual_seed(0))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def run_worker(script: str, args: list[str], timeout: float, env: dict | None = None) -> object:
+    """Run ``script --worker ... --out FILE`` in a fresh process (Lightning's launcher there starts the other
+    ranks of its Trainer) and return the JSON its rank 0 wrote to FILE."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        subprocess.run([sys.executable, script, "--worker", *args, "--out", str(out)], check=True, timeout=timeout,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+        return json.loads(out.read_text())
+
+
+def run_layouts(script: str, specs: list[str], args: list[str], timeout: float, env: dict | None = None) -> list:
+    """Rows of every layout in ``specs``: one ``script --worker --layouts ... --processes N`` launch per process
+    count, its layouts one Trainer after another."""
+    rows = []
+    for count, group in by_processes(specs).items():
+        rows += run_worker(script, ["--layouts", *group, "--processes", str(count), *args], timeout, env)
+    return rows
+
+
+def layout_parser(layouts: list[str], steps: int) -> argparse.ArgumentParser:
+    """Arguments of a script measured through ``run_layouts``: its layouts and steps, and its workers'."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", nargs="+", default=layouts)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--out", default="")
+    return parser
+
+
+def write_rows(rows: list, out: str) -> None:
+    """A worker's result, written once (by rank 0)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+class PeakMemory:
+    """Peak memory of this process since ``start()``, above what it held then.
+
+    On CUDA: ``max_memory_allocated``. On CPU torch has no allocator statistics, so it is the resident-set
+    high-water mark (``VmHWM``, restarted through ``/proc/self/clear_refs``) minus the resident set at the
+    start. glibc keeps freed memory in its heap unless the process runs with a fixed mmap threshold
+    (``CPU_MALLOC_ENV``), with which freed tensors go back to the system and the resident set follows live
+    tensors.
+    """
+
+    CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.baseline = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            return
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        self.baseline = self._status("VmRSS")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return self._status("VmHWM") - self.baseline
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as status:
+            for line in status:
+                name, value = line.split(":", 1)
+                if name == key:
+                    return int(value.split()[0]) * 1024
+        raise KeyError(key)
+
+
+def layout(spec: str) -> dict[str, int]:
+    """``"dp2pp2tp2"`` -> ``{"dp": 2, "pp": 2, "tp": 2}``; ``"single"`` -> ``{}`` (one process)."""
+    if spec == "single":
+        return {}
+    parts = re.fullmatch(r"((dp|pp|cp|tp)\d+)+", spec) and re.findall(r"(dp|pp|cp|tp)(\d+)", spec)
+    if not parts:
+        raise ValueError(f"layout {spec!r}: write it as 'single' or like 'dp2pp2cp2tp2'")
+    return {dim: int(size) for dim, size in parts}
+
+
+def processes(spec: str) -> int:
+    return math.prod(layout(spec).values())
+
+
+def by_processes(specs: list[str]) -> dict[int, list[str]]:
+    """Layouts grouped by process count: one launch of that many processes runs every layout of a group."""
+    groups: dict[int, list[str]] = {}
+    for spec in specs:
+        groups.setdefault(processes(spec), []).append(spec)
+    return groups
+
+
 def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
@@ -42,8 +172,19 @@ def machine() -> dict:
     }
 
 
+def command(script: str) -> str:
+    """The command line that reproduces this run."""
+    return f"OMP_NUM_THREADS=1 python bench/{script} " + " ".join(sys.argv[1:])
+
+
+def result_path(name: str) -> Path:
+    """``results/NAME.json``; ``NAME_gpu.json`` in the GPU pass of ``python -m bench``, which keeps the CPU's."""
+    return RESULTS / f"{name}{'_gpu' if os.environ.get('BENCH_ACCELERATOR') == 'gpu' else ''}.json"
+
+
 def write(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
+    path = result_path(name)
+    loads = {"load_average_before": LOAD_AT_START, "load_average_after": os.getloadavg()}
+    path.write_text(json.dumps({"machine": machine(), **loads, **payload}, indent=2))
     return path

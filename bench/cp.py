@@ -1,11 +1,14 @@
-"""Context-parallel attention at a long sequence: peak memory per rank and time, against one process.
+"""Context-parallel attention over a sweep of sequence lengths: peak memory per rank and time, against one
+process.
 
-    OMP_NUM_THREADS=1 python bench/cp.py [--seq 16384] [--cp 4] [--heads 4] [--head-dim 64] [--iters 2]
+    OMP_NUM_THREADS=1 python bench/cp.py [--seq 16384 ...] [--cp 4 ...] [--variants single ring allgather]
+                                         [--heads 4] [--head-dim 64] [--iters 2] [--name cp]
 
-One causal attention call, forward and backward, over ``--seq`` tokens ([1, heads, seq, head_dim], fp32):
-computed by one process with ``F.scaled_dot_product_attention``, and by ``--cp`` processes (gloo) each holding
-``seq / cp`` tokens with ring attention, ``comm="ring"`` and ``comm="allgather"``. Every variant runs in
-fresh processes.
+For every ``--seq``, one causal attention call, forward and backward, over that many tokens
+([1, heads, seq, head_dim], fp32): computed by one process with ``F.scaled_dot_product_attention``, and for
+every ``--cp`` by that many processes (gloo) each holding ``seq / cp`` tokens with ring attention,
+``comm="ring"`` and ``comm="allgather"``. Every variant runs in fresh processes. Results go to
+``bench/results/NAME.json``.
 
 Memory is the peak of tensor storage alive at once on a rank during one forward+backward, counted by a
 dispatch mode from the inputs on (q, k, v and the output gradient, the output, log-sum-exp, gradients,
@@ -37,7 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
-from bench.common import write  # noqa: E402
+from bench.common import command, write  # noqa: E402
+from bench.report import table  # noqa: E402
 from lightning_4d.ring_attention import ring_attention  # noqa: E402
 
 VARIANTS = ("single", "ring", "allgather")
@@ -143,8 +147,9 @@ def run_variant(variant: str, world: int, argv: list[str], tmp: Path) -> list[di
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--seq", type=int, nargs="+", default=[16384])
+    parser.add_argument("--cp", type=int, nargs="+", default=[4])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=2)
@@ -152,38 +157,37 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--name", default="cp")
     args = parser.parse_args()
     if args.worker:
+        args.seq = args.seq[0]
         worker(args.worker, args.rank, args.world, args, args.out)
         return
-    if args.seq % (2 * args.cp):
-        raise SystemExit(f"--seq {args.seq} must be a multiple of 2*cp = {2 * args.cp}")
+    for seq in args.seq:
+        for cp in args.cp:
+            if seq % (2 * cp):
+                raise SystemExit(f"--seq {seq} must be a multiple of 2*cp = {2 * cp}")
 
-    argv = ["--seq", str(args.seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-            "--iters", str(args.iters)]
-    rows = {}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in VARIANTS:
-            world = 1 if variant == "single" else args.cp
-            ranks = run_variant(variant, world, argv, Path(tmp))
-            rows[variant] = {"processes": world, "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
+        for seq in args.seq:
+            argv = ["--seq", str(seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
+                    "--iters", str(args.iters)]
+            runs = [(variant, 1 if variant == "single" else cp) for variant in args.variants
+                    for cp in ([1] if variant == "single" else args.cp)]
+            for variant, world in runs:
+                ranks = run_variant(variant, world, argv, Path(tmp))
+                rows.append({"seq": seq, "variant": variant, "processes": world,
+                             "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
                              "wall_s": max(r["wall_s"] for r in ranks),
-                             "cpu_s_per_rank": max(r["cpu_s"] for r in ranks)}
-    single = rows["single"]
-    for row in rows.values():
-        row["memory_vs_single"] = row["peak_mib_per_rank"] / single["peak_mib_per_rank"]
-    command = "OMP_NUM_THREADS=1 python bench/cp.py " + " ".join(sys.argv[1:])
-    path = write(f"cp{args.cp}_seq{args.seq}", {"command": command, "seq": args.seq, "cp": args.cp, "heads": args.heads,
-                        "head_dim": args.head_dim, "iters": args.iters, "variants": rows})
-    names = {"single": "one process, F.scaled_dot_product_attention", "ring": f"cp={args.cp}, ring",
-             "allgather": f"cp={args.cp}, all-gather"}
-    print(f"\nCausal attention forward+backward, {args.seq} tokens, {args.heads} heads x {args.head_dim}, fp32"
-          f" ({command}; {path}):\n")
-    print("| attention | peak memory per rank (MiB) | vs one process | wall time (s) | CPU time per rank (s) |")
-    print("|---|---|---|---|---|")
-    for variant, row in rows.items():
-        print(f"| {names[variant]} | {row['peak_mib_per_rank']:.1f} | {row['memory_vs_single']:.2f}x"
-              f" | {row['wall_s']:.2f} | {row['cpu_s_per_rank']:.2f} |")
+                             "cpu_s_per_rank": max(r["cpu_s"] for r in ranks)})
+    for row in rows:
+        single = [r for r in rows if r["seq"] == row["seq"] and r["variant"] == "single"]
+        if single:
+            row["memory_vs_single"] = row["peak_mib_per_rank"] / single[0]["peak_mib_per_rank"]
+    payload = {"command": command("cp.py"), "heads": args.heads, "head_dim": args.head_dim, "iters": args.iters,
+               "results": rows}
+    print(table("cp", payload), f"\n(written to {write(args.name, payload)})")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import StepTimer, write  # noqa: E402
+from bench.common import StepTimer, accelerator, command, quiet_trainer, random_tokens, write  # noqa: E402
+from bench.report import table  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 
@@ -29,11 +29,10 @@ BATCH, SEQ = 8, 128
 def run(strategy, steps: int, accelerator: str) -> tuple[float, float]:
     pl.seed_everything(0, verbose=False)
     model = GPT(**MODEL)
-    tokens = torch.randint(0, 256, (BATCH * 2 * (steps + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH, shuffle=True)
+    data = DataLoader(random_tokens(BATCH * 2 * (steps + 1), SEQ, MODEL["vocab_size"]), batch_size=BATCH,
+                      shuffle=True)
     timer = StepTimer()
-    trainer = pl.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(accelerator=accelerator, devices=2, strategy=strategy, max_steps=steps)
     trainer.callbacks.append(timer)
     trainer.fit(model, data)
     return timer.median, trainer.global_rank
@@ -44,26 +43,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    accelerator = "gpu" if torch.cuda.device_count() >= 2 else "cpu"
+    device = accelerator(2)
     times = {"Lightning DDPStrategy": [], "FourDStrategy(dp=2)": []}
     rank = 0
     for _ in range(args.rounds):
         for name in times:
             strategy = DDPStrategy() if name.startswith("Lightning") else FourDStrategy(dp=2)
-            median, rank = run(strategy, args.steps, accelerator)
+            median, rank = run(strategy, args.steps, device)
             times[name].append(median)
     if rank != 0:
         return
     tokens_per_step = 2 * BATCH * SEQ
     rows = {name: {"step_s": min(t), "tokens_per_s": tokens_per_step / min(t)} for name, t in times.items()}
     ratio = rows["FourDStrategy(dp=2)"]["step_s"] / rows["Lightning DDPStrategy"]["step_s"]
-    path = write("dp", {"command": "OMP_NUM_THREADS=1 python bench/dp.py " + " ".join(sys.argv[1:]),
-                        "model": MODEL, "batch_per_rank": BATCH, "seq_len": SEQ, "accelerator": accelerator,
-                        "results": rows, "fourd_over_ddp_step_time": ratio})
-    print("| strategy | step time (s) | tokens/s |\n|---|---|---|")
-    for name, row in rows.items():
-        print(f"| {name} | {row['step_s']:.4f} | {row['tokens_per_s']:.0f} |")
-    print(f"\nFourD / DDP step time: {ratio:.3f}  (written to {path})")
+    payload = {"command": command("dp.py"), "model": MODEL, "batch_per_rank": BATCH, "seq_len": SEQ,
+               "accelerator": device, "results": rows, "fourd_over_ddp_step_time": ratio}
+    print(table("dp", payload), f"\n(written to {write('dp', payload)})")
 
 
 if __name__ == "__main__":

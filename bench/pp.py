@@ -1,7 +1,7 @@
 """Pipeline schedules on the example GPT: step time, bubble fraction against theory, and the overhead of
 FourDStrategy against the same torch schedule driven by hand on hand-split stages.
 
-    OMP_NUM_THREADS=1 python bench/pp.py [--pp 2 4] [--steps 8] [--rounds 3]
+    OMP_NUM_THREADS=1 python bench/pp.py [--pp 2 4] [--steps 8] [--rounds 3] [--schedules gpipe 1f1b ...]
 
 For each pipeline size the script starts itself with ``--worker`` (Lightning's launcher then starts the
 other ranks). Each rank trains the example GPT through ``Trainer(strategy=FourDStrategy(pp=...))`` for every
@@ -18,14 +18,10 @@ is ``1 - busy / step time``, averaged over ranks. Theory for GPipe and 1F1B: ``(
 """
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,7 +34,8 @@ from torch import nn  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from bench.common import write  # noqa: E402
+from bench.common import command, quiet_trainer, random_tokens, run_worker, write, write_rows  # noqa: E402
+from bench.report import table  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.pipeline import SCHEDULES, PipelineConfig  # noqa: E402
@@ -67,8 +64,7 @@ for _name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_ch
 
 
 def _data(steps: int) -> TensorDataset:
-    tokens = torch.randint(0, MODEL["vocab_size"], (BATCH * steps, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return random_tokens(BATCH * steps, SEQ, MODEL["vocab_size"])
 
 
 class _Steps(Callback):
@@ -89,10 +85,8 @@ class _Steps(Callback):
 def run_fourd(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
     pl.seed_everything(0, verbose=False)
     timer = _Steps()
-    trainer = pl.Trainer(accelerator="cpu", devices=pp, max_steps=WARMUP + steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         strategy=FourDStrategy(pp=pp, pp_schedule=schedule, pp_microbatches=micro),
-                         callbacks=[timer])
+    trainer = quiet_trainer(accelerator="cpu", devices=pp, max_steps=WARMUP + steps, callbacks=[timer],
+                            strategy=FourDStrategy(pp=pp, pp_schedule=schedule, pp_microbatches=micro))
     trainer.fit(GPT(**MODEL), DataLoader(_data(WARMUP + steps), batch_size=BATCH))
     return timer.samples
 
@@ -163,9 +157,9 @@ def theory(schedule: str, pp: int, micro: int) -> float | None:
     return (pp - 1) / (micro + pp - 1) if schedule in ("gpipe", "1f1b") else None
 
 
-def worker(pp: int, steps: int, rounds: int, out: str) -> None:
+def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> None:
     rows = []
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         for micro in (pp, 2 * pp, 4 * pp):
             try:
                 PipelineConfig(pp, schedule, micro)
@@ -184,22 +178,7 @@ def worker(pp: int, steps: int, rounds: int, out: str) -> None:
                 row["overhead_wall"] = best["fourd"]["step_s"] / best["by_hand"]["step_s"] - 1
                 row["overhead_cpu"] = best["fourd"]["cpu_s"] / best["by_hand"]["cpu_s"] - 1
             rows.append(row)
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(rows))
-
-
-def _table(rows: list[dict]) -> str:
-    lines = ["| pp | schedule | m | FourD step (s) | by hand step (s) | overhead, wall | overhead, CPU |"
-             " bubble FourD | bubble by hand | bubble theory |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        hand = "by_hand_step_s" in r
-        cells = [str(r["pp"]), r["schedule"], str(r["microbatches"]), f"{r['fourd_step_s']:.3f}",
-                 f"{r['by_hand_step_s']:.3f}" if hand else "", f"{r['overhead_wall']:+.1%}" if hand else "",
-                 f"{r['overhead_cpu']:+.1%}" if hand else "", f"{r['fourd_bubble']:.2f}",
-                 f"{r['by_hand_bubble']:.2f}" if hand else "",
-                 "" if r["theory_bubble"] is None else f"{r['theory_bubble']:.2f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    write_rows(rows, out)
 
 
 def main() -> None:
@@ -207,27 +186,20 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.worker:
-        worker(args.pp[0], args.steps, args.rounds, args.out)
+        worker(args.pp[0], args.steps, args.rounds, args.schedules, args.out)
         return
     rows = []
-    load_before = os.getloadavg()  # other jobs on the machine slow some runs more than others
     for pp in args.pp:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rows.json"
-            subprocess.run([sys.executable, __file__, "--worker", "--pp", str(pp), "--steps", str(args.steps),
-                            "--rounds", str(args.rounds), "--out", str(out)], check=True, timeout=TIMEOUT_S,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-            rows += json.loads(out.read_text())
-    command = "OMP_NUM_THREADS=1 python bench/pp.py " + " ".join(sys.argv[1:])
-    path = write("pp", {"command": command.strip(), "model": MODEL, "batch": BATCH, "seq_len": SEQ,
-                        "steps": args.steps, "rounds": args.rounds, "load_average_before": load_before,
-                        "load_average_after": os.getloadavg(), "results": rows})
-    print(_table(rows))
-    print(f"\n(written to {path})")
+        rows += run_worker(__file__, ["--pp", str(pp), "--steps", str(args.steps), "--rounds", str(args.rounds),
+                                      "--schedules", *args.schedules], TIMEOUT_S)
+    payload = {"command": command("pp.py"), "model": MODEL, "batch": BATCH, "seq_len": SEQ, "steps": args.steps,
+               "rounds": args.rounds, "results": rows}
+    print(table("pp", payload), f"\n(written to {write('pp', payload)})")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import StepTimer, write  # noqa: E402
+from bench.common import StepTimer, accelerator, command, quiet_trainer, random_tokens, write  # noqa: E402
+from bench.report import table  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 
@@ -82,11 +82,9 @@ def run(name: str, steps: int, accelerator: str) -> tuple[CpuStepTimer, float, i
                                                                           tensor_parallel_size=2)
     else:
         model, strategy = GPT(**MODEL), FourDStrategy(tp=2)
-    tokens = torch.randint(0, 256, (BATCH * (steps + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
-    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=BATCH, shuffle=True)
+    data = DataLoader(random_tokens(BATCH * (steps + 1), SEQ, MODEL["vocab_size"]), batch_size=BATCH, shuffle=True)
     timer = CpuStepTimer()
-    trainer = pl.Trainer(accelerator=accelerator, devices=2, strategy=strategy, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = quiet_trainer(accelerator=accelerator, devices=2, strategy=strategy, max_steps=steps)
     trainer.callbacks.append(timer)
     trainer.fit(model, data)
     return timer, float(trainer.callback_metrics["train_loss"]), trainer.global_rank
@@ -97,14 +95,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    accelerator = "gpu" if torch.cuda.device_count() >= 2 else "cpu"
+    device = accelerator(2)
     times: dict[str, list[float]] = {HAND: [], AUTO: []}
     cpu: dict[str, list[float]] = {HAND: [], AUTO: []}
     last_loss: dict[str, float] = {}
     rank = 0
     for _ in range(args.rounds):
         for name in times:
-            timer, last_loss[name], rank = run(name, args.steps, accelerator)
+            timer, last_loss[name], rank = run(name, args.steps, device)
             times[name].append(timer.median)
             cpu[name] += timer.cpu
     if rank != 0:
@@ -115,16 +113,10 @@ def main() -> None:
             for name, t in times.items()}
     ratio = rows[AUTO]["step_s"] / rows[HAND]["step_s"]
     cpu_ratio = rows[AUTO]["cpu_step_s"] / rows[HAND]["cpu_step_s"]
-    path = write("tp", {"command": "OMP_NUM_THREADS=1 python bench/tp.py " + " ".join(sys.argv[1:]),
-                        "model": MODEL, "batch": BATCH, "seq_len": SEQ, "accelerator": accelerator,
-                        "results": rows, "fourd_over_hand_written_step_time": ratio,
-                        "fourd_over_hand_written_cpu_time": cpu_ratio})
-    print("| strategy | step time (s) | tokens/s | CPU time per step, rank 0 (s) | train loss after the last step |")
-    print("|---|---|---|---|---|")
-    for name, row in rows.items():
-        print(f"| {name} | {row['step_s']:.4f} | {row['tokens_per_s']:.0f} | {row['cpu_step_s']:.4f} |"
-              f" {row['last_train_loss']:.5f} |")
-    print(f"\nFourD / hand-written: step time {ratio:.3f}, CPU time {cpu_ratio:.3f}  (written to {path})")
+    payload = {"command": command("tp.py"), "model": MODEL, "batch": BATCH, "seq_len": SEQ, "accelerator": device,
+               "results": rows, "fourd_over_hand_written_step_time": ratio,
+               "fourd_over_hand_written_cpu_time": cpu_ratio}
+    print(table("tp", payload), f"\n(written to {write('tp', payload)})")
 
 
 if __name__ == "__main__":

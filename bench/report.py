@@ -1,0 +1,187 @@
+"""Markdown tables and PNG plots of benchmark results, one of each per benchmark, from the JSON payloads
+the scripts write: each script prints its table, ``python -m bench`` also draws the plots. Matplotlib (the
+``bench`` extra) is imported only to draw."""
+
+from pathlib import Path
+
+MIB = 2**20
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _dp(payload: dict) -> str:
+    rows = [[name, f"{r['step_s']:.4f}", f"{r['tokens_per_s']:.0f}"] for name, r in payload["results"].items()]
+    return (_rows(["strategy", "step time (s)", "tokens/s"], rows)
+            + f"\n\nFourD / DDP step time: **{payload['fourd_over_ddp_step_time']:.3f}**")
+
+
+def _tp(payload: dict) -> str:
+    rows = [[name, f"{r['step_s']:.4f}", f"{r['tokens_per_s']:.0f}", f"{r['cpu_step_s']:.4f}",
+             f"{r['last_train_loss']:.5f}"] for name, r in payload["results"].items()]
+    return (_rows(["strategy", "step time (s)", "tokens/s", "CPU time per step, rank 0 (s)",
+                   "train loss after the last step"], rows)
+            + f"\n\nFourD / hand-written: step time **{payload['fourd_over_hand_written_step_time']:.3f}**,"
+              f" CPU time **{payload['fourd_over_hand_written_cpu_time']:.3f}**")
+
+
+def _pp(payload: dict) -> str:
+    rows = []
+    for r in payload["results"]:
+        hand = "by_hand_step_s" in r
+        rows.append([str(r["pp"]), r["schedule"], str(r["microbatches"]), f"{r['fourd_step_s']:.3f}",
+                     f"{r['fourd_bubble']:.2f}", "" if r["theory_bubble"] is None else f"{r['theory_bubble']:.2f}",
+                     f"{r['by_hand_step_s']:.3f}" if hand else "", f"{r['by_hand_bubble']:.2f}" if hand else "",
+                     f"{r['overhead_wall']:+.1%}" if hand else "", f"{r['overhead_cpu']:+.1%}" if hand else ""])
+    return _rows(["pp", "schedule", "m", "step (s)", "bubble, measured", "bubble, theory", "by hand: step (s)",
+                  "bubble", "overhead, wall", "overhead, CPU"], rows)
+
+
+def _cp_name(row: dict) -> str:
+    return "one process" if row["variant"] == "single" else f"cp={row['processes']}, {row['variant']}"
+
+
+def _cp(payload: dict) -> str:
+    rows = [[str(r["seq"]), _cp_name(r), f"{r['peak_mib_per_rank']:.1f}",
+             f"{r['memory_vs_single']:.2f}x" if "memory_vs_single" in r else "", f"{r['wall_s']:.2f}",
+             f"{r['cpu_s_per_rank']:.2f}"] for r in payload["results"]]
+    return _rows(["tokens", "attention", "peak memory per rank (MiB)", "vs one process", "wall time (s)",
+                  "CPU time per rank (s)"], rows)
+
+
+def _memory(payload: dict) -> str:
+    rows = [[str(r["width"]), f"{r['params'] / 1e6:.1f}M", r["layout"], str(r["processes"]),
+             f"{r['measured_mib']:.0f}", f"{r['estimated_mib']:.0f}", f"{r['estimate_error']:+.0%}"]
+            for r in payload["results"]]
+    return _rows(["n_embd", "parameters", "layout", "processes", "measured peak, largest rank (MiB)",
+                  "planner estimate (MiB)", "estimate vs measured"], rows)
+
+
+def _scaling(payload: dict) -> str:
+    rows = [[r["layout"], str(r["processes"]), f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}",
+             f"{r['speedup']:.2f}x" if "speedup" in r else "", str(r.get("ideal_speedup_here", ""))]
+            for r in payload["results"]]
+    return _rows(["layout", "processes", "step time (s)", "tokens/s", "vs one process",
+                  f"at most, on {payload['cores']} cores"], rows)
+
+
+def _checkpoint(payload: dict) -> str:
+    rows = [[r["layout"], str(r["processes"]), f"{r['save_s']:.2f}", f"{r['load_s']:.2f}",
+             f"{r['load_other_layout_s']:.2f}" if "load_other_layout_s" in r else "",
+             f"{r['max_rank_bytes'] / MIB:.1f}", f"{r['total_bytes'] / MIB:.1f}", f"{r['max_rank_vs_single']:.2f}x"]
+            for r in payload["results"]]
+    return _rows(["layout", "processes", "save (s)", "load (s)", "load the other layout's checkpoint (s)",
+                  "largest rank writes (MiB)", "all ranks write (MiB)", "largest rank vs one process"], rows)
+
+
+def _log2_x(ax, values) -> None:
+    """A base-2 log x axis labelled at exactly ``values`` (process counts, micro-batches, lengths)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(values)))
+    ax.set_xticklabels([str(v) for v in sorted(set(values))])
+    ax.minorticks_off()
+
+
+TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
+          "checkpoint": _checkpoint}
+
+
+def table(name: str, payload: dict) -> str:
+    return TABLES[name](payload)
+
+
+def _plot_pp(payload: dict, figure):
+    by_pp = sorted({r["pp"] for r in payload["results"]})
+    for index, pp in enumerate(by_pp):
+        ax = figure.add_subplot(1, len(by_pp), index + 1)
+        rows = [r for r in payload["results"] if r["pp"] == pp]
+        for schedule in dict.fromkeys(r["schedule"] for r in rows):
+            mine = [r for r in rows if r["schedule"] == schedule]
+            ax.plot([r["microbatches"] for r in mine], [r["fourd_bubble"] for r in mine], "o-", label=schedule)
+        ms = sorted({r["microbatches"] for r in rows})
+        ax.plot(ms, [(pp - 1) / (m + pp - 1) for m in ms], "k--", label="theory for GPipe, 1F1B: (p-1)/(m+p-1)")
+        ax.set(title=f"pp={pp}", xlabel="micro-batches m", ylabel="bubble fraction, measured")
+        _log2_x(ax, ms)
+        ax.legend(fontsize=7)
+
+
+def _plot_cp(payload: dict, figure):
+    rows = payload["results"]
+    for index, (key, label) in enumerate((("peak_mib_per_rank", "peak memory per rank (MiB)"),
+                                          ("cpu_s_per_rank", "CPU time per rank (s)"))):
+        ax = figure.add_subplot(1, 2, index + 1)
+        for name in dict.fromkeys(_cp_name(r) for r in rows):
+            mine = [r for r in rows if _cp_name(r) == name]
+            ax.plot([r["seq"] for r in mine], [r[key] for r in mine], "o-", label=name)
+        ax.set(xlabel="sequence length (tokens)", ylabel=label, yscale="log")
+        _log2_x(ax, [r["seq"] for r in rows])
+        ax.legend(fontsize=7)
+
+
+def _plot_memory(payload: dict, figure):
+    widths = sorted({r["width"] for r in payload["results"]})
+    for index, width in enumerate(widths):
+        ax = figure.add_subplot(1, len(widths), index + 1)
+        rows = [r for r in payload["results"] if r["width"] == width]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["measured_mib"] for r in rows], 0.4, label="measured (largest rank)")
+        ax.bar([i + 0.2 for i in x], [r["estimated_mib"] for r in rows], 0.4, label="planner estimate")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([r["layout"] for r in rows], rotation=45, fontsize=7)
+        ax.set(title=f"n_embd {width} ({rows[0]['params'] / 1e6:.1f}M params)", ylabel="MiB per rank")
+        ax.legend(fontsize=7)
+
+
+def _plot_scaling(payload: dict, figure):
+    ax = figure.add_subplot(1, 1, 1)
+    rows = payload["results"]
+    dp = [r for r in rows if r["layout"].startswith("dp") and r["layout"][2:].isdigit()]
+    ax.plot([r["processes"] for r in dp], [r["tokens_per_s"] for r in dp], "o-", label="FourDStrategy(dp=n)")
+    for r in rows:
+        if r not in dp:
+            ax.plot(r["processes"], r["tokens_per_s"], "s", label=r["layout"])
+    one = [r for r in rows if r["processes"] == 1]
+    if one:
+        counts = sorted({r["processes"] for r in rows})
+        ax.plot(counts, [one[0]["tokens_per_s"] * n for n in counts], ":", color="gray", label="linear")
+        ax.plot(counts, [one[0]["tokens_per_s"] * min(n, payload["cores"]) for n in counts], "--", color="gray",
+                label=f"at most, on {payload['cores']} cores")
+    ax.set(xlabel="processes", ylabel="tokens/s", yscale="log")
+    _log2_x(ax, [r["processes"] for r in rows])
+    ax.legend(fontsize=7)
+
+
+def _plot_checkpoint(payload: dict, figure):
+    ax = figure.add_subplot(1, 1, 1)
+    single, sharded = payload["results"]
+    per_rank = sharded["distcp_bytes_per_rank"]
+    ax.bar(range(len(per_rank)), [b / MIB for b in per_rank], label=f"{sharded['layout']}: rank's file")
+    ax.axhline(single["total_bytes"] / MIB, color="k", linestyle="--", label="one process: the whole checkpoint")
+    ax.set(xlabel="rank", ylabel="MiB written", xticks=list(range(len(per_rank))),
+           title=f"save {sharded['save_s']:.2f} s vs {single['save_s']:.2f} s,"
+                 f" load {sharded['load_s']:.2f} s vs {single['load_s']:.2f} s")
+    ax.legend(fontsize=7)
+
+
+PLOTS = {"pp": (_plot_pp, (9, 4)), "cp": (_plot_cp, (9, 4)), "memory": (_plot_memory, (11, 4)),
+         "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4))}
+
+
+def plot(name: str, payload: dict, path: Path) -> bool:
+    """Draw ``name``'s plot into ``path``; False when that benchmark has none."""
+    if name not in PLOTS:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    draw, size = PLOTS[name]
+    figure = plt.figure(figsize=size)
+    draw(payload, figure)
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return True
