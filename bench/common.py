@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -70,8 +71,18 @@ def run_worker(script: str, args: list[str], timeout: float, env: dict | None = 
     ranks of its Trainer) and return the JSON its rank 0 wrote to FILE."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        subprocess.run([sys.executable, script, "--worker", *args, "--out", str(out)], check=True, timeout=timeout,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+        argv = [sys.executable, script, "--worker", *args, "--out", str(out)]
+        # A session of its own, so that a hang ends with every rank Lightning's launcher started below it.
+        proc = subprocess.Popen(argv, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise RuntimeError(f"{' '.join(argv)} did not finish within {timeout:.0f} s; killed it and its ranks")
+        if code:
+            raise subprocess.CalledProcessError(code, argv)
         return json.loads(out.read_text())
 
 
@@ -101,44 +112,10 @@ def write_rows(rows: list, out: str) -> None:
         Path(out).write_text(json.dumps(rows))
 
 
-class PeakMemory:
-    """Peak memory of this process since ``start()``, above what it held then.
-
-    On CUDA: ``max_memory_allocated``. On CPU torch has no allocator statistics, so it is the resident-set
-    high-water mark (``VmHWM``, restarted through ``/proc/self/clear_refs``) minus the resident set at the
-    start. glibc keeps freed memory in its heap unless the process runs with a fixed mmap threshold
-    (``CPU_MALLOC_ENV``), with which freed tensors go back to the system and the resident set follows live
-    tensors.
-    """
-
-    CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.baseline = 0
-
-    def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline = torch.cuda.memory_allocated(self.device)
-            return
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        self.baseline = self._status("VmRSS")
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        return self._status("VmHWM") - self.baseline
-
-    @staticmethod
-    def _status(key: str) -> int:
-        with open("/proc/self/status") as status:
-            for line in status:
-                name, value = line.split(":", 1)
-                if name == key:
-                    return int(value.split()[0]) * 1024
-        raise KeyError(key)
+# On CPU the peak is the resident set (``lightning_4d.telemetry.PeakMemory``). glibc keeps freed memory in its heap
+# unless the process runs with a fixed mmap threshold; with this one freed tensors go back to the system and the
+# resident set follows live tensors.
+CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def layout(spec: str) -> dict[str, int]:

@@ -6,7 +6,7 @@
 The example GPT (8 layers, 8 heads, vocabulary 256) at each ``--widths`` (n_embd) trains ``--steps`` steps
 of a global batch of 8 sequences of 128 tokens (AdamW, fp32) under each layout. Layouts with the same process
 count share one launch, one Trainer after another. Each rank measures its peak above what it held right before
-the model was built (``bench.common.PeakMemory``: on CPU the resident-set high-water mark with a fixed mmap
+the model was built (``lightning_4d.telemetry.PeakMemory``: on CPU the resident-set high-water mark with a fixed mmap
 threshold, so that it follows live tensors); the figure is the largest rank's. The estimate is
 ``lightning_4d.plan.estimate`` for the same model, batch and layout: model state, gradient buckets and
 activations on the heaviest pipeline stage, computed without running anything.
@@ -24,12 +24,13 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (PeakMemory, accelerator, by_processes, command, layout, layout_parser,  # noqa: E402
+from bench.common import (CPU_MALLOC_ENV, accelerator, by_processes, command, layout, layout_parser,  # noqa: E402
                           quiet_trainer, random_tokens, run_layouts, write, write_rows)
 from bench.report import table  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.plan import Layout, Model, Training, estimate  # noqa: E402
+from lightning_4d.telemetry import PeakMemory  # noqa: E402
 
 MODEL = dict(vocab_size=256, n_layer=8, n_head=8, block_size=128)
 GLOBAL_BATCH, SEQ = 8, 128
@@ -46,9 +47,9 @@ class _Peak(Callback):
     def on_train_end(self, trainer, pl_module):
         self.ranks = [0] * trainer.world_size
         if dist.is_initialized():
-            dist.all_gather_object(self.ranks, self.memory.peak())
+            dist.all_gather_object(self.ranks, self.memory.growth())
         else:
-            self.ranks = [self.memory.peak()]
+            self.ranks = [self.memory.growth()]
 
 
 def measure(width: int, spec: str, steps: int, processes: int) -> dict:
@@ -86,7 +87,7 @@ def main() -> None:
         worker(args.widths, args.layouts, args.steps, args.processes, args.out)
         return
     rows = run_layouts(__file__, args.layouts, ["--widths", *map(str, args.widths), "--steps", str(args.steps)],
-                       TIMEOUT_S, PeakMemory.CPU_MALLOC_ENV)
+                       TIMEOUT_S, CPU_MALLOC_ENV)
     rows.sort(key=lambda row: (row["width"], args.layouts.index(row["layout"])))
     for row in rows:
         row["estimate_error"] = row["estimated_mib"] / row["measured_mib"] - 1

@@ -236,29 +236,48 @@ class _StepMode(TorchFunctionMode):
         return output
 
 
-class _PeakMemory:
-    """Peak bytes since the last reset: allocated by tensors on CUDA, resident for the process elsewhere."""
+class PeakMemory:
+    """Peak memory of this process since ``start()``, for telemetry, benchmarks and the planner's tests.
+
+    On CUDA: bytes allocated by tensors. Elsewhere torch keeps no allocator statistics, so it is the
+    resident set: on Linux its high-water mark ``VmHWM``, which ``start()`` restarts through
+    ``/proc/self/clear_refs``; on other systems the peak since the process started. ``growth()`` is the peak
+    above what the process held at ``start()``.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.baseline = 0.0
 
-    def reset(self) -> None:
+    def start(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = float(torch.cuda.memory_allocated(self.device))
         elif sys.platform.startswith("linux"):
             with open("/proc/self/clear_refs", "w") as clear_refs:
                 clear_refs.write("5")  # restarts the high-water mark VmHWM
+            self.baseline = _proc_status("VmRSS")
 
-    def read(self) -> float:
+    def peak(self) -> float:
         if self.device.type == "cuda":
             return float(torch.cuda.max_memory_allocated(self.device))
         if sys.platform.startswith("linux"):
-            with open("/proc/self/status") as status:
-                for line in status:
-                    if line.startswith("VmHWM:"):
-                        return float(line.split()[1]) * 1024
+            return _proc_status("VmHWM")
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return float(peak if sys.platform == "darwin" else peak * 1024)  # since start: not resettable here
+        return float(peak if sys.platform == "darwin" else peak * 1024)
+
+    def growth(self) -> float:
+        return self.peak() - self.baseline
+
+
+def _proc_status(key: str) -> float:
+    """A size from Linux's ``/proc/self/status`` (``VmRSS``, ``VmHWM``), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            name, value = line.split(":", 1)
+            if name == key:
+                return float(value.split()[0]) * 1024
+    raise KeyError(key)
 
 
 class Telemetry(Callback):
@@ -286,7 +305,7 @@ class Telemetry(Callback):
         self._watch = _Stopwatch()
         self._mode: Optional[_StepMode] = None
         self._active = False  # the mode is on the stack
-        self._memory: Optional[_PeakMemory] = None
+        self._memory: Optional[PeakMemory] = None
         self._labels: list[str] = []
         self._replicas = 1
         self._matmul_params = 0
@@ -331,7 +350,7 @@ class Telemetry(Callback):
         self._peak = self.peak_flops
         if self._peak is None and device.type == "cuda":
             self._peak = peak_flops_for(torch.cuda.get_device_name(device), str(trainer.precision))
-        self._memory = _PeakMemory(device)
+        self._memory = PeakMemory(device)
         self._mode = _StepMode(self._watch, labels_by_name)
         self._window_start = None
         self._watch.install()
@@ -404,7 +423,7 @@ class Telemetry(Callback):
         self._mode.attention_flops = 0.0
         self._watch.reset()
         self._watch.enabled = True
-        self._memory.reset()
+        self._memory.start()
         self._window_start = time.perf_counter()
 
     def _close_window(self, trainer: Trainer) -> None:
@@ -426,7 +445,7 @@ class Telemetry(Callback):
         comm = [self._watch.seconds.get(label, 0.0) for label in self._labels]
         sums = torch.tensor([float(self._tokens), self._mode.attention_flops, elapsed, *comm], dtype=torch.float64,
                             device=device)
-        peak = self._memory.read()
+        peak = self._memory.peak()
         extremes = torch.tensor([peak, -peak], dtype=torch.float64, device=device)
         if dist.is_initialized() and world > 1:
             dist.all_reduce(sums)

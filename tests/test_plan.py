@@ -31,6 +31,7 @@ from lightning_4d.plan import (
     main,
     plan,
 )
+from lightning_4d.telemetry import PeakMemory
 from tests.parity import Case, check_launch, run_layout
 
 # ----------------------------------------------------------------------------------- arithmetic
@@ -193,24 +194,13 @@ def test_cli_table_json_and_errors(capsys):
 MEASURED_MODEL = dict(vocab_size=256, n_layer=8, n_head=8, n_embd=512, block_size=128)  # 25.4M parameters
 SEQ, GLOBAL_BATCH = 128, 4
 LAYOUTS = {1: [{}], 2: [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}]}
-_baseline: dict[str, int] = {}
-
-
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            name, value = line.split(":", 1)
-            if name == key:
-                return int(value.split()[0]) * 1024
-    raise KeyError(key)
+_peak = PeakMemory(torch.device("cpu"))
 
 
 def measured_gpt(**config):
     """The harness's module factory: restart the peak and take the baseline right before the model exists."""
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-    _baseline["rss"] = _proc_status("VmRSS")
+    _peak.start()
     return GPT(**config)
 
 
@@ -223,7 +213,7 @@ class PeakGrowth(Callback):
     """Every rank's peak resident memory above the baseline, read before the harness gathers full weights."""
 
     def on_train_end(self, trainer, pl_module):
-        self.growth = _proc_status("VmHWM") - _baseline["rss"]
+        self.growth = _peak.growth()
 
     def parity_extras(self, trainer):
         everyone = [None] * dist.get_world_size()
