@@ -95,6 +95,14 @@ def run_layouts(script: str, specs: list[str], args: list[str], timeout: float, 
     return rows
 
 
+def rounds_args() -> argparse.Namespace:
+    """``--steps`` and ``--rounds`` of a script that alternates two strategies round by round."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2)
+    return parser.parse_args()
+
+
 def layout_parser(layouts: list[str], steps: int) -> argparse.ArgumentParser:
     """Arguments of a script measured through ``run_layouts``: its layouts and steps, and its workers'."""
     parser = argparse.ArgumentParser()

@@ -7,7 +7,6 @@ Lightning's launcher re-runs this script in the second process. The two strategi
 median step time after warm-up.
 """
 
-import argparse
 import os
 import sys
 
@@ -17,7 +16,8 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import StepTimer, accelerator, command, quiet_trainer, random_tokens, write  # noqa: E402
+from bench.common import (StepTimer, accelerator, command, quiet_trainer, random_tokens,  # noqa: E402
+                          rounds_args, write)
 from bench.report import table  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
@@ -39,10 +39,7 @@ def run(strategy, steps: int, accelerator: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = rounds_args()
     device = accelerator(2)
     times = {"Lightning DDPStrategy": [], "FourDStrategy(dp=2)": []}
     rank = 0

@@ -13,7 +13,6 @@ wall time of a step after warm-up (the best round counts) and rank 0's CPU time 
 every round), which other work on a shared machine disturbs far less.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -27,7 +26,8 @@ from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import StepTimer, accelerator, command, quiet_trainer, random_tokens, write  # noqa: E402
+from bench.common import (StepTimer, accelerator, command, quiet_trainer, random_tokens,  # noqa: E402
+                          rounds_args, write)
 from bench.report import table  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
@@ -91,10 +91,7 @@ def run(name: str, steps: int, accelerator: str) -> tuple[CpuStepTimer, float, i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = rounds_args()
     device = accelerator(2)
     times: dict[str, list[float]] = {HAND: [], AUTO: []}
     cpu: dict[str, list[float]] = {HAND: [], AUTO: []}
