@@ -90,8 +90,9 @@ def check_replicas(module: nn.Module, groups: dict[str, dist.ProcessGroup]) -> N
                         if label == "shards" or not isinstance(t, DTensor)}
         problem = _first_mismatch(fingerprints, group)
         if problem:
+            ranks = dist.get_process_group_ranks(group)
             raise DesyncError(
-                f"Replicated weights diverged ({label} group {dist.get_process_group_ranks(group)}): {problem}. Something changed weights on"
+                f"Replicated weights diverged ({label} group {ranks}): {problem}. Something changed weights on"
                 " one rank only (an in-place edit in a hook, a rank-dependent init, a skipped gradient sync)."
             )
 

@@ -303,7 +303,10 @@ def assert_parity(case: Case, expected: dict[str, Any], got: dict[str, Any], *, 
         torch.testing.assert_close(value, ref, rtol=rtol, atol=atol, msg=lambda m: f"{case.name}: weight {name}: {m}")
 
 
-def check_launch(result: LaunchResult, cases: list[Case]) -> None:
+def train_layout(cases: list[Case], world_size: int, **options: Any) -> dict[str, dict[str, Any]]:
+    """``run_layout`` that fails the test unless every rank exited cleanly; each case's record by name."""
+    result = run_layout(cases, world_size, **options)
     assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
     missing = [c.name for c in cases if c.name not in result.results]
     assert not missing, f"no result for {missing}\n{result.output[-4000:]}"
+    return result.results

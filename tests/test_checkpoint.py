@@ -14,7 +14,7 @@ from lightning_4d import FourDStrategy, checkpoint
 from lightning_4d.export import export_checkpoint
 from tests.models import Classifier, classification_data
 from tests.lm_models import tiny_gpt
-from tests.parity import ROOT, Case, after_step, assert_parity, check_launch, reference, run_layout, train
+from tests.parity import ROOT, Case, after_step, assert_parity, reference, run_layout, train, train_layout
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,8 @@ def dp2_checkpoint(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ckpt")
     case = Case("dp2", module="tests.models:Classifier", data="tests.models:classification_data",
                 strategy={"dp": 2}, max_steps=4, resume_at=4)
-    result = run_layout([case], 2, timeout=180, workdir=str(workdir))
-    check_launch(result, [case])
-    return workdir / "dp2" / "epoch=0-step=4.ckpt", result.results["dp2"]["extras"]["uninterrupted"]["weights"]
+    results = train_layout([case], 2, timeout=180, workdir=str(workdir))
+    return workdir / "dp2" / "epoch=0-step=4.ckpt", results["dp2"]["extras"]["uninterrupted"]["weights"]
 
 
 def test_export_gives_the_plain_module_the_trained_weights(dp2_checkpoint, tmp_path):

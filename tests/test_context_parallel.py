@@ -26,7 +26,7 @@ from lightning_4d.context_parallel import (
     sequence_paths,
 )
 from tests.cp_models import build_mask
-from tests.parity import Case, assert_parity, check_launch, launch, reference, run_layout
+from tests.parity import Case, assert_parity, launch, reference, train_layout
 
 LM = dict(data="tests.lm_models:token_data", max_steps=4)
 MODELS = {"gpt": "tests.lm_models:tiny_gpt", "nanogpt": "tests.lm_models:NanoGPT",
@@ -105,9 +105,7 @@ def two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four():
-    result = run_layout(FOUR, 4, timeout=900)
-    check_launch(result, FOUR)
-    return result.results
+    return train_layout(FOUR, 4, timeout=900)
 
 
 def _report(case: Case, expected: dict, got: dict) -> None:

@@ -8,7 +8,7 @@ any real mistake (a missing division by dp, a skipped bucket, a wrong sampler of
 import pytest
 import torch
 
-from tests.parity import Case, assert_parity, check_launch, reference, run_layout
+from tests.parity import Case, assert_parity, reference, train_layout
 
 MODEL = dict(module="tests.models:Classifier", data="tests.models:classification_data")
 VALIDATE = {"limit_val_batches": 4, "val_check_interval": 4}
@@ -39,17 +39,13 @@ FOUR = [
 
 @pytest.fixture(scope="module")
 def two():
-    result = run_layout(TWO, 2, timeout=300)
-    check_launch(result, TWO)
-    return result.results
+    return train_layout(TWO, 2, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def four_on_two_nodes():
     # Two simulated nodes of two processes: NODE_RANK/LOCAL_RANK as a cluster scheduler sets them.
-    result = run_layout(FOUR, 4, num_nodes=2, timeout=300)
-    check_launch(result, FOUR)
-    return result.results
+    return train_layout(FOUR, 4, num_nodes=2, timeout=300)
 
 
 def _case(cases, name):

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import pytest
 
 from tests.lm_models import tiny_gpt
-from tests.parity import Case, check_launch, reference, run_layout
+from tests.parity import Case, reference, train_layout
 
 LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}
 PRECISIONS = ("bf16-mixed", "bf16-true")
@@ -25,9 +25,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results():
-    result = run_layout(CASES, 2, timeout=900)
-    check_launch(result, CASES)
-    return result.results
+    return train_layout(CASES, 2, timeout=900)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -32,7 +32,7 @@ from lightning_4d.pipeline import SCHEDULES
 from lightning_4d.pipeline.microbatch import split_batch
 from tests.lm_models import VOCAB, TinyGPT, tiny_gpt, token_data
 from tests.models import Classifier
-from tests.parity import Case, assert_parity, check_launch, reference, run_layout
+from tests.parity import Case, assert_parity, reference, train_layout
 
 # ------------------------------------------------------------------------- worker-side models and probes
 
@@ -190,16 +190,12 @@ def scratch():
 
 @pytest.fixture(scope="module")
 def two():
-    result = run_layout(TWO, 2, timeout=400)
-    check_launch(result, TWO)
-    return result.results
+    return train_layout(TWO, 2, timeout=400)
 
 
 @pytest.fixture(scope="module")
 def four():
-    result = run_layout(FOUR, 4, timeout=500)
-    check_launch(result, FOUR)
-    return result.results
+    return train_layout(FOUR, 4, timeout=500)
 
 
 def _case(cases, name):

@@ -32,7 +32,7 @@ from lightning_4d.plan import (
     plan,
 )
 from lightning_4d.telemetry import PeakMemory
-from tests.parity import Case, check_launch, run_layout
+from tests.parity import Case, train_layout
 
 # ----------------------------------------------------------------------------------- arithmetic
 
@@ -236,10 +236,9 @@ def measured_peaks():
             cases = [Case(_name(layout), module="tests.test_plan:measured_gpt", module_kwargs=MEASURED_MODEL,
                           data="tests.test_plan:measured_tokens", strategy=layout, batch_size=GLOBAL_BATCH,
                           max_steps=2, callbacks=["tests.test_plan:PeakGrowth"]) for layout in layouts]
-            result = run_layout(cases, world_size, timeout=300)
-            check_launch(result, cases)
+            results = train_layout(cases, world_size, timeout=300)
             for layout, case in zip(layouts, cases):
-                peaks[case.name] = (Layout(**layout), max(result.results[case.name]["extras"]["peak_growth"]))
+                peaks[case.name] = (Layout(**layout), max(results[case.name]["extras"]["peak_growth"]))
     return peaks
 
 

@@ -19,7 +19,7 @@ import torch
 from lightning_4d import checkpoint
 from lightning_4d.export import export_checkpoint
 from tests.lm_models import HFCausalLM, token_data
-from tests.parity import ROOT, Case, after_step, assert_parity, check_launch, reference, run_layout, train
+from tests.parity import ROOT, Case, after_step, assert_parity, reference, train, train_layout
 
 SAVE = 2
 LLAMA = Case("llama", module="tests.lm_models:HFCausalLM", data="tests.lm_models:token_data",
@@ -35,14 +35,15 @@ def _case(name: str, **fields) -> Case:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("reshard")
-    ckpt = lambda name: str(workdir / name / f"epoch=0-step={SAVE}.ckpt")  # noqa: E731
+
+    def ckpt(name: str) -> str:
+        return str(workdir / name / f"epoch=0-step={SAVE}.ckpt")
+
     # One process (FourDStrategy on one device), here: saves at step 2 and resumes from it in a new Trainer.
     records = {"one": train(_case("one", resume_at=SAVE), distributed=True, workdir=str(workdir))}
 
     eight = [_case("A", strategy=A, resume_at=SAVE), _case("one_to_A", strategy=A, resume_from=ckpt("one"))]
-    result = run_layout(eight, 8, timeout=420, workdir=str(workdir))
-    check_launch(result, eight)
-    records.update(result.results)
+    records.update(train_layout(eight, 8, timeout=420, workdir=str(workdir)))
 
     # The 2x2x1x2 checkpoint as one plain file: starts training, without optimizer state, in 1x1x2x2 and in
     # one process; the two runs must agree with each other.
@@ -50,24 +51,22 @@ def runs(tmp_path_factory):
     from_plain = dict(max_steps=SAVE)
     four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")),
             _case("plain_to_B", strategy=dict(B, init_from=str(plain)), **from_plain)]
-    result = run_layout(four, 4, timeout=300, workdir=str(workdir))
-    check_launch(result, four)
-    records.update(result.results)
+    records.update(train_layout(four, 4, timeout=300, workdir=str(workdir)))
     records["A_to_one"] = train(_case("A_to_one", resume_from=ckpt("A")), distributed=True)
     records["plain_to_one"] = train(_case("plain_to_one", strategy={"init_from": str(plain)}, **from_plain),
                                     distributed=True)
-    return workdir, ckpt, records
+    return ckpt, records
 
 
 @pytest.mark.parametrize("name", ["one_to_A", "A_to_B", "A_to_one"])
 def test_a_checkpoint_resumes_in_another_layout_as_one_process_goes_on(runs, name):
-    _, _, records = runs
+    _, records = runs
     assert_parity(_case(name), after_step(reference(LLAMA), SAVE), records[name])
 
 
 @pytest.mark.parametrize("name", ["one", "A"])
 def test_resume_in_the_same_layout_is_exact(runs, name):
-    _, _, records = runs
+    _, records = runs
     resumed, uninterrupted = records[name], records[name]["extras"]["uninterrupted"]
     assert resumed["losses"] == uninterrupted["losses"]
     for key, value in uninterrupted["weights"].items():
@@ -78,7 +77,7 @@ def test_resume_in_the_same_layout_is_exact(runs, name):
 def test_optimizer_state_of_a_sharded_checkpoint_loads_into_one_process(runs):
     """The 2x2x1x2 checkpoint (TP shards, two pipeline stages) and the one-process checkpoint, both at step 2,
     load into one plain process with the same weights and momentum buffers."""
-    _, ckpt, _ = runs
+    ckpt, _ = runs
     loaded = {}
     for name in ("A", "one"):
         module = HFCausalLM(kind="llama")
@@ -93,18 +92,19 @@ def test_optimizer_state_of_a_sharded_checkpoint_loads_into_one_process(runs):
 
 
 def test_plain_weights_start_training_in_a_layout_as_in_one_process(runs):
-    _, _, records = runs
+    _, records = runs
     assert_parity(_case("plain_to_B"), records["plain_to_one"], records["plain_to_B"])
 
 
 def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(runs, tmp_path):
-    _, ckpt, _ = runs
+    ckpt, _ = runs
     trained = HFCausalLM(kind="llama")
     checkpoint.load_weights(ckpt("A"), trained)
     tokens = token_data(train=False).tensors[0]
 
     module = HFCausalLM(kind="llama")
-    module.load_state_dict(torch.load(export_checkpoint(ckpt("A"), tmp_path / "m.ckpt"), weights_only=True)["state_dict"])
+    exported = torch.load(export_checkpoint(ckpt("A"), tmp_path / "m.ckpt"), weights_only=True)
+    module.load_state_dict(exported["state_dict"])
     assert torch.equal(module(tokens), trained(tokens))
 
     done = subprocess.run([sys.executable, "-m", "lightning_4d.export", ckpt("A"), str(tmp_path / "hf"), "--hf",
@@ -120,7 +120,7 @@ def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(ru
 def test_no_rank_writes_the_whole_model(runs):
     """2x2x1x2: each rank holds a quarter of the weights (two tp shards of one of two stages) and writes at
     most that; a replicated tensor (dp peers, norms shared by tp peers) is written by one rank only."""
-    _, ckpt, _ = runs
+    ckpt, _ = runs
     files = sorted(Path(ckpt("A")).glob("*.distcp"))
     sizes = [f.stat().st_size for f in files]
     single = sum(f.stat().st_size for f in Path(ckpt("one")).glob("*.distcp"))  # weights + momentum, whole
