@@ -108,17 +108,27 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, is_writer: bool) -
     _barrier()
 
 
-def load(
-    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
-) -> dict[str, Any]:
-    """Load in place into ``model`` and ``optimizers`` (whatever their layout); returns Lightning's metadata."""
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's metadata of a checkpoint directory (read weights-only: no code from the file runs)."""
     path = Path(path)
     if not (path / META_FILE).is_file():
         raise FileNotFoundError(
             f"{path} is not a lightning-4d checkpoint directory (no {META_FILE}). A directory ending in"
             f" {PARTIAL_SUFFIX!r} is an interrupted save and cannot be resumed from."
         )
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+
+
+def load(
+    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
+) -> dict[str, Any]:
+    """Load in place into ``model`` and ``optimizers`` (whatever their layout); returns Lightning's metadata."""
+    meta = read_meta(path)
+    _load_shards(Path(path), model, optimizers, strict)
+    return meta
+
+
+def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> None:
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = {"state_dict": get_model_state_dict(model)}
     _check_model_fits(state["state_dict"], stored, path, strict, _stage_key_union(model, set(state["state_dict"])))
@@ -137,7 +147,6 @@ def load(
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"],
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
-    return meta
 
 
 def _names_with_state(stored: Mapping[str, Any], prefix: str) -> set[str]:
@@ -174,15 +183,11 @@ def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True)
     """Only the weights, into any layout, from a lightning-4d checkpoint directory, a Lightning checkpoint
     file, or a file holding a plain ``state_dict``."""
     path = Path(path)
+    if path.is_dir():
+        _load_shards(path, model, [], strict)
+        return
     model_state = get_model_state_dict(model)
     all_stages = _stage_key_union(model, set(model_state))
-    if path.is_dir():
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        _check_model_fits(model_state, stored, path, strict, all_stages)
-        state = {"state_dict": model_state}
-        dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
-        return
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
     if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):

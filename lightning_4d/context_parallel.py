@@ -287,6 +287,7 @@ class ContextParallel:
         self.sliding_windows = _sliding_windows(module)
         self.attention_calls = 0
         self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
+        self._causal_mask: Optional[tuple[Tensor, int]] = None  # the last mask found causal, and its version
         self._seq_len = 0
         self._active = False
         self._verified = False
@@ -473,13 +474,17 @@ class ContextParallel:
             if is_causal:
                 raise ValueError("scaled_dot_product_attention: an explicit attn_mask cannot be set with"
                                  " is_causal=True.")
-            if not is_causal_mask(attn_mask, local):
+            checked = self._causal_mask
+            # Models build one mask per forward and pass it to every layer: check it once, not per layer.
+            if (checked is None or checked[0] is not attn_mask or checked[1] != attn_mask._version) \
+                    and not is_causal_mask(attn_mask, local):
                 raise ValueError(
                     f"Context parallelism supports only causal or full attention, but scaled_dot_product_attention got"
                     f" an attn_mask of shape {tuple(attn_mask.shape)} ({attn_mask.dtype}) that is not a plain causal"
                     " mask (padding, sliding window or document masks would change meaning on a shard). Train on"
                     " unpadded, unpacked sequences, or with cp=1. (A Hugging Face model given position_ids treats"
                     " the sharded ones as packed sequences: leave them out, the rotary embedding gets global ones.)")
+            self._causal_mask = (attn_mask, attn_mask._version)
             is_causal = True
         if query.size(-3) != key.size(-3) and not enable_gqa:
             raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"

@@ -59,20 +59,23 @@ class GradientBuckets:
         self._next = 0
         self.overlap = False
         self.synchronized = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        # Alone in the group there is nothing to reduce: no hook runs per parameter per backward.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
+                       ] if self.group_size > 1 else []
 
     def _set_order(self, order: list[int]) -> None:
         self.order = order
         self.buckets = _fill_buckets([self.params[i] for i in order], self._cap_bytes)
         self._bucket_index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
 
-    def begin(self) -> None:
-        """Arm the buckets: the coming backward is the last before an optimizer step."""
+    def begin(self, overlap: bool = True) -> None:
+        """Arm the buckets: the coming backward is the last before an optimizer step. ``overlap=False``: reduce
+        nothing during backward, all of it in ``synchronize`` (a pipeline schedule runs several backwards)."""
         self._reset()
-        self.overlap = True
+        self.overlap = overlap
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        if not self.overlap or self.group_size == 1:
+        if not self.overlap:
             return
         index = self._bucket_index[id(param)]
         bucket = self.buckets[index]
@@ -122,7 +125,8 @@ class GradientBuckets:
 
     def _rebuild_in_arrival_order(self) -> None:
         arrived = list(dict.fromkeys(self._arrivals))
-        order = torch.tensor(arrived + [i for i in self.order if i not in set(arrived)])
+        seen = set(arrived)
+        order = torch.tensor(arrived + [i for i in self.order if i not in seen])
         dist.broadcast(order, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._set_order(order.tolist())
         self._arrivals = None

@@ -85,9 +85,10 @@ def check_replicas(module: nn.Module, groups: dict[str, dist.ProcessGroup]) -> N
     """
     named = dict(module.named_parameters())
     named.update(module.named_buffers())
+    every = {name: fingerprint(t) for name, t in named.items()}
+    plain = {name: value for name, value in every.items() if not isinstance(named[name], DTensor)}
     for label, group in groups.items():
-        fingerprints = {name: fingerprint(t) for name, t in named.items()
-                        if label == "shards" or not isinstance(t, DTensor)}
+        fingerprints = every if label == "shards" else plain
         problem = _first_mismatch(fingerprints, group)
         if problem:
             ranks = dist.get_process_group_ranks(group)
@@ -138,8 +139,8 @@ class CollectiveTrace:
     def recording(self) -> Iterator[None]:
         originals = {name: getattr(dist, name) for name in _TRACED if hasattr(dist, name)}
 
-        def traced(name: str, original: Any, *args: Any, **kwargs: Any) -> Any:
-            group = inspect.signature(original).bind_partial(*args, **kwargs).arguments.get("group")
+        def traced(name: str, original: Any, signature: inspect.Signature, *args: Any, **kwargs: Any) -> Any:
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
             ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
             first = args[0] if args else None
             shape = str(tuple(first.shape)) if isinstance(first, Tensor) else type(first).__name__
@@ -147,7 +148,7 @@ class CollectiveTrace:
             return original(*args, **kwargs)
 
         for name, original in originals.items():
-            setattr(dist, name, functools.partial(traced, name, original))
+            setattr(dist, name, functools.partial(traced, name, original, inspect.signature(original)))
         try:
             yield
         finally:

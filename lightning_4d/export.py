@@ -24,15 +24,12 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_4d.checkpoint import META_FILE
+from lightning_4d.checkpoint import read_meta
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """The whole checkpoint in this process: Lightning's metadata plus the full ``state_dict``."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not (checkpoint_dir / META_FILE).is_file():
-        raise FileNotFoundError(f"{checkpoint_dir} is not a lightning-4d checkpoint directory (no {META_FILE}).")
-    meta = torch.load(checkpoint_dir / META_FILE, map_location="cpu", weights_only=True)
+    meta = read_meta(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
         dcp_to_torch_save(checkpoint_dir, merged)
@@ -78,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.hf:
         if not args.module:
             parser.error("--hf needs --module, the class of the LightningModule that wraps the model")
-        meta = torch.load(Path(args.checkpoint) / META_FILE, map_location="cpu", weights_only=True)
+        meta = read_meta(args.checkpoint)
         path = export_hugging_face(args.checkpoint, _module_from(args.module, meta.get("hyper_parameters")),
                                    args.output)
     else:

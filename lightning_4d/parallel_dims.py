@@ -99,20 +99,24 @@ class ParallelDims:
             found.setdefault(tuple(coords[n] for n in MESH_DIMS if n not in free), []).append(rank)
         return list(found.values())
 
+    def _group_of_each_rank(self) -> dict[str, dict[int, list[int]]]:
+        """For every group name: each rank's group (one pass over the world per name)."""
+        free = {"dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
+        return {name: {rank: group for group in self.groups(free[name]) for rank in group} for name in GROUP_NAMES}
+
     def group_members(self, rank: int) -> dict[str, list[int]]:
         """Global ranks of every group ``rank`` belongs to, including the joint ``dp_cp`` gradient group."""
-        free = {"dp": ("dp",), "pp": ("pp",), "cp": ("cp",), "tp": ("tp",), "dp_cp": ("dp", "cp")}
-        return {name: next(g for g in self.groups(dims) if rank in g) for name, dims in free.items()}
+        return {name: of_rank[rank] for name, of_rank in self._group_of_each_rank().items()}
 
     def layout_table(self) -> str:
         """One line per rank: its coordinates and the members of its groups."""
         header = ["rank", "dp", "pp", "cp", "tp"] + [f"{g} group" for g in GROUP_NAMES]
+        members = self._group_of_each_rank()
         rows = []
         for rank in range(self.world_size):
             coords = self.coordinates(rank)
-            groups = self.group_members(rank)
             rows.append([str(rank)] + [str(coords[n]) for n in ("dp", "pp", "cp", "tp")]
-                        + [",".join(map(str, groups[g])) for g in GROUP_NAMES])
+                        + [",".join(map(str, members[g][rank])) for g in GROUP_NAMES])
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
         lines.insert(1, "-+-".join("-" * w for w in widths))

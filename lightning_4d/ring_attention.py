@@ -18,8 +18,9 @@ Lightning needed.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -276,14 +277,22 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor, tile_ls
 # behind their tiles' compute.
 
 
-def _ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> list:
-    """Send to the next cp rank and receive from the previous one, asynchronously (a copy when alone)."""
+@functools.lru_cache(maxsize=None)
+def _ring_peers(group) -> Optional[tuple[int, int]]:
+    """Global ranks of the next and the previous cp rank, or None when alone (cached: asked once per tile)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
+        return None
+    return dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size)
+
+
+def _ring_shift(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> list:
+    """Send to the next cp rank and receive from the previous one, asynchronously (a copy when alone)."""
+    peers = _ring_peers(dist.group.WORLD if group is None else group)  # a re-created world is a new key
+    if peers is None:
         recv.copy_(send)
         return []
-    nxt = dist.get_global_rank(group, (rank + 1) % size)
-    prv = dist.get_global_rank(group, (rank - 1) % size)
+    nxt, prv = peers
     return dist.batch_isend_irecv(
         [
             dist.P2POp(dist.isend, send, nxt, group, tag),

@@ -51,7 +51,7 @@ class StepLogs:
             if isinstance(value, Tensor):
                 value = value.detach()
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                value = torch.tensor(float(value))
+                value = torch.tensor(float(value), device=self.module.device)  # NCCL reduces device tensors
             record[name] = (value, kwargs)
 
         enclosing = vars(self.module).get("log")  # another recorder (pipeline micro-batches around cp)
@@ -86,13 +86,19 @@ class StepLogs:
     def all_reduce(values: dict[str, tuple[Any, dict[str, Any]]], group: dist.ProcessGroup) -> None:
         """Combine tensor values across ``group`` in place, each with its own ``reduce_fx``."""
         size = dist.get_world_size(group)
+        # One all-reduce per reduce op (and dtype and device), not one per logged value: every rank logs the
+        # same names, so every rank builds the same batches in the same order.
+        batches: dict[tuple[Any, ...], list[str]] = {}
         for name, (value, kwargs) in values.items():
-            if not isinstance(value, Tensor):
-                continue
-            fx = _reduce_name(kwargs)
-            value = value.clone()
-            dist.all_reduce(value, op=_REDUCE_OPS[fx], group=group)
-            values[name] = (value / size if fx == "mean" else value, kwargs)
+            if isinstance(value, Tensor):
+                batches.setdefault((_REDUCE_OPS[_reduce_name(kwargs)], value.dtype, value.device), []).append(name)
+        for (op, _, _), names in batches.items():
+            flat = torch.cat([values[name][0].reshape(-1) for name in names])
+            dist.all_reduce(flat, op=op, group=group)
+            for name, part in zip(names, flat.split([values[name][0].numel() for name in names])):
+                value, kwargs = values[name]
+                part = part.view_as(value)
+                values[name] = (part / size if _reduce_name(kwargs) == "mean" else part, kwargs)
 
     def replay(self, values: dict[str, tuple[Any, dict[str, Any]]]) -> None:
         for name, (value, kwargs) in values.items():

@@ -155,7 +155,6 @@ class FourDStrategy(ModelParallelStrategy):
         self._grad_buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
         self._train_loaders: list[object] = []
-        self._step_components: list[Any] = []  # objects with a ``step_context()`` context manager
         if not (tp_plan is None or tp_plan in ("auto", "none") or isinstance(tp_plan, Mapping)):
             raise ValueError(f"tp_plan={tp_plan!r}: use 'auto', 'none' or a mapping of module globs to styles, e.g."
                              " {'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}.")
@@ -187,7 +186,8 @@ class FourDStrategy(ModelParallelStrategy):
             self._check_pipeline()  # a misfit module fails here, before any process group exists
         self._setup_distributed()
         self._device_mesh, self._dp_cp_mesh = self.parallel_dims.build_mesh(self.root_device.type)
-        rank_zero_info(self.layout_table())
+        if self.global_rank == 0:  # the table is O(world) lines: only the rank that prints it builds it
+            rank_zero_info(self.layout_table())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         if self.debug and self._desync is None:
@@ -332,12 +332,8 @@ class FourDStrategy(ModelParallelStrategy):
             self._tp_check = apply_tensor_parallel(module, self.device_mesh["tp"], plan,
                                                    self_check=self.tp_self_check)
             _tensor_parallel_plans[module] = plan
-        if self._tp_plan is not None:
-            self._step_components.remove(self._tp_plan)
         applied = _tensor_parallel_plans.get(module)
         self._tp_plan = applied if applied is not None and applied.enabled else None
-        if self._tp_plan is not None:
-            self._step_components.append(self._tp_plan)
 
     def _sync_metrics_over_replicas(self) -> None:
         """torchmetrics sync over the world by default; ranks of one replica hold the same state, except cp
@@ -356,12 +352,10 @@ class FourDStrategy(ModelParallelStrategy):
             sp = self.parallel_dims.tp if self._tp_plan is not None and self._tp_plan.sequence_parallel else 1
             self._context_parallel = ContextParallel(self.lightning_module, self.group("cp"), **self._cp_options,
                                                      sequence_parallel=sp)
-            self._step_components.append(self._context_parallel)
 
     def _remove_context_parallel(self) -> None:
         if self._context_parallel is not None:
             self._context_parallel.remove()
-            self._step_components.remove(self._context_parallel)
             self._context_parallel = None
 
     def _build_grad_buckets(self) -> None:
@@ -392,10 +386,6 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            if self._armed is not None:
-                # The schedule runs a backward per micro-batch: the buckets wait for ``backward`` to commit the
-                # gradients, then ``synchronize`` reduces them all.
-                self._armed.overlap = False
             # The schedule runs the backward passes here too.
             with self.precision_plugin.train_step_context(), self._tensor_parallel_check(), \
                     self._tensor_parallel_context():
@@ -409,27 +399,23 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with self.precision_plugin.val_step_context():
-                return self._pipeline.step("validation_step", args, kwargs)
-        with self._step_context():
-            return super().validation_step(*args, **kwargs)
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pipeline is not None:
-            with self.precision_plugin.test_step_context():
-                return self._pipeline.step("test_step", args, kwargs)
-        with self._step_context():
-            return super().test_step(*args, **kwargs)
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _evaluation_step(self, name: str, precision_context: Callable[[], AbstractContextManager[None]],
+                         args: tuple, kwargs: dict) -> Any:
         if self._pipeline is not None:
-            with self.precision_plugin.predict_step_context():
-                return self._pipeline.step("predict_step", args, kwargs)
+            with precision_context():
+                return self._pipeline.step(name, args, kwargs)
         with self._step_context():
-            return super().predict_step(*args, **kwargs)
+            return getattr(super(), name)(*args, **kwargs)
 
     @contextmanager
     def _tensor_parallel_check(self) -> Iterator[None]:
@@ -452,10 +438,11 @@ class FourDStrategy(ModelParallelStrategy):
     @contextmanager
     def _step_context(self) -> Iterator[None]:
         """What every call of a user step method runs inside: each model-parallel component's context
-        (context-parallel attention, loss-parallel cross entropy, ...), entered in registration order."""
+        (tensor parallelism's loss-parallel cross entropy, then context-parallel attention)."""
         with ExitStack() as stack:
-            for component in self._step_components:
-                stack.enter_context(component.step_context())
+            for component in (self._tp_plan, self._context_parallel):
+                if component is not None:
+                    stack.enter_context(component.step_context())
             yield
 
     # --------------------------------------------------------------------------- optimizer steps
@@ -475,7 +462,9 @@ class FourDStrategy(ModelParallelStrategy):
         def closure_with_gradient_sync() -> Any:
             # Lightning's accumulation micro-steps call the closure directly, never through here,
             # so only the backward right before the optimizer step communicates.
-            buckets.begin()
+            # Under pipelining the schedule runs a backward per micro-batch: the buckets wait for ``backward``
+            # to commit the gradients, then ``synchronize`` reduces them all.
+            buckets.begin(overlap=self._pipeline is None)
             self._armed = buckets
             try:
                 result = closure()
