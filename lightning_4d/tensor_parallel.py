@@ -1344,16 +1344,21 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     group: dist.ProcessGroup | None = None,
+    skip_in_norm: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip by the true global norm over plain and DTensor gradients; returns that norm.
 
     DTensor gradients count their shards once per mesh dim they are sharded on (one
     all-reduce per distinct mesh/placement); plain gradients are replicated copies and count
     once.  ``group`` (e.g. the pipeline-parallel group, whose ranks hold disjoint parameters)
-    is all-reduced on top, so every rank of it must call this.
+    is all-reduced on top, so every rank of it must call this.  The gradients of the
+    parameters in ``skip_in_norm`` are scaled but left out of the norm (a weight whose
+    gradient another rank of ``group`` already counts).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
+    skipped = {id(p) for p in skip_in_norm}
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skipped]
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
     device = grads[0].device if grads else torch.device("cpu")
@@ -1372,7 +1377,7 @@ def clip_grad_norm_(
 
     by_layout: dict[tuple, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
-    for grad in grads:
+    for grad in counted:
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
                 grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])

@@ -2,6 +2,6 @@
 
 from lightning_4d.pipeline.config import SCHEDULES, PipelineConfig
 from lightning_4d.pipeline.runner import PipelineRunner
-from lightning_4d.pipeline.split import check_blocks, find_blocks
+from lightning_4d.pipeline.split import check_blocks, check_splittable, find_blocks
 
-__all__ = ["SCHEDULES", "PipelineConfig", "PipelineRunner", "check_blocks", "find_blocks"]
+__all__ = ["SCHEDULES", "PipelineConfig", "PipelineRunner", "check_blocks", "check_splittable", "find_blocks"]

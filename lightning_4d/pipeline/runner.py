@@ -43,10 +43,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from lightning_4d import checkpoint
+from lightning_4d.data_parallel import _local
 from lightning_4d.pipeline.config import PipelineConfig
 from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
 from lightning_4d.pipeline.split import split_module
 from lightning_4d.step_logging import StepLogs
+from lightning_4d.tensor_parallel import clip_grad_norm_
 
 _CACHED_SCHEDULES = 4  # one per batch shape seen recently, for training and for evaluation
 
@@ -104,13 +106,15 @@ class PipelineRunner:
         self.group = mesh.get_group("pp")
         ranks = config.stage_ranks()
         self.local_stages = [s for s, r in enumerate(ranks) if r == mesh.get_local_rank("pp")]
-        self.last = config.num_stages - 1
+        self.split = split_module(module, config, self.local_stages, device)
+        self.last = self.split.last
         self.holds_last = self.last in self.local_stages
         self._last_rank = dist.get_global_rank(self.group, ranks[-1])
         self._first_rank = dist.get_global_rank(self.group, ranks[0])
-        self.split = split_module(module, config, self.local_stages, device)
         # A weight kept by the first and the last stage gets its gradient from both.
-        self._ends_group = self._pair_group(mesh) if ranks[0] != ranks[-1] and self.split.has_ends else None
+        self._ends_group = self._pair_group(mesh, ranks) if ranks[0] != ranks[-1] and self.split.has_ends else None
+        # Where those weights are in ``module.parameters()`` (checked against the live ones every step).
+        self._ends_index = [] if self._ends_group is None else _positions(list(module.parameters()), self.split.ends())
         self._stage_modules = {s: _StageModule(self._run_stage, s, self.split.params_of) for s in self.local_stages}
         # The hooks stay for the module's lifetime: outside a pipeline step they do nothing.
         for s, blocks in self.split.chunks.items():
@@ -146,9 +150,9 @@ class PipelineRunner:
 
     # ---------------------------------------------------------------------------------- groups
 
-    def _pair_group(self, mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
-        """The group of this pipeline's first and last rank (every rank creates every pair, in one order)."""
-        ranks = self.config.stage_ranks()
+    def _pair_group(self, mesh: DeviceMesh, ranks: list[int]) -> Optional[dist.ProcessGroup]:
+        """The group of this pipeline's first and last rank (every rank creates every pair, in one order);
+        ``ranks``: the pipeline rank of every stage."""
         pipelines = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, self.config.pp)
         mine = None
         for pipeline in pipelines.tolist():
@@ -307,6 +311,7 @@ class PipelineRunner:
 
     def _finish(self, n: int, counts: dict[str, int]) -> Any:
         payload: list[Any] = [None]
+        local = None  # the source keeps its own objects; the others get copies
         if self.holds_last:
             outputs = [self._outputs.pop(i) for i in range(n)]
             logs = {name: (_MetricRef(self._metric_name(value)) if not isinstance(value, Tensor) else value, kw)
@@ -314,9 +319,11 @@ class PipelineRunner:
             updates = {name: (m._update_count - counts[name], _mean_or_none(self._forward_caches.get(name, [])))
                        for name, m in self._metrics.items() if m._update_count != counts[name]}
             self._forward_caches.clear()
-            payload[0] = apply_to_collection((merge(outputs), logs, updates), Tensor, Tensor.cpu)
+            local = (merge(outputs), logs, updates)
+            payload[0] = apply_to_collection(local, Tensor, Tensor.cpu)
         dist.broadcast_object_list(payload, src=self._last_rank, group=self.group)
-        output, logs, updates = apply_to_collection(payload[0], Tensor, Tensor.to, self.device)
+        output, logs, updates = local if local is not None else apply_to_collection(payload[0], Tensor, Tensor.to,
+                                                                                      self.device)
         for name, (count, forward_cache) in updates.items():
             metric = self._metrics[name]
             if not self.holds_last:
@@ -358,40 +365,42 @@ class PipelineRunner:
                 p.grad = grad if p.grad is None else p.grad + grad
 
     def _sum_over_ends(self, pending: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
-        position = {id(p): i for i, p in enumerate(self._params)}
-        for p in self.split.ends():
-            i = position[id(p)]
-            grad, shard = pending[i], _local(p)
-            values = torch.zeros_like(shard) if grad is None else _local(grad)
-            # The last element counts the stages that have a gradient: none anywhere keeps ``grad=None``.
-            flat = torch.cat([values.reshape(-1), values.new_full((1,), float(grad is not None))])
+        ends = self.split.ends()
+        if len(ends) != len(self._ends_index) or any(self._params[i] is not p for i, p in zip(self._ends_index, ends)):
+            self._ends_index = _positions(self._params, ends)  # parameters were replaced since the last step
+        by_dtype: dict[torch.dtype, list[tuple[int, nn.Parameter]]] = {}
+        for i, p in zip(self._ends_index, ends):
+            by_dtype.setdefault(_local(p).dtype, []).append((i, p))
+        for members in by_dtype.values():  # one all-reduce per dtype (usually one)
+            pieces = [_local(p).new_zeros(_local(p).numel()) if pending[i] is None else _local(pending[i]).reshape(-1)
+                      for i, p in members]
+            # After the values, one count per weight of the stages that have its gradient: none anywhere keeps
+            # ``grad=None``.
+            present = pieces[0].new_tensor([float(pending[i] is not None) for i, _ in members])
+            flat = torch.cat([*pieces, present])
             dist.all_reduce(flat, group=self._ends_group)
-            if flat[-1] > 0:
-                summed = flat[:-1].view_as(shard)
-                pending[i] = DTensor.from_local(summed, p.device_mesh, p.placements, shape=p.shape,
-                                                stride=p.stride()) if isinstance(p, DTensor) else summed
+            offset = flat.numel() - len(members)
+            counts = flat[offset:].tolist()
+            offset = 0
+            for (i, p), count in zip(members, counts):
+                shard = _local(p)
+                if count > 0:
+                    summed = flat[offset:offset + shard.numel()].view_as(shard)
+                    pending[i] = DTensor.from_local(summed, p.device_mesh, p.placements, shape=p.shape,
+                                                    stride=p.stride()) if isinstance(p, DTensor) else summed
+                offset += shard.numel()
         return pending
 
-    @torch.no_grad()
     def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
         """Scale the gradients so that their norm over every stage is at most ``max_norm``; returns that norm.
         A weight kept by the first and the last stage counts once."""
-        counted_twice = {id(p) for p in self.split.ends()} if self._ends_group is not None and not (
-            0 in self.local_stages) else set()
-        grads = [p.grad for p in params if p.grad is not None]
-        norms = [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None and id(p) not in counted_twice]
-        squares = [(n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2 for n in norms]
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
-        dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            _local(grad).mul_(coefficient.to(grad.dtype))
-        return norm
+        counted_twice = self.split.ends() if self._ends_group is not None and 0 not in self.local_stages else []
+        return clip_grad_norm_(params, max_norm, group=self.group, skip_in_norm=counted_twice)
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _positions(params: list[nn.Parameter], wanted: list[nn.Parameter]) -> list[int]:
+    position = {id(p): i for i, p in enumerate(params)}
+    return [position[id(p)] for p in wanted]
 
 
 def _mean_or_none(values: list[Any]) -> Optional[Tensor]:

@@ -131,20 +131,28 @@ class StageSplit:
         return list({id(p): p for p in (m._parameters[name] for m, name in self.kept["ends"])}.values())
 
 
-def split_module(module: nn.Module, config: PipelineConfig, local_stages: list[int],
-                 device: torch.device) -> StageSplit:
-    """Cut ``module`` in place down to ``local_stages`` (see the module docstring); no communication."""
+def check_splittable(module: nn.Module, config: PipelineConfig) -> tuple[str, nn.Module]:
+    """Refuse a module ``config`` cannot cut (already cut, no block list, a list that does not fit the layout);
+    returns the block list's path and the list. Pure, so it fails alike on every rank."""
     if module in _already_split:
         raise ValueError(f"This {type(module).__name__} was already cut into pipeline stages by another"
                          " FourDStrategy; a stage cannot be split again. Use the same Trainer for fit, validate,"
                          " test and predict, or a freshly built module.")
     path, container = find_blocks(module, config.blocks)
     check_blocks(container, path, config)
+    return path, container
+
+
+def split_module(module: nn.Module, config: PipelineConfig, local_stages: list[int],
+                 device: torch.device) -> StageSplit:
+    """Cut ``module`` in place down to ``local_stages`` (see the module docstring); no communication."""
+    path, container = check_splittable(module, config)
     names = list(container._modules)
     bounds = config.stage_bounds(len(names))
     chunks = {s: OrderedDict((names[i], container._modules[names[i]]) for i in range(*bounds[s]))
               for s in local_stages}
-    first, last = 0 in local_stages, config.num_stages - 1 in local_stages
+    last_stage = config.num_stages - 1
+    first, last = 0 in local_stages, last_stage in local_stages
 
     roles: dict[int, set[str]] = {}
     places: dict[int, tuple[nn.Parameter, list[tuple[str, nn.Module, str]]]] = {}
@@ -180,7 +188,7 @@ def split_module(module: nn.Module, config: PipelineConfig, local_stages: list[i
                 stubbed[id(m)] = (name, m, role)
 
     has_ends = any(role_of(pid) == "ends" for pid in places)
-    split = StageSplit(path, container, config.num_stages - 1, chunks, kept, has_ends, list(stubbed.values()))
+    split = StageSplit(path, container, last_stage, chunks, kept, has_ends, list(stubbed.values()))
     split.rest()
     _already_split.add(module)
     return split
