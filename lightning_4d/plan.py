@@ -297,7 +297,15 @@ def all_layouts(devices: int) -> list[Layout]:
 
 
 def _stage_layers(layers: int, pp: int) -> list[int]:
-    return [layers // pp + (1 if stage < layers % pp else 0) for stage in range(pp)]
+    """Blocks per stage, split as ``FourDStrategy(pp=pp)`` splits them."""
+    from lightning_4d.pipeline.config import PipelineConfig
+
+    return [stop - start for start, stop in PipelineConfig(pp).stage_bounds(layers)]
+
+
+def _tokens(training: Training, layout: Layout) -> float:
+    """Tokens of one micro-batch on one device."""
+    return training.seq_len / layout.cp * training.global_batch / layout.dp / _microbatches(training, layout)
 
 
 def _stage_params(model: Model, layout: Layout, stage: int, layers: int) -> float:
@@ -321,7 +329,7 @@ def activation_bytes_per_layer(model: Model, training: Training, layout: Layout)
     e = PRECISIONS[training.precision][2]
     h, tp = model.hidden, layout.tp
     local_seq = training.seq_len / layout.cp
-    tokens = local_seq * training.global_batch / layout.dp / _microbatches(training, layout)
+    tokens = _tokens(training, layout)
     masks = 2 if training.dropout else 0  # after attention and after the MLP, one byte per element
     norms = 2 * _norm_elements(training) * e
     if training.sequence_parallel:
@@ -343,7 +351,7 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
     pbytes, gbytes, e = PRECISIONS[training.precision]
     obytes = OPTIMIZER_STATES[training.optimizer] * pbytes
     m = _microbatches(training, layout)
-    tokens = training.seq_len / layout.cp * training.global_batch / layout.dp / m
+    tokens = _tokens(training, layout)
     per_layer = activation_bytes_per_layer(model, training, layout)
     stage_layers = _stage_layers(model.layers, layout.pp)
     heaviest: Optional[tuple[dict[str, float], float]] = None
@@ -375,7 +383,7 @@ def _communication(model: Model, training: Training, layout: Layout, grad_bytes:
                    layers: int) -> dict[str, float]:
     e = PRECISIONS[training.precision][2]
     m = _microbatches(training, layout)
-    tokens = training.seq_len / layout.cp * training.global_batch / layout.dp / m
+    tokens = _tokens(training, layout)
     n = layout.dp * layout.cp
     comm = {"dp": 2 * (n - 1) / n * grad_bytes}
     t = layout.tp
