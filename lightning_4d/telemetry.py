@@ -325,12 +325,13 @@ class Telemetry(Callback):
         labels_by_name: dict[str, Optional[str]] = {}
         if dims is not None and dist.is_initialized():
             sizes = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_cp": dims.dp * dims.cp}
-            # dp_cp is a dim of its own only when both dp and cp split; otherwise it is the one that does.
-            self._labels = [d for d in _DIM_PRECEDENCE if sizes[d] > 1 and (d != "dp_cp" or min(dims.dp, dims.cp) > 1)]
             for dim in reversed(_DIM_PRECEDENCE):  # the first dim of the precedence wins a shared member set
                 if sizes[dim] > 1:
                     group = strategy.group(dim)
                     self._watch.dim_ranks[tuple(dist.get_process_group_ranks(group))] = dim
+            # A dim that lost its member set (dp_cp when only dp or only cp splits) gets no label of its own.
+            winners = set(self._watch.dim_ranks.values())
+            self._labels = [d for d in _DIM_PRECEDENCE if d in winners]
             for dim in _DIM_PRECEDENCE:
                 if sizes[dim] > 1:
                     group = strategy.group(dim)
@@ -345,7 +346,7 @@ class Telemetry(Callback):
         if dist.is_initialized():
             world = dist.group.WORLD
             labels_by_name[world.group_name] = self._watch.label(world)
-        self._matmul_params = self._count_matmul_params(pl_module)
+        self._matmul_params = self._count_matmul_params(pl_module, strategy)
         device = strategy.root_device
         self._peak = self.peak_flops
         if self._peak is None and device.type == "cuda":
@@ -356,13 +357,18 @@ class Telemetry(Callback):
         self._watch.install()
 
     @staticmethod
-    def _count_matmul_params(pl_module: LightningModule) -> int:
-        """Over the whole model: pipeline stages hold different parameters, under their original names."""
+    def _count_matmul_params(pl_module: LightningModule, strategy: Any) -> int:
+        """Over the whole model: pipeline stages hold different parameters, under their original names (the
+        same on every other peer: DTensors count their global size), so a FourDStrategy gathers over pp only."""
         local = matmul_params(pl_module)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return sum(local.values())
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
+        dims = getattr(strategy, "parallel_dims", None)
+        if dims is not None and dims.pp == 1:
+            return sum(local.values())
+        group = strategy.group("pp") if dims is not None else None
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, local, group=group)
         merged = {name: size for sizes in everyone for name, size in sizes.items()}
         return sum(merged.values())
 
