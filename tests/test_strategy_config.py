@@ -16,38 +16,6 @@ from tests.parity import child_env
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "devices", "message"),
-    [
-        (dict(dp=2, tp=2), 2, r"dp\*pp\*cp\*tp = 2\*1\*1\*2 = 4 does not equal the world size 2"),
-        (dict(pp=3), 4, r"dp='auto' needs the world size \(4\) to be a multiple of pp\*cp\*tp = 3\*1\*1 = 3"),
-        (dict(dp=3), 2, r"does not equal the world size 2 .*Set dp='auto'"),
-    ],
-)
-def test_world_size_mismatch_fails_at_trainer_construction(kwargs, devices, message):
-    # Raised while the Trainer is built in the launching process: no process was started, no collective ran.
-    with pytest.raises(ValueError, match=message):
-        pl.Trainer(accelerator="cpu", devices=devices, strategy=FourDStrategy(**kwargs))
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        (dict(tp=0), r"tp=0 is not a valid size: use a positive integer\."),
-        (dict(pp=-1), r"pp=-1 is not a valid size"),
-        (dict(cp=1.5), r"cp=1\.5 is not a valid size"),
-        (dict(dp="all"), r"dp='all' is not a valid size: use a positive integer or 'auto'"),
-        (dict(dp=True), r"dp=True is not a valid size"),
-        (dict(bucket_mb=0), r"bucket_mb=0 must be a positive number of megabytes"),
-        (dict(tpp=2), r"unknown argument tpp=2: did you mean 'tp'\?"),
-        (dict(data_parallel_size=2), r"unknown argument data_parallel_size=2: "),
-    ],
-)
-def test_bad_arguments_are_named_with_the_fix(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        FourDStrategy(**kwargs)
-
-
 def test_auto_dp_takes_the_rest_of_the_world():
     assert ParallelDims.resolve(16, "auto", pp=2, cp=2, tp=2) == ParallelDims(dp=2, pp=2, cp=2, tp=2)
     assert ParallelDims.resolve(8, "auto", tp=2).dp == 4
