@@ -123,9 +123,12 @@ class ParallelDims:
         title = f"lightning-4d layout: dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
         return "\n".join([title, *lines])
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-        """The 4D mesh and the flattened dp x cp mesh over which gradients are reduced (a collective call)."""
+    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
+        """The 4D mesh and its flattened meshes (a collective call): ``dp_cp``, over which gradients are
+        reduced, and under pipelining ``pp_dp_cp``, over which metrics sync (only the last stage updates them)."""
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
-        return mesh, dp_cp
+        flat = {"dp_cp": mesh["dp", "cp"]._flatten("dp_cp")}
+        if self.pp_enabled:
+            flat["pp_dp_cp"] = mesh["pp", "dp", "cp"]._flatten("pp_dp_cp")
+        return mesh, flat
 

@@ -36,7 +36,7 @@ from lightning_4d.faults import report_failure
 from lightning_4d.telemetry import Telemetry
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
-from lightning_4d.pipeline import PipelineConfig, PipelineRunner, check_blocks, find_blocks
+from lightning_4d.pipeline import PipelineConfig, PipelineRunner, check_splittable
 from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
 from lightning_4d.tensor_parallel import (
     TensorParallelPlan,
@@ -151,7 +151,7 @@ class FourDStrategy(ModelParallelStrategy):
                                          pp_virtual_stages)
         self._pipeline: Optional[PipelineRunner] = None
         self.parallel_dims: Optional[ParallelDims] = None
-        self._dp_cp_mesh: Optional[DeviceMesh] = None
+        self._flat_meshes: dict[str, DeviceMesh] = {}
         self._grad_buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
         self._train_loaders: list[object] = []
@@ -185,13 +185,13 @@ class FourDStrategy(ModelParallelStrategy):
         if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module):
             self._check_pipeline()  # a misfit module fails here, before any process group exists
         self._setup_distributed()
-        self._device_mesh, self._dp_cp_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        self._device_mesh, self._flat_meshes = self.parallel_dims.build_mesh(self.root_device.type)
         if self.global_rank == 0:  # the table is O(world) lines: only the rank that prints it builds it
             rank_zero_info(self.layout_table())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
         if self.debug and self._desync is None:
-            self._desync = DesyncMonitor(self.parallel_dims, self._dp_cp_mesh.get_group(), self.debug_steps,
+            self._desync = DesyncMonitor(self.parallel_dims, self.group("dp_cp"), self.debug_steps,
                                          timeout=min(self._timeout, timedelta(seconds=60)))
         trainer = self.lightning_module.trainer
         if self.telemetry and not any(isinstance(c, Telemetry) for c in trainer.callbacks):
@@ -203,9 +203,10 @@ class FourDStrategy(ModelParallelStrategy):
         return self.parallel_dims.layout_table()
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """The process group of one dim (``dp``, ``pp``, ``cp``, ``tp``) or of the gradient group ``dp_cp``."""
-        if name == "dp_cp":
-            return self._dp_cp_mesh.get_group()
+        """The process group of one dim (``dp``, ``pp``, ``cp``, ``tp``), of the gradient group ``dp_cp``, or
+        under pipelining of the metric group ``pp_dp_cp``."""
+        if name in self._flat_meshes:
+            return self._flat_meshes[name].get_group()
         return self.device_mesh.get_group(name)
 
     @property
@@ -283,13 +284,14 @@ class FourDStrategy(ModelParallelStrategy):
     def _check_pipeline(self) -> None:
         """What makes a module unfit for pipelining, found without communicating (the same on every rank)."""
         module = self.lightning_module
+        if self._pipeline is not None and self._pipeline.module is module:
+            return  # cut by this strategy already (validate/test/predict after fit)
         if not module.automatic_optimization:
             raise ValueError(f"FourDStrategy(pp={self.parallel_dims.pp}) needs automatic optimization, but"
                              f" {type(module).__name__}.automatic_optimization is False: the pipeline schedule runs"
                              " forward and backward of every micro-batch itself, so manual_backward cannot. Use"
                              " automatic optimization, or pp=1.")
-        path, blocks = find_blocks(module, self._pp_config.blocks)
-        check_blocks(blocks, path, self._pp_config)
+        check_splittable(module, self._pp_config)
 
     def _setup_pipeline(self) -> None:
         """Cut the module down to this rank's stages before the other components see it; once per module,
@@ -337,12 +339,15 @@ class FourDStrategy(ModelParallelStrategy):
 
     def _sync_metrics_over_replicas(self) -> None:
         """torchmetrics sync over the world by default; ranks of one replica hold the same state, except cp
-        ranks, whose metrics each saw their part of every sequence."""
+        ranks, whose metrics each saw their part of every sequence. Under pipelining only the last stage
+        updates metrics and the others keep default states (zeros, empty lists), so the sync also spans the
+        pipeline ranks and gives every rank the last stage's values."""
         from torchmetrics import Metric
 
+        group = self.group("pp_dp_cp" if self.parallel_dims.pp_enabled else "dp_cp")
         for metric in self.lightning_module.modules():
             if isinstance(metric, Metric) and metric.process_group is None:
-                metric.process_group = self.group("dp_cp")
+                metric.process_group = group
 
     def _setup_context_parallel(self) -> None:
         """Hooks for sharded sequences; ``setup`` runs again for every fit/validate/test, so old ones go first."""

@@ -127,13 +127,8 @@ class PipelineRunner:
             stubbed.register_forward_pre_hook(self._placement_check(name, role))
         from torchmetrics import Metric
 
+        # Only the last stage updates metrics (the strategy syncs them over pp_dp_cp).
         self._metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
-        # Only the last stage updates metrics; the others keep default states (zeros, empty lists), so a
-        # sync over the pipeline, replica and context ranks gives every rank the last stage's values.
-        metric_group = mesh["pp", "dp", "cp"]._flatten("pp_dp_cp").get_group()
-        for metric in self._metrics.values():
-            if metric.process_group is None:
-                metric.process_group = metric_group
         self._schedules: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
         self._logs = StepLogs(module)
         self._running: Optional[_Running] = None
