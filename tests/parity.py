@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-from contextlib import nullcontext
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,28 +53,22 @@ def _load(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-class Recorder:
+class Recorder(Callback):
     """Collects per-step losses and logged metrics on every rank; results are written by global rank 0."""
 
-    def __new__(cls):
-        from lightning.pytorch.callbacks import Callback
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.logged: list[dict[str, float]] = []
+        self.epochs: list[dict[str, float]] = []
 
-        class _Recorder(Callback):
-            def __init__(self) -> None:
-                self.losses: list[float] = []
-                self.logged: list[dict[str, float]] = []
-                self.epochs: list[dict[str, float]] = []
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
+        self.losses.append(float(loss))
+        self.logged.append(_floats(trainer.callback_metrics))
 
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-                loss = trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
-                self.losses.append(float(loss))
-                self.logged.append(_floats(trainer.callback_metrics))
-
-            def on_train_epoch_end(self, trainer, pl_module):
-                self.epochs.append(dict(_floats(trainer.callback_metrics), global_step=trainer.global_step))
-
-        return _Recorder()
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epochs.append(dict(_floats(trainer.callback_metrics), global_step=trainer.global_step))
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:
@@ -123,7 +119,7 @@ def dataloaders(case: Case, dp: int, distributed: bool):
     return DataLoader(train, batch_size=case.batch_size, sampler=sampler), DataLoader(val, batch_size=case.batch_size)
 
 
-def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_nodes: int = 1,
+def train(case: Case, *, distributed: bool, devices: int = 1, num_nodes: int = 1,
           workdir: Optional[str] = None) -> dict[str, Any]:
     """Fit ``case`` in this process (as one rank of a layout when ``distributed``); return its record.
 
@@ -131,11 +127,11 @@ def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_n
     resumes from it: the record holds the resumed run, with the uninterrupted one under ``extras``.
     With ``resume_from``, the run starts from that checkpoint and the record holds only the steps after it.
     """
-    record = _fit(case, distributed, dp, devices, num_nodes, workdir, ckpt_path=case.resume_from)
+    record = _fit(case, distributed, devices, num_nodes, workdir, ckpt_path=case.resume_from)
     if case.resume_at is None:
         return record
     ckpt = next(Path(workdir).glob(f"{case.name}/*step={case.resume_at}.ckpt"))
-    resumed = _fit(case, distributed, dp, devices, num_nodes, None, ckpt_path=str(ckpt))
+    resumed = _fit(case, distributed, devices, num_nodes, None, ckpt_path=str(ckpt))
     resumed["losses"] = record["losses"][:case.resume_at] + resumed["losses"]
     resumed["logged"] = record["logged"][:case.resume_at] + resumed["logged"]
     resumed["epochs"] = [e for e in record["epochs"] if e["global_step"] <= case.resume_at] + resumed["epochs"]
@@ -143,7 +139,7 @@ def train(case: Case, *, distributed: bool, dp: int = 1, devices: int = 1, num_n
     return resumed
 
 
-def _fit(case, distributed, dp, devices, num_nodes, workdir, ckpt_path=None) -> dict[str, Any]:
+def _fit(case, distributed, devices, num_nodes, workdir, ckpt_path=None) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -154,6 +150,7 @@ def _fit(case, distributed, dp, devices, num_nodes, workdir, ckpt_path=None) -> 
     if workdir and (case.resume_at or case.save_last):
         trainer.callbacks.append(ModelCheckpoint(dirpath=Path(workdir) / case.name, save_top_k=-1,
                                                  every_n_train_steps=case.resume_at, save_last=case.save_last))
+    dp = trainer.strategy.parallel_dims.dp if distributed else 1  # the layout's replicas, as the Trainer resolved them
     train_loader, val_loader = dataloaders(case, dp, distributed)
     fit_kwargs = {"val_dataloaders": val_loader} if case.trainer.get("limit_val_batches") else {}
     trainer.fit(module, train_loader, ckpt_path=ckpt_path, **fit_kwargs)
@@ -206,12 +203,12 @@ def free_port() -> int:
 class LaunchResult:
     returncodes: list[int]
     output: str  # every rank's stdout/stderr, the failing ranks' first
-    elapsed: float
     results: dict[str, dict[str, Any]]  # case name -> rank 0's record
+    errors: dict[str, list[str]]  # failing case name -> what each rank raised, by rank
 
 
 def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: float = 240,
-           env: Optional[dict[str, str]] = None, grace: float = 5) -> tuple[list[int], str, float]:
+           grace: float = 5) -> tuple[list[int], str]:
     """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables).
 
     ``grace`` seconds after the first rank fails the others are killed, and ``timeout`` ends a hang: a launch
@@ -221,7 +218,6 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
     per_node = world_size // num_nodes
     base = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                      PYTHONUNBUFFERED="1")
-    base.update(env or {})
     logs = [tempfile.TemporaryFile() for _ in range(world_size)]
     procs = []
     for rank in range(world_size):
@@ -243,7 +239,7 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
         if p.poll() is None:
             p.kill()
     returncodes = [p.wait() for p in procs]
-    elapsed = time.monotonic() - start
+    timed_out = time.monotonic() - start > timeout
     order = sorted(range(world_size), key=lambda r: (returncodes[r] == 0, r))
     chunks = []
     for rank in order:
@@ -251,28 +247,35 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
         chunks.append(f"----- rank {rank} (exit {returncodes[rank]}) -----\n"
                       + logs[rank].read().decode(errors="replace"))
         logs[rank].close()
-    if elapsed > timeout:
+    if timed_out:
         chunks.insert(0, f"TIMEOUT after {timeout:.0f} s: killed every rank\n")
-    return returncodes, "\n".join(chunks), elapsed
+    return returncodes, "\n".join(chunks)
 
 
-def run_layout(cases: list[Case], world_size: int, *, num_nodes: int = 1, timeout: float = 300,
-               workdir: Optional[str] = None, grace: float = 5) -> LaunchResult:
-    """Train every case under its layout in one launch of ``world_size`` processes.
+def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), num_nodes: int = 1,
+               timeout: float = 300, workdir: Optional[str] = None, grace: float = 5) -> LaunchResult:
+    """Train every case under its layout in one launch of ``world_size`` processes, then run the ``failing``
+    cases, which must raise: each rank records what it raised (``LaunchResult.errors``), so that a test can
+    check that every rank stopped, not only rank 0 (a rank that did not would hang its peers).
 
     Checkpoints written by ``resume_at`` cases go to ``workdir`` (kept) or to a temporary directory.
     """
     with nullcontext(workdir) if workdir else tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "cases.json"
-        spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "out": tmp, "num_nodes": num_nodes}))
-        returncodes, output, elapsed = launch(["-m", "tests.parity_worker", str(spec)], world_size,
-                                              num_nodes=num_nodes, timeout=timeout, grace=grace)
-        results = {}
-        for case in cases:
-            path = Path(tmp) / f"{case.name}.pt"
-            if path.exists():
-                results[case.name] = torch.load(path, weights_only=False)
-    return LaunchResult(returncodes, output, elapsed, results)
+        out = Path(tmp)
+        spec = out / "cases.json"
+        spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing],
+                                    "out": tmp, "num_nodes": num_nodes}))
+        returncodes, output = launch(["-m", "tests.parity_worker", str(spec)], world_size, num_nodes=num_nodes,
+                                     timeout=timeout, grace=grace)
+        results = {case.name: torch.load(out / f"{case.name}.pt", weights_only=False)
+                   for case in cases if (out / f"{case.name}.pt").exists()}
+        errors = {case.name: [_read_outcome(out / f"{case.name}.rank{rank}.txt") for rank in range(world_size)]
+                  for case in failing}
+    return LaunchResult(returncodes, output, results, errors)
+
+
+def _read_outcome(path: Path) -> str:
+    return path.read_text() if path.exists() else f"nothing recorded: {path.name} was not written"
 
 
 def after_step(record: dict[str, Any], step: int) -> dict[str, Any]:
@@ -305,8 +308,81 @@ def assert_parity(case: Case, expected: dict[str, Any], got: dict[str, Any], *, 
 
 def train_layout(cases: list[Case], world_size: int, **options: Any) -> dict[str, dict[str, Any]]:
     """``run_layout`` that fails the test unless every rank exited cleanly; each case's record by name."""
-    result = run_layout(cases, world_size, **options)
+    records, _ = train_layout_with_failures(cases, [], world_size, **options)
+    return records
+
+
+def train_layout_with_failures(cases: list[Case], failing: list[Case], world_size: int,
+                               **options: Any) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """``train_layout`` that also runs the ``failing`` cases; returns the records and, per failing case, what
+    each rank raised (judge them with :func:`assert_error`)."""
+    result = run_layout(cases, world_size, failing=failing, **options)
     assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
     missing = [c.name for c in cases if c.name not in result.results]
     assert not missing, f"no result for {missing}\n{result.output[-4000:]}"
-    return result.results
+    return result.results, result.errors
+
+
+def assert_error(outcomes: list[str], kind: str, phrases: list[str]) -> None:
+    """Every rank raised ``kind`` with each of ``phrases`` in its message, so none waits in a collective."""
+    assert outcomes, "no rank recorded an outcome"
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith(f"{kind}: "), (rank, outcome)
+        for phrase in phrases:
+            assert phrase in outcome, (rank, phrase, outcome)
+
+
+def max_difference(expected: dict[str, Any], got: dict[str, Any]) -> tuple[float, float]:
+    """The largest absolute difference of a per-step loss and of a final weight element between two runs."""
+    loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
+    weight = max((got["weights"][k] - v).abs().max().item() for k, v in expected["weights"].items())
+    return loss, weight
+
+
+def report_difference(case: Case, expected: dict[str, Any], got: dict[str, Any]) -> None:
+    """Print how close a layout came to the reference (seen with ``pytest -s``), before any assertion."""
+    loss, weight = max_difference(expected, got)
+    print(f"{case.name}: max |loss diff| {loss:.2e}, max |weight diff| {weight:.2e}")
+
+
+def assert_exact_resume(record: dict[str, Any]) -> None:
+    """A run resumed from its own checkpoint (``resume_at``) equals the uninterrupted run bit for bit."""
+    uninterrupted = record["extras"]["uninterrupted"]
+    assert record["losses"] == uninterrupted["losses"], (record["losses"], uninterrupted["losses"])
+    assert record["weights"].keys() == uninterrupted["weights"].keys()
+    for key, value in uninterrupted["weights"].items():
+        assert torch.equal(record["weights"][key], value), key
+
+
+def spawn(worker: Callable[..., None], world_size: int, timeout: float, *args: Any) -> list[dict[str, Any]]:
+    """Run ``worker(rank, world_size, out_dir, *args)`` in ``world_size`` spawned processes; each writes its
+    measurements to ``out_dir/rank<rank>.json``, returned by rank. For tests that need a process group but not
+    a Trainer. A hang is killed after ``timeout`` seconds and fails the test (it must not block the suite), as
+    does a rank that exits non-zero or writes nothing."""
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [context.Process(target=worker, args=(rank, world_size, out_dir, *args)) for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results = [_read_json(Path(out_dir, f"rank{rank}.json")) for rank in range(world_size)]
+    finished = {rank: sorted(result) for rank, result in enumerate(results) if result is not None}
+    assert not hung, f"ranks {hung} still running after {timeout:.0f} s (hang?); killed. Finished: {finished}"
+    exitcodes = [proc.exitcode for proc in procs]
+    assert exitcodes == [0] * world_size, f"exit codes {exitcodes}; finished: {finished}"
+    assert None not in results, f"ranks {[r for r, res in enumerate(results) if res is None]} wrote no results"
+    return results
+
+
+def _read_json(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written, or cut off by a kill
+        return None

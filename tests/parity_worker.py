@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from lightning_4d import ParallelDims
 from tests.parity import Case, train
 
 
@@ -21,10 +20,7 @@ def main(spec_path: str) -> None:
     num_nodes = spec.get("num_nodes", 1)
 
     def run(case: Case) -> dict:
-        sizes = {name: case.strategy.get(name, default) for name, default in
-                 (("dp", "auto"), ("pp", 1), ("cp", 1), ("tp", 1))}
-        dp = ParallelDims.resolve(world_size, **sizes).dp
-        return train(case, distributed=True, dp=dp, devices=world_size // num_nodes, num_nodes=num_nodes,
+        return train(case, distributed=True, devices=world_size // num_nodes, num_nodes=num_nodes,
                      workdir=spec["out"])
 
     for fields in spec["cases"]:

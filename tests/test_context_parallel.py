@@ -11,8 +11,7 @@ Process start-up dominates: one launch per world size. The 2-process launch also
 fail (each on every rank; tests/parity_worker.py records their errors).
 """
 
-import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +25,8 @@ from lightning_4d.context_parallel import (
     sequence_paths,
 )
 from tests.cp_models import build_mask
-from tests.parity import Case, assert_parity, launch, reference, train_layout
+from tests.parity import (Case, assert_error, assert_parity, max_difference, reference, report_difference,
+                          train_layout, train_layout_with_failures)
 
 LM = dict(data="tests.lm_models:token_data", max_steps=4)
 MODELS = {"gpt": "tests.lm_models:tiny_gpt", "nanogpt": "tests.lm_models:NanoGPT",
@@ -48,7 +48,10 @@ TWO = [
          data="tests.cp_models:token_data_with_positions", max_steps=4,
          strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
 ]
-# Position handling off: these must NOT match one process.
+# Position handling off: these must NOT match one process. Some final weight element differs by more than
+# ten times parity's bound (measured: 7.9e-4 with local rotary tables, 0.11 with local learned positions;
+# rotary tables barely move the first losses of a freshly initialised model, 8e-5, so the weights decide).
+UNHANDLED_WEIGHT_DIFFERENCE = 1e-4
 UNHANDLED = [
     Case("cp2_nanogpt_local_positions", module=MODELS["nanogpt"], strategy={"cp": 2, "cp_position_modules": []},
          **LM),
@@ -90,17 +93,8 @@ FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp2")
-    cases, failing = TWO + UNHANDLED, [case for case, _, _ in FAILING.values()]
-    spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing],
-                                "out": str(tmp)}))
-    returncodes, output, _ = launch(["-m", "tests.parity_worker", str(spec)], 2, timeout=600)
-    assert returncodes == [0, 0], f"ranks failed: {returncodes}\n{output[-6000:]}"
-    records = {c.name: torch.load(tmp / f"{c.name}.pt", weights_only=False) for c in cases}
-    errors = {c.name: (tmp / f"{c.name}.rank0.txt").read_text() for c in failing}
-    return records, errors
+def two():
+    return train_layout_with_failures(TWO + UNHANDLED, [case for case, _, _ in FAILING.values()], 2, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -108,34 +102,29 @@ def four():
     return train_layout(FOUR, 4, timeout=900)
 
 
-def _report(case: Case, expected: dict, got: dict) -> None:
-    loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
-    weight = max((got["weights"][k] - v).abs().max().item() for k, v in expected["weights"].items())
-    print(f"{case.name}: max |loss diff| {loss:.2e}, max |weight diff| {weight:.2e}")
-
-
 @pytest.mark.parametrize("case", TWO, ids=lambda c: c.name)
 def test_cp2_matches_single_process(two, case):
     records, _ = two
     expected = reference(case)
     epoch_metrics = ("val_loss",) if case.trainer.get("limit_val_batches") else ()
-    _report(case, expected, records[case.name])
+    report_difference(case, expected, records[case.name])
     assert_parity(case, expected, records[case.name], epoch_metrics=epoch_metrics)
 
 
 @pytest.mark.parametrize("case", FOUR, ids=lambda c: c.name)
 def test_four_ranks_match_single_process(four, case):
-    _report(case, reference(case), four[case.name])
+    report_difference(case, reference(case), four[case.name])
     assert_parity(case, reference(case), four[case.name])
 
 
 @pytest.mark.parametrize("case", UNHANDLED, ids=lambda c: c.name)
 def test_local_positions_give_a_different_model(two, case):
     records, _ = two
-    expected = reference(replace(case, strategy={}))
-    _report(case, expected, records[case.name])
-    with pytest.raises(AssertionError):
-        assert_parity(case, expected, records[case.name])
+    expected, got = reference(replace(case, strategy={})), records[case.name]
+    report_difference(case, expected, got)
+    assert len(got["losses"]) == len(expected["losses"]) == case.max_steps, (got["losses"], expected["losses"])
+    _, weight = max_difference(expected, got)
+    assert weight > UNHANDLED_WEIGHT_DIFFERENCE, f"{case.name}: weights within {weight:.2e} of one process"
 
 
 def test_prediction_runs_on_whole_sequences(two):
@@ -145,23 +134,12 @@ def test_prediction_runs_on_whole_sequences(two):
 
 
 @pytest.mark.parametrize("name", FAILING)
-def test_unsupported_input_raises(two, name):
+def test_unsupported_input_raises_on_every_rank(two, name):
     _, errors = two
-    _, kind, phrases = FAILING[name]
-    assert errors[name].startswith(kind + ":"), errors[name]
-    for phrase in phrases:
-        assert phrase in errors[name], errors[name]
+    assert_error(errors[name], *FAILING[name][1:])
 
 
 # ------------------------------------------------------------------------------ without processes
-
-
-def test_strategy_options_are_validated():
-    for kwargs, phrase in (({"cp_comm": "nccl"}, "cp_comm='nccl'"), ({"cp_seq_dim": -1}, "cp_seq_dim=-1"),
-                           ({"cp_batch_keys": "input_ids"}, "cp_batch_keys='input_ids' must be a list"),
-                           ({"cp_buffers": [1.5]}, "cp_buffers=[1.5]")):
-        with pytest.raises(ValueError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
-            FourDStrategy(cp=2, **kwargs)
 
 
 def test_options_from_yaml():

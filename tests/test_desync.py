@@ -57,7 +57,7 @@ with open(os.path.join(sys.argv[1], f"{rank}.json"), "w") as f:
 def test_desync_reports_rank_and_name(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    codes, output, _ = launch([str(script), str(tmp_path)], 4, timeout=120)
+    codes, output = launch([str(script), str(tmp_path)], 4, timeout=120)
     assert codes == [0, 0, 0, 0], output[-3000:]
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     for r in range(4):

@@ -10,9 +10,8 @@ at step 2 and resumes in a new Trainer: the resumed run must equal the uninterru
 import itertools
 
 import pytest
-import torch
 
-from tests.parity import Case, assert_parity, reference, train_layout
+from tests.parity import Case, assert_exact_resume, assert_parity, reference, train_layout
 
 pytestmark = pytest.mark.parity_matrix
 
@@ -47,7 +46,4 @@ def test_every_layout_matches_one_process(world_size):
         got = results[case.name]
         assert_parity(case, reference(case), got)
         if case.resume_at:  # exact resume in 4D: bit for bit what the uninterrupted run did
-            uninterrupted = got["extras"]["uninterrupted"]
-            assert got["losses"] == uninterrupted["losses"], (got["losses"], uninterrupted["losses"])
-            for key, value in uninterrupted["weights"].items():
-                assert torch.equal(got["weights"][key], value), key
+            assert_exact_resume(got)

@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,9 +29,8 @@ from torch.utils.data import DataLoader
 from lightning_4d import FourDStrategy
 from lightning_4d.pipeline import SCHEDULES
 from lightning_4d.pipeline.microbatch import split_batch
-from tests.lm_models import VOCAB, TinyGPT, tiny_gpt, token_data
-from tests.models import Classifier
-from tests.parity import Case, assert_parity, reference, train_layout
+from tests.lm_models import VOCAB, TinyGPT, token_data
+from tests.parity import Case, assert_exact_resume, assert_parity, reference, train_layout
 
 # ------------------------------------------------------------------------- worker-side models and probes
 
@@ -180,6 +178,7 @@ FOUR = [
     _pp("pp2_tp2_gpt2_1f1b_accumulate_clip", 2, HF, "1f1b", kind="gpt2", layers=4, tp=2,
         trainer={**ACCUMULATE_CLIP, **VALIDATE}, steps=4),
 ]
+CASES = {case.name: case for case in TWO + FOUR}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -198,30 +197,26 @@ def four():
     return train_layout(FOUR, 4, timeout=500)
 
 
-def _case(cases, name):
-    return next(c for c in cases if c.name == name)
-
-
 def _epoch_metrics(case):
     if case.module == METRIC_GPT["module"]:
         return ("train_acc_epoch", "val_loss", "val_acc")
     return ("val_loss",) if case.trainer.get("limit_val_batches") else ()
 
 
-def _check(cases, results, name):
-    case = _case(cases, name)
+def _check(results, name):
+    case = CASES[name]
     metrics = ("train_loss", "train_acc_step", "max_logit") if case.module == METRIC_GPT["module"] else ("train_loss",)
     assert_parity(case, reference(case), results[name], metrics=metrics, epoch_metrics=_epoch_metrics(case))
 
 
 @pytest.mark.parametrize("name", [c.name for c in TWO])
 def test_pp2_matches_single_process(two, name):
-    _check(TWO, two, name)
+    _check(two, name)
 
 
 @pytest.mark.parametrize("name", [c.name for c in FOUR])
 def test_pp4_pp2_dp2_and_pp2_tp2_match_single_process(four, name):
-    _check(FOUR, four, name)
+    _check(four, name)
 
 
 def test_the_cases_cover_every_schedule_at_pp2_and_pp4():
@@ -243,7 +238,7 @@ def test_each_stage_holds_its_share_and_runs_the_user_step_once_per_micro_batch(
 
 
 def test_predict_test_and_checkpoint_through_the_pipeline(two):
-    case = _case(TWO, "pp2_gpt_gpipe_metrics")
+    case = CASES["pp2_gpt_gpipe_metrics"]
     expected, got = reference(case), two[case.name]
     single = metric_gpt()
     single.load_state_dict(expected["weights"])
@@ -268,66 +263,10 @@ def test_monitored_checkpoint_and_early_stopping_see_the_real_val_loss(two, four
 
 
 def test_resume_continues_exactly(two):
-    resumed = two["pp2_gpt_resumed"]
-    uninterrupted = resumed["extras"]["uninterrupted"]
-    assert resumed["losses"] == uninterrupted["losses"]
-    for key, value in uninterrupted["weights"].items():
-        assert torch.equal(resumed["weights"][key], value), key
+    assert_exact_resume(two["pp2_gpt_resumed"])
 
 
 # ---------------------------------------------------------------------- errors, before any collective
-
-
-def _setup_environment(module, devices=2, **strategy):
-    """Build the Trainer in this process and run the strategy's environment setup, which checks the module
-    before creating any process group (the short timeout turns a missing check into a failure, not a hang)."""
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, logger=False,
-                         strategy=FourDStrategy(timeout=timedelta(seconds=5), **strategy))
-    trainer.strategy.connect(module)
-    trainer.strategy.setup_environment()
-
-
-def test_more_stages_than_blocks_is_refused():
-    with pytest.raises(ValueError, match=r"pp=4 with pp_schedule='1f1b' needs 4 stages, but model.layers has only 2"
-                                         r" blocks\. Use pp <= 2"):
-        _setup_environment(tiny_gpt(n_layer=2), devices=4, pp=4)
-    with pytest.raises(ValueError, match=r"needs 8 stages \(2 stages per rank\), but model.layers has only 4"):
-        _setup_environment(tiny_gpt(n_layer=4), devices=4, pp=4, pp_schedule="interleaved_1f1b")
-
-
-def test_module_without_a_block_list_is_refused_with_the_candidates():
-    with pytest.raises(ValueError, match=r"found no list of repeated blocks in Classifier .* net \(Sequential of"
-                                         r" 3 x Linear, 2 x Tanh\)\. .*pp_blocks: model.layers"):
-        _setup_environment(Classifier(), pp=2)
-    with pytest.raises(ValueError, match=r"pp_blocks='model.blocks' names no submodule of TinyGPT; .*model.layers"):
-        _setup_environment(tiny_gpt(), pp=2, pp_blocks="model.blocks")
-
-
-def test_manual_optimization_is_refused():
-    module = tiny_gpt()
-    module.automatic_optimization = False
-    with pytest.raises(ValueError, match=r"FourDStrategy\(pp=2\) needs automatic optimization, but"
-                                         r" TinyGPT.automatic_optimization is False"):
-        _setup_environment(module, pp=2)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        (dict(pp_schedule="zero_bubble"), r"pp_schedule='zero_bubble' is not a known schedule: use one of gpipe,"
-                                          r" 1f1b, interleaved_1f1b"),
-        (dict(pp_microbatches=1), r"pp_microbatches=1 does not fit pp_schedule='1f1b': 1f1b needs at least pp=2"),
-        (dict(pp_microbatches=0), r"pp_microbatches=0 must be a positive integer"),
-        (dict(pp_schedule="dualpipev", pp_microbatches=3), r"dualpipev needs at least as many micro-batches as"
-                                                           r" stages \(4\)"),
-        (dict(pp_schedule="gpipe", pp_virtual_stages=2), r"pp_virtual_stages=2 does not fit pp_schedule='gpipe'"),
-        (dict(pp_split_points=[3, 2]), r"pp_split_points=\[3, 2\] must be 1 strictly increasing"),
-        (dict(pp_blocks=""), r"pp_blocks='' must be the dotted path"),
-    ],
-)
-def test_bad_pipeline_options_fail_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        FourDStrategy(pp=2, **kwargs)
 
 
 def test_schedule_names_accept_torch_spelling_and_yaml():
@@ -355,7 +294,8 @@ class Features:
     note: str
 
 
-def test_any_batch_structure_splits_and_an_uneven_batch_is_refused():
+def test_any_batch_structure_splits():
+    """(An uneven batch is refused: tests/test_bad_inputs.py.)"""
     tokens = torch.arange(24).view(8, 3)
     batch = {"pair": Pair(tokens, tokens * 2), "features": Features(tokens, tokens > 4, "kept"),
              "list": [tokens, torch.tensor(1.0)]}
@@ -366,6 +306,3 @@ def test_any_batch_structure_splits_and_an_uneven_batch_is_refused():
         assert torch.equal(part["pair"].y, tokens[2 * i:2 * i + 2] * 2)
         assert torch.equal(part["features"].mask, tokens[2 * i:2 * i + 2] > 4) and part["features"].note == "kept"
         assert torch.equal(part["list"][0], tokens[2 * i:2 * i + 2]) and part["list"][1] == 1.0
-    with pytest.raises(ValueError, match=r"does not split into pp_microbatches=4 equal micro-batches: tensors of"
-                                         r" shape \(6, 3\) .* multiple of 4"):
-        split_batch((tokens[:6], tokens[:6]), 4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import traceback
 import zlib
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from bench.cp import LiveStorage
@@ -35,6 +33,7 @@ from lightning_4d.ring_attention import (
     unshard_sequence,
     zigzag_positions,
 )
+from tests.parity import spawn
 
 LAUNCH_TIMEOUT_S = 150
 FP32_TOL = 1e-5
@@ -147,13 +146,13 @@ def _peak_blocks(group) -> float:
     return memory.peak / (math.prod(shape) * 4)
 
 
-def _worker(rank: int, init_file: str, result_dir: str) -> None:
+def _worker(rank: int, world: int, result_dir: str) -> None:
     torch.set_num_threads(1)
     results: dict = {}
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
-        )
+        init_method = f"file://{Path(result_dir, 'init')}"
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
         groups = {}
         for grouping, layout in GROUPINGS.items():
             if layout is None:
@@ -174,40 +173,14 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _launch(tmp: Path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp / "init"), str(tmp))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if hung:
-        pytest.fail(f"ranks {hung} still running after {LAUNCH_TIMEOUT_S}s (hang?); killed")
-    results = []
-    for r, p in enumerate(procs):
-        path = tmp / f"rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} exited with code {p.exitcode} without writing results")
-        data = json.loads(path.read_text())
-        if "__error__" in data:
-            pytest.fail(f"rank {r} raised:\n{data['__error__']}")
-        results.append(data)
-    return results
-
-
 @pytest.fixture(scope="module")
-def dist_results(tmp_path_factory):
+def dist_results():
     """One 4-process launch serves every distributed case (cp=4, two kinds of cp=2, cp=1)."""
-    return _launch(tmp_path_factory.mktemp("ring_attention"))
+    results = spawn(_worker, WORLD, LAUNCH_TIMEOUT_S)
+    for rank, data in enumerate(results):
+        if "__error__" in data:
+            pytest.fail(f"rank {rank} raised:\n{data['__error__']}")
+    return results
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
@@ -251,19 +224,6 @@ def test_shard_and_unshard_roundtrip():
     shards = [shard_sequence(t, 1, 3, r) for r in range(3)]
     assert torch.equal(shards[1], t.index_select(1, zigzag_positions(12, 3, 1)))
     assert torch.equal(unshard_sequence(shards, 1), t)
-
-
-@pytest.mark.parametrize(
-    ("seq_len", "cp", "pattern"),
-    [
-        (10, 2, r"length 10 .*2\*cp = 4.*8 or 12"),
-        (2, 2, r"length 2 .*2\*cp = 4.*to 4$"),
-        (13, 3, r"length 13 .*2\*cp = 6.*12 or 18"),
-    ],
-)
-def test_zigzag_rejects_lengths_not_divisible(seq_len, cp, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        zigzag_positions(seq_len, cp, 0)
 
 
 def test_zigzag_rejects_bad_rank_and_size():

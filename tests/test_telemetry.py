@@ -25,13 +25,12 @@ PEAK = 1e12  # a made-up device peak, so that MFU is computed on CPU
 STEPS, EVERY = 7, 3  # the first batch is not timed: two windows of three batches
 GLOBAL_BATCH = 8
 LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}]
-GPT = dict(n_layer=4, n_embd=32)  # tiny_gpt's sizes, for the expected FLOPs
 
 
 def expected_flops_per_token(module) -> float:
     """6N plus causal attention: per layer and token 2*h*(s+1) forward (the mean query sees (s+1)/2 keys), x3."""
     n = sum(p.numel() for name, p in module.named_parameters() if "tok_emb" not in name)
-    return 6 * n + 3 * GPT["n_layer"] * 2 * GPT["n_embd"] * (SEQ + 1)
+    return 6 * n + 3 * module.hparams.n_layer * 2 * module.hparams.n_embd * (SEQ + 1)
 
 
 def _fit(layout: dict, root: Path, world_size: int) -> float:
@@ -70,7 +69,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("telemetry")
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "world_size": 2, "layouts": LAYOUTS}))
-    codes, output, _ = launch(["-m", "tests.test_telemetry", str(spec)], 2, timeout=300)
+    codes, output = launch(["-m", "tests.test_telemetry", str(spec)], 2, timeout=300)
     assert codes == [0, 0], output[-6000:]
     walls = json.loads((out / "wall.json").read_text())
     return {name: (_rows(out / name / "version_0" / "metrics.csv"), wall) for name, wall in walls.items()}

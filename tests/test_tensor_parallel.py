@@ -1,18 +1,15 @@
 """Tensor, sequence and vocabulary parallelism of unchanged modules against the single-process module.
 
 One spawn of tp=2 ranks (and one of tp=4) runs every case in turn on CPU/gloo; each rank writes its
-measurements to a JSON file and the parent asserts them per case.  Plan errors are pure and are
-checked in the test process.
+measurements to a JSON file and the parent asserts them per case, on every rank. Plan errors are in
+tests/test_bad_inputs.py.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import multiprocessing
 import os
-import socket
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -30,6 +27,7 @@ from lightning_4d.tensor_parallel import (
     tensor_parallel_context,
 )
 from tests import tp_models as M
+from tests.parity import free_port, spawn
 
 TOL = 1e-5
 VOCAB, B, T = 64, 2, 8
@@ -299,7 +297,7 @@ def _suite(world: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, out_dir: str, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -319,48 +317,31 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _launch(world: int) -> dict[str, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_worker, args=(rank, world, port, out_dir)) for rank in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [p for p in procs if p.is_alive()]
-        for p in hung:
-            p.kill()
-            p.join()
-        files = [Path(out_dir, f"rank{r}.json") for r in range(world)]
-        results = [json.loads(f.read_text()) if f.exists() else {} for f in files]
-    if hung:
-        done = sorted(results[0])
-        pytest.fail(f"tp={world} launch hung past {LAUNCH_TIMEOUT_S}s; finished cases on rank 0: {done}")
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    for rank, res in enumerate(results[1:], 1):  # every rank must measure the same
-        for name, record in res.items():
-            assert record.get("error") is None, f"rank {rank} {name}:\n{record.get('error')}"
-    return results[0]
+def _launch(world: int) -> list[dict[str, dict]]:
+    """Every rank's measurements, by rank; each rank ran every case of the suite."""
+    results = spawn(_worker, world, LAUNCH_TIMEOUT_S, free_port())
+    for rank, measured in enumerate(results):
+        assert sorted(measured) == sorted(_suite(world)), (rank, sorted(measured))
+    return results
 
 
 @pytest.fixture(scope="module")
-def tp2() -> dict[str, dict]:
+def tp2() -> list[dict[str, dict]]:
     return _launch(2)
 
 
 @pytest.fixture(scope="module")
-def tp4() -> dict[str, dict]:
+def tp4() -> list[dict[str, dict]]:
     return _launch(4)
 
 
-def _record(results: dict, name: str) -> dict:
-    record = results[name]
-    assert record.get("error") is None, f"{name}:\n{record['error']}"
-    return record
+def _records(results: list[dict], name: str) -> list[dict]:
+    """``name``'s measurements on every rank: each rank compares its own view with the unsharded model, and
+    every rank must pass."""
+    records = [measured[name] for measured in results]
+    for rank, record in enumerate(records):
+        assert record.get("error") is None, f"rank {rank} {name}:\n{record['error']}"
+    return records
 
 
 PARITY_2 = [f"{family}{sp}" for family in FAMILIES for sp in ("", "_sp")]
@@ -392,89 +373,62 @@ def _assert_parity(record: dict) -> None:
 
 @pytest.mark.parametrize("name", PARITY_2)
 def test_parity_tp2(tp2, name):
-    _assert_parity(_record(tp2, name))
+    for record in _records(tp2, name):
+        _assert_parity(record)
 
 
 @pytest.mark.parametrize("name", ["tinygpt_sp", "nanogpt_sp", "meta_llama"])
 def test_parity_tp4(tp4, name):
-    _assert_parity(_record(tp4, name))
+    for record in _records(tp4, name):
+        _assert_parity(record)
 
 
 def test_gathered_head_by_user_plan(tp2):
-    record = _record(tp2, "tinygpt_gathered_head")
-    _assert_parity(record)
-    assert not record["loss_parallel"] and record["logits_type_in_context"] == "Tensor"
+    for record in _records(tp2, "tinygpt_gathered_head"):
+        _assert_parity(record)
+        assert not record["loss_parallel"] and record["logits_type_in_context"] == "Tensor"
 
 
 def test_encoder_layer_feed_forward_by_user_plan(tp2):
-    record = _record(tp2, "encoder_ffn_only")
-    _assert_parity(record)
-    assert record["checked"] == ["layers.0"]
+    for record in _records(tp2, "encoder_ffn_only"):
+        _assert_parity(record)
+        assert record["checked"] == ["layers.0"]
 
 
 def test_user_plan_divides_unknown_head_attribute(tp2):
-    _assert_parity(_record(tp2, "custom_heads_divide"))
+    for record in _records(tp2, "custom_heads_divide"):
+        _assert_parity(record)
 
 
 def test_plan_of_whole_model_applies_to_pipeline_stage(tp2):
-    record = _record(tp2, "pipeline_stage")
-    assert record["out_err"] < TOL and record["grad_err"] < TOL, record
-    assert record["checked"] == ["layers.0.attn", "layers.0.mlp"]
+    for record in _records(tp2, "pipeline_stage"):
+        assert record["out_err"] < TOL and record["grad_err"] < TOL, record
+        assert record["checked"] == ["layers.0.attn", "layers.0.mlp"]
 
 
 def test_parameters_are_sharded(tp2):
     for name in ("tinygpt", "example_gpt"):
-        assert _record(tp2, name)["local_numel_ratio"] <= 0.55, name
+        for rank, record in enumerate(_records(tp2, name)):
+            assert record["local_numel_ratio"] <= 0.55, (name, rank)
 
 
 def test_self_check_catches_wrong_head_count(tp2):
-    record = _record(tp2, "wrong_head_count")
-    assert record["raised"], record
-    assert "layers.0.attn" in record["message"]
+    for record in _records(tp2, "wrong_head_count"):
+        assert record["raised"], record
+        assert "layers.0.attn" in record["message"]
 
 
 def test_apply_rejects_mesh_of_other_size(tp2):
-    record = _record(tp2, "mesh_mismatch")
-    assert record["raised"] and "tp=4" in record["message"]
+    for record in _records(tp2, "mesh_mismatch"):
+        assert record["raised"] and "tp=4" in record["message"]
 
 
 def test_clip_grad_norm_over_pipeline_group(tp4):
-    assert _record(tp4, "clip_over_pipeline")["norm_err"] < TOL
+    for record in _records(tp4, "clip_over_pipeline"):
+        assert record["norm_err"] < TOL
 
 
 # --------------------------------------------------------------------------- plan errors (no processes)
-
-
-def _lit(**overrides) -> nn.Module:
-    config = M.LitConfig(VOCAB, n_query_groups=4)
-    config.__dict__.update(overrides)
-    return M.LitGPT(config)
-
-
-@pytest.mark.parametrize(
-    "model, tp, tp_plan, needles",
-    [
-        (lambda: M.TinyGPT(VOCAB, dim=32, n_head=4), 8, "auto", ["layers.0.attn", "4 attention heads", "tp=8"]),
-        (lambda: M.MetaLlama(VOCAB, n_heads=4, n_kv_heads=2), 4, "auto", ["layers.0.attention", "2 key/value heads"]),
-        (lambda: M.TinyGPT(65), 2, "auto", ["Vocabulary size 65", "tok_emb", "replicate"]),
-        (lambda: _lit(intermediate_size=34), 4, "auto", ["transformer.h.0.mlp", "intermediate size 34"]),
-        (lambda: BUILDERS["custom_heads"](2), 2, "auto", ["head count of attention layers.0.attn", "divide"]),
-        (M.PlainMLPStack, 2, "auto", ["nothing in PlainMLPStack", "net.0 (Linear 8->16)", "tp_plan:"]),
-        (M.TorchEncoder, 2, "auto", ["layers.0.self_attn", "nn.MultiheadAttention", "replicate"]),
-        (M.TinyGPT, 2, {"layers.*.attn.q_proj": "columnwise"}, ["columnwise", "colwise, rowwise"]),
-        (M.TinyGPT, 2, {"layer.*.attn.q_proj": "colwise"}, ["matches no module", "layers.0.attn.q_proj"]),
-        (M.TinyGPT, 2, {"layers.*.norm1": "colwise"}, ["layers.0.norm1", "RMSNorm"]),
-        (M.TinyGPT, 2, {"layers.*.norm1": "sequence_parallel"}, ["sequence_parallel=True"]),
-        (M.TinyGPT, 2, {"layers.*.attn": {"style": "colwise", "output": "shard"}}, ["'shard'"]),
-        (M.NanoGPT, 2, {"lm_head": "replicate"}, ["Tied parameters", "lm_head.weight", "transformer.wte.weight"]),
-        (M.TinyGPT, 2, "everything", ["tp_plan must be"]),
-    ],
-)
-def test_plan_errors(model, tp, tp_plan, needles):
-    with pytest.raises(ValueError) as info:
-        plan_tensor_parallel(model(), tp, tp_plan)
-    for needle in needles:
-        assert needle in str(info.value), (needle, str(info.value))
 
 
 def test_plan_off_and_describe():

@@ -14,13 +14,10 @@ One launch per world size, which also runs the cases that must fail (tests/parit
 every rank, what each raised).
 """
 
-import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -29,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_4d import FourDStrategy
 from lightning_4d.tensor_parallel import clip_grad_norm_, plan_tensor_parallel
 from tests.lm_models import TinyGPT, _CausalLM
-from tests.parity import Case, assert_parity, launch, reference
+from tests.parity import Case, assert_error, assert_parity, reference, report_difference, train_layout_with_failures
 
 CLIP = {"gradient_clip_val": 0.3}
 PROBE = ["tests.test_tp_strategy:ShardingProbe"]
@@ -131,26 +128,18 @@ class MLPShardedInConfigureModel(TinyGPT):
 # ------------------------------------------------------------------------------------------ launches
 
 
-def _launch(tmp: Path, world: int, cases: list[Case], failing: dict) -> tuple[dict, dict]:
-    failing_cases = [case for case, _, _ in failing.values()]
-    spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing_cases],
-                                "out": str(tmp)}))
-    returncodes, output, _ = launch(["-m", "tests.parity_worker", str(spec)], world, timeout=600)
-    assert returncodes == [0] * world, f"ranks failed: {returncodes}\n{output[-6000:]}"
-    records = {c.name: torch.load(tmp / f"{c.name}.pt", weights_only=False) for c in cases}
-    errors = {c.name: [(tmp / f"{c.name}.rank{r}.txt").read_text() for r in range(world)] for c in failing_cases}
-    return records, errors
+def _launch(world: int, cases: list[Case], failing: dict) -> tuple[dict, dict]:
+    return train_layout_with_failures(cases, [case for case, _, _ in failing.values()], world, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("tp2"), 2, TWO, FAILING_TWO)
+def two():
+    return _launch(2, TWO, FAILING_TWO)
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("tp4"), 4, FOUR, FAILING_FOUR)
+def four():
+    return _launch(4, FOUR, FAILING_FOUR)
 
 
 # ---------------------------------------------------------------------------------------------- parity
@@ -158,9 +147,7 @@ def four(tmp_path_factory):
 
 def _assert_parity(case: Case, got: dict) -> None:
     expected = reference(case)
-    loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
-    weight = max((got["weights"][k] - v).abs().max().item() for k, v in expected["weights"].items())
-    print(f"{case.name}: max |loss diff| {loss:.2e}, max |weight diff| {weight:.2e}")
+    report_difference(case, expected, got)
     assert_parity(case, expected, got)
 
 
@@ -196,28 +183,12 @@ def test_configure_model_parallelism_is_kept(two):
 
 @pytest.mark.parametrize("name", list(FAILING_TWO))
 def test_errors_on_two_processes(two, name):
-    _assert_error(two[1][name], *FAILING_TWO[name][1:])
+    assert_error(two[1][name], *FAILING_TWO[name][1:])
 
 
 @pytest.mark.parametrize("name", list(FAILING_FOUR))
 def test_errors_on_four_processes(four, name):
-    _assert_error(four[1][name], *FAILING_FOUR[name][1:])
-
-
-def _assert_error(outcomes: list[str], kind: str, phrases: list[str]) -> None:
-    for rank, outcome in enumerate(outcomes):  # every rank raises, so none waits in a collective
-        assert outcome.startswith(f"{kind}: "), (rank, outcome)
-        for phrase in phrases:
-            assert phrase in outcome, (rank, phrase, outcome)
-
-
-@pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(tp=2, tp_plan="everything"), r"tp_plan='everything': use 'auto', 'none' or a mapping"),
-    (dict(pp=2, tp=2, sequence_parallel=True), r"sequence_parallel=True with pp=2 is not supported"),
-])
-def test_bad_arguments_fail_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        FourDStrategy(**kwargs)
+    assert_error(four[1][name], *FAILING_FOUR[name][1:])
 
 
 # ------------------------------------------------------------------------------------------------- YAML
