@@ -37,8 +37,6 @@ def token_data(train: bool = True, size: int = 32, seq_len: int = SEQ, vocab: in
 class _CausalLM(pl.LightningModule):
     """Cross-entropy next-token training, logged the way DDP users log."""
 
-    lr = 0.5
-
     def _loss(self, batch):
         input_ids, labels = batch
         logits = self(input_ids)

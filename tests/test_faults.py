@@ -11,7 +11,7 @@ from tests.models import Classifier
 from tests.parity import Case, run_layout
 
 
-def _check_job_ended(result, world_size: int, reporting_peers: int) -> None:
+def _check_job_ended(result, reporting_peers: int) -> None:
     failed_at = float(re.search(r"injected failure on rank 1 at step 3 at t=([0-9.]+)", result.output).group(1))
     assert time.time() - failed_at < 60, f"the job took {time.time() - failed_at:.0f} s to end after the failure"
     # Every rank ended by itself (the launcher kills only after 90 s), each with a non-zero exit.
@@ -27,7 +27,7 @@ def test_exception_on_one_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_pa
     case = Case("fail", module="tests.models:Classifier", data="tests.models:classification_data",
                 strategy={"dp": 4}, max_steps=8, resume_at=2, callbacks=["tests.probes:FailOnRank"])
     result = run_layout([case], 4, timeout=180, workdir=str(tmp_path), grace=90)
-    _check_job_ended(result, 4, reporting_peers=3)
+    _check_job_ended(result, reporting_peers=3)
 
     saved = sorted((tmp_path / "fail").iterdir())
     assert [p.name for p in saved] == ["epoch=0-step=2.ckpt"], saved
@@ -43,7 +43,7 @@ def test_exception_on_one_rank_of_a_4d_layout_ends_all_16(tmp_path):
                 strategy={"dp": 2, "pp": 2, "cp": 2, "tp": 2}, batch_size=8, max_steps=8, resume_at=2,
                 callbacks=["tests.probes:FailOnRank"])
     result = run_layout([case], 16, timeout=400, workdir=str(tmp_path), grace=90)
-    _check_job_ended(result, 16, reporting_peers=1)
+    _check_job_ended(result, reporting_peers=1)
     saved = sorted((tmp_path / "fail4d").iterdir())
     assert [p.name for p in saved] == ["epoch=0-step=2.ckpt"], saved
     module = tiny_gpt()  # the sharded 4D checkpoint loads into one plain process

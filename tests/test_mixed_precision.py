@@ -31,6 +31,7 @@ def results():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_bf16_matches_single_process_bf16(results, case):
     expected, got = reference(case), results[case.name]
+    assert len(got["losses"]) == len(expected["losses"]) == case.max_steps, (got["losses"], expected["losses"])
     for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
         assert abs(a - b) <= 2e-2 * abs(b), f"{case.name}: loss at step {step}: {a} vs {b}"
     pl.seed_everything(case.seed, verbose=False)

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import TensorDataset
 
 from examples.gpt import GPT
 from lightning_4d.plan import (
@@ -32,6 +31,7 @@ from lightning_4d.plan import (
     plan,
 )
 from lightning_4d.telemetry import PeakMemory
+from tests.lm_models import token_data
 from tests.parity import Case, train_layout
 
 # ----------------------------------------------------------------------------------- arithmetic
@@ -49,7 +49,8 @@ def test_counts_read_from_a_module_match_its_parameters_and_the_sizes():
     assert tied.tied and tied.params == sum(p.numel() for p in GPT(**config, tie_weights=True).parameters())
     assert tied == Model.from_sizes(layers=3, hidden=64, heads=4, vocab=256, tied=True)
     # A Hugging Face Llama: grouped-query attention and a gated MLP, head counts from its config.
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
                                       num_attention_heads=8, num_key_value_heads=2)
     llama = transformers.LlamaForCausalLM(config)
@@ -205,8 +206,7 @@ def measured_gpt(**config):
 
 
 def measured_tokens(train: bool = True):
-    tokens = torch.randint(0, MEASURED_MODEL["vocab_size"], (16, SEQ + 1), generator=torch.Generator().manual_seed(0))
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return token_data(train, size=16, seq_len=SEQ, vocab=MEASURED_MODEL["vocab_size"])
 
 
 class PeakGrowth(Callback):
