@@ -323,7 +323,8 @@ class FourDStrategy(ModelParallelStrategy):
                            " stays as configured there, tp_plan is not applied.")
             return None
         plan = plan_tensor_parallel(module, self.parallel_dims.tp, **self._tp_options)
-        rank_zero_info(plan.describe())
+        if self.global_rank == 0:
+            rank_zero_info(plan.describe())
         return plan
 
     def _setup_tensor_parallel(self, plan: Optional[TensorParallelPlan]) -> None:

@@ -235,7 +235,8 @@ class TensorParallelPlan:
             counts[_pattern(fqn)] = counts.get(_pattern(fqn), 0) + 1
         for fqn, region in self.regions.items():
             pattern = _pattern(fqn)
-            if counts.pop(pattern, None) is None:
+            count = counts.pop(pattern, None)
+            if count is None:
                 continue
             if region.kind == "attention" and region.heads is not None:
                 kv = f", kv heads {region.kv_heads}->{region.kv_heads // tp}" if region.kv_heads != region.heads else ""
@@ -251,7 +252,6 @@ class TensorParallelPlan:
             }
             local = ("; local " + ", ".join(f"{k}={v}" for k, v in attrs.items())) if attrs else ""
             norms = f"; grads of {', '.join(region.head_norms)} summed over tp" if region.head_norms else ""
-            count = sum(1 for f in self.regions if _pattern(f) == pattern)
             lines.append(
                 f"  {region.kind:<9} {pattern} (x{count}) [{', '.join(region.inputs)} -> {region.output}]{fused}: "
                 f"{size}{local}{norms}"
@@ -682,13 +682,19 @@ def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
     return f"shard({int(conv) if style.style == 'colwise' else int(not conv)})"
 
 
-def _check_ties(plan: TensorParallelPlan, module: nn.Module) -> None:
-    owners: dict[int, list[tuple[str, str]]] = {}
+def _parameter_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    """Every place each parameter is registered (more than one for tied weights): module path, module, name."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
     for fqn, m in module.named_modules(remove_duplicate=False):
         for name, p in m._parameters.items():
             if p is not None:
-                owners.setdefault(id(p), []).append((fqn, name))
-    for tied in owners.values():
+                owners.setdefault(id(p), []).append((fqn, m, name))
+    return owners
+
+
+def _check_ties(plan: TensorParallelPlan, module: nn.Module) -> None:
+    for owners in _parameter_owners(module).values():
+        tied = [(fqn, name) for fqn, _, name in owners]
         shardings = {
             (
                 _weight_sharding(module.get_submodule(f), plan.styles.get(f))
@@ -1087,11 +1093,7 @@ def apply_tensor_parallel(
     )
     replicas = _check_replicas(module, plan) if self_check else {}
 
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, name))
+    owners = _parameter_owners(module)
 
     for fqn, region in plan.regions.items():
         owner = module.get_submodule(fqn)
@@ -1139,10 +1141,10 @@ def apply_tensor_parallel(
         root.register_forward_pre_hook(lambda *_: _replication_enter())
         root.register_forward_hook(lambda *_: _replication_exit(), always_call=True)
 
-    for tied in owners.values():
-        first_module, first_name = tied[0]
+    for tied in owners.values():  # parallelize_module replaced each registration on its own: tie them again
+        _, first_module, first_name = tied[0]
         shared = first_module._parameters[first_name]
-        for m, name in tied[1:]:
+        for _, m, name in tied[1:]:
             m.register_parameter(name, shared)
     for param in module.parameters():  # deduplicated, so tied parameters get one hook
         if isinstance(param, DTensor):
