@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_4d.ring_attention import ring_attention, zigzag_positions
+from lightning_4d.ring_attention import _nearest_multiples, ring_attention, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
 COMM_MODES = ("ring", "allgather")
@@ -222,11 +222,10 @@ def check_sequence_length(length: int, cp: int, sequence_parallel: int = 1, wher
     multiple = 2 * cp * sequence_parallel
     if length > 0 and length % multiple == 0:
         return
-    below = length // multiple * multiple
-    nearest = f"{below} or {below + multiple}" if below else f"{below + multiple}"
     rule = f"2*cp*tp = 2*{cp}*{sequence_parallel}" if sequence_parallel > 1 else f"2*cp = 2*{cp}"
     raise ValueError(f"Context parallelism needs sequence lengths that are multiples of {rule} = {multiple}, but"
-                     f" {where} has length {length}. Pad or truncate sequences to {nearest} tokens.")
+                     f" {where} has length {length}. Pad or truncate sequences to"
+                     f" {_nearest_multiples(length, multiple)} tokens.")
 
 
 # ----------------------------------------------------------------------------------------- attention

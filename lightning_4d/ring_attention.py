@@ -40,6 +40,12 @@ _TILES = 4
 # --------------------------------------------------------------------------- layout
 
 
+def _nearest_multiples(length: int, multiple: int) -> str:
+    """The positive multiples of ``multiple`` next to ``length``, for an error message: "8 or 12", "4"."""
+    below = length // multiple * multiple
+    return f"{below} or {below + multiple}" if below > 0 else f"{below + multiple}"
+
+
 def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global positions of the tokens held by ``cp_rank``, in local order.
 
@@ -52,13 +58,10 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     n_chunks = 2 * cp_size
     if seq_len <= 0 or seq_len % n_chunks:
-        below = (seq_len // n_chunks) * n_chunks
-        above = below + n_chunks
-        nearest = f"{below} or {above}" if below > 0 else f"{above}"
         raise ValueError(
             f"sequence length {seq_len} is not a positive multiple of 2*cp = {n_chunks} "
             f"(zigzag context parallelism needs 2 equal chunks per cp rank); "
-            f"pad or truncate it to {nearest}"
+            f"pad or truncate it to {_nearest_multiples(seq_len, n_chunks)}"
         )
     chunk = seq_len // n_chunks
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
