@@ -721,37 +721,34 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-class _Colwise(ColwiseParallel):
-    """ColwiseParallel that also takes transformers' Conv1D (weight stored [in, out])."""
+class _Conv1DAware:
+    """Lets a linear style also take transformers' Conv1D (weight stored [in, out]): ``_conv1d`` gives its
+    parameters' placements, and ``_conv1d_input`` the input layout it needs (None: the style's own)."""
+
+    _conv1d: dict[str, Placement]
+    _conv1d_input: tuple[Placement, ...] | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not _is_conv1d(module):
             return super()._apply(module, device_mesh)
+        if self._conv1d_input is not None:
+            self.desired_input_layouts = self._conv1d_input
         return distribute_module(
             module,
             device_mesh,
-            lambda _, m, mesh: _distribute_params(m, mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank),
+            lambda _, m, mesh: _distribute_params(m, mesh, self._conv1d, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
 
 
-class _Rowwise(RowwiseParallel):
-    """RowwiseParallel that also takes transformers' Conv1D (weight stored [in, out])."""
+class _Colwise(_Conv1DAware, ColwiseParallel):
+    _conv1d = {"weight": Shard(1), "bias": Shard(0)}
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not _is_conv1d(module):
-            return super()._apply(module, device_mesh)
-        self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module,
-            device_mesh,
-            lambda _, m, mesh: _distribute_params(
-                m, mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank
-            ),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+
+class _Rowwise(_Conv1DAware, RowwiseParallel):
+    _conv1d = {"weight": Shard(0), "bias": Replicate()}
+    _conv1d_input = (Shard(-1),)
 
 
 class _SequenceParallel(SequenceParallel):
