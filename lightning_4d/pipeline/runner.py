@@ -113,8 +113,6 @@ class PipelineRunner:
         self._first_rank = dist.get_global_rank(self.group, ranks[0])
         # A weight kept by the first and the last stage gets its gradient from both.
         self._ends_group = self._pair_group(mesh, ranks) if ranks[0] != ranks[-1] and self.split.has_ends else None
-        # Where those weights are in ``module.parameters()`` (checked against the live ones every step).
-        self._ends_index = [] if self._ends_group is None else _positions(list(module.parameters()), self.split.ends())
         self._stage_modules = {s: _StageModule(self._run_stage, s, self.split.params_of) for s in self.local_stages}
         # The hooks stay for the module's lifetime: outside a pipeline step they do nothing.
         for s, blocks in self.split.chunks.items():
@@ -361,11 +359,10 @@ class PipelineRunner:
 
     def _sum_over_ends(self, pending: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
         ends = self.split.ends()
-        if len(ends) != len(self._ends_index) or any(self._params[i] is not p for i, p in zip(self._ends_index, ends)):
-            self._ends_index = _positions(self._params, ends)  # parameters were replaced since the last step
+        position = {id(p): i for i, p in enumerate(self._params)}  # tensor parallelism replaces parameters
         by_dtype: dict[torch.dtype, list[tuple[int, nn.Parameter]]] = {}
-        for i, p in zip(self._ends_index, ends):
-            by_dtype.setdefault(_local(p).dtype, []).append((i, p))
+        for p in ends:
+            by_dtype.setdefault(_local(p).dtype, []).append((position[id(p)], p))
         for members in by_dtype.values():  # one all-reduce per dtype (usually one)
             pieces = [_local(p).new_zeros(_local(p).numel()) if pending[i] is None else _local(pending[i]).reshape(-1)
                       for i, p in members]
@@ -391,11 +388,6 @@ class PipelineRunner:
         A weight kept by the first and the last stage counts once."""
         counted_twice = self.split.ends() if self._ends_group is not None and 0 not in self.local_stages else []
         return clip_grad_norm_(params, max_norm, group=self.group, skip_in_norm=counted_twice)
-
-
-def _positions(params: list[nn.Parameter], wanted: list[nn.Parameter]) -> list[int]:
-    position = {id(p): i for i, p in enumerate(params)}
-    return [position[id(p)] for p in wanted]
 
 
 def _mean_or_none(values: list[Any]) -> Optional[Tensor]:
