@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,24 +40,6 @@ from torch.optim import Optimizer
 META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
-
-_pipeline_groups: "weakref.WeakKeyDictionary[nn.Module, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
-
-
-def set_pipeline_group(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Mark ``model`` as one pipeline stage of the ranks in ``group`` (the other stages hold the rest)."""
-    _pipeline_groups[model] = group
-
-
-def _stage_key_union(model: nn.Module, keys: set[str]) -> Optional[set[str]]:
-    """Every stage's state-dict keys (collective over the pipeline group), or None without pipelining."""
-    group = _pipeline_groups.get(model)
-    if group is None:
-        return None
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, sorted(keys), group=group)
-    return set().union(*everyone)
-
 
 def model_state(model: nn.Module) -> dict[str, Any]:
     """The tensors this rank holds, by full parameter name (DTensor shards stay shards)."""
@@ -119,19 +100,23 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
 
 
-def load(
-    path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True
-) -> dict[str, Any]:
-    """Load in place into ``model`` and ``optimizers`` (whatever their layout); returns Lightning's metadata."""
+def load(path: str | os.PathLike, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool = True,
+         whole_model: Optional[Collection[str]] = None) -> dict[str, Any]:
+    """Load in place into ``model`` and ``optimizers`` (whatever their layout); returns Lightning's metadata.
+
+    ``whole_model``: when ``model`` is one pipeline stage, every state-dict key of the whole model (the
+    pipeline plan knows them), so that keys held by other stages are not reported as unexpected.
+    """
     meta = read_meta(path)
-    _load_shards(Path(path), model, optimizers, strict)
+    _load_shards(Path(path), model, optimizers, strict, whole_model)
     return meta
 
 
-def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool) -> None:
+def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], strict: bool,
+                 whole_model: Optional[Collection[str]]) -> None:
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = {"state_dict": get_model_state_dict(model)}
-    _check_model_fits(state["state_dict"], stored, path, strict, _stage_key_union(model, set(state["state_dict"])))
+    _check_model_fits(state["state_dict"], stored, path, strict, whole_model)
     for index, optimizer in enumerate(optimizers):
         flat = optimizer_state(model, optimizer)
         # A parameter that never had a gradient has no optimizer state in the file; leave it without one.
@@ -160,12 +145,12 @@ def _names_with_state(stored: Mapping[str, Any], prefix: str) -> set[str]:
 
 
 def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], path: Path, strict: bool,
-                      all_stages: Optional[set[str]] = None) -> None:
+                      whole_model: Optional[Collection[str]] = None) -> None:
     """Name every missing, unexpected or mis-shaped tensor at once, instead of DCP's first-key error.
-    ``all_stages``: under pipelining, the keys of the whole model (this rank loads only its stage's)."""
+    ``whole_model``: under pipelining, the keys of the whole model (this rank loads only its stage's)."""
     saved = {key[len("state_dict."):]: meta for key, meta in stored.items() if key.startswith("state_dict.")}
     missing = sorted(set(model_state) - set(saved))
-    unexpected = sorted(set(saved) - (all_stages or set(model_state))) if strict else []
+    unexpected = sorted(set(saved) - set(whole_model or model_state)) if strict else []
     shapes = [
         f"{key}: checkpoint {tuple(saved[key].size)} vs model {tuple(value.shape)}"
         for key, value in model_state.items()
@@ -179,22 +164,22 @@ def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], pa
                          " on the LightningModule to ignore unexpected keys).")
 
 
-def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True) -> None:
+def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True,
+                 whole_model: Optional[Collection[str]] = None) -> None:
     """Only the weights, into any layout, from a lightning-4d checkpoint directory, a Lightning checkpoint
-    file, or a file holding a plain ``state_dict``."""
+    file, or a file holding a plain ``state_dict``; ``whole_model`` as for :func:`load`."""
     path = Path(path)
     if path.is_dir():
-        _load_shards(path, model, [], strict)
+        _load_shards(path, model, [], strict, whole_model)
         return
     model_state = get_model_state_dict(model)
-    all_stages = _stage_key_union(model, set(model_state))
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
     if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):
         raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state_dict of tensors.")
     _check_model_fits(model_state, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict,
-                      all_stages)
-    if all_stages is not None:  # a pipeline stage takes its own part of the whole model
+                      whole_model)
+    if whole_model is not None:  # a pipeline stage takes its own part of the whole model
         full = {key: value for key, value in full.items() if key in model_state}
     set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=strict))
 
@@ -226,12 +211,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_model_state(model: nn.Module, pp_group: Optional[dist.ProcessGroup] = None) -> dict[str, torch.Tensor]:
     """The whole model as plain tensors on every rank (for export and tests of small models); a collective
-    over the tensor-parallel ranks and, under pipelining, over the pipeline stages."""
+    over the tensor-parallel ranks and, when ``model`` is one pipeline stage, over ``pp_group``'s stages."""
     state = get_model_state_dict(model)
     state = {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
-    group = _pipeline_groups.get(model)
+    group = pp_group
     if group is None:
         return state
     stages: list[Any] = [None] * dist.get_world_size(group)

@@ -378,11 +378,8 @@ class ContextParallel:
 
     @contextmanager
     def step_context(self) -> Iterator[None]:
-        """:meth:`context` for a Lightning step; the step's ``self.log`` values become whole-sequence values.
-
-        Prediction runs on whole sequences, so it changes nothing there.
-        """
-        if self._positions is None or self.module.trainer.predicting:
+        """:meth:`context` for a Lightning step; the step's ``self.log`` values become whole-sequence values."""
+        if self._positions is None:
             yield
             return
         logs = StepLogs(self.module)

@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from lightning_4d.parallel_dims import ParallelDims
+from lightning_4d import _compat as compat
+from lightning_4d.parallel_dims import ParallelMesh
 
 # Group collectives only: point-to-point calls legitimately differ between the two ends.
 _TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
@@ -165,23 +166,13 @@ class DesyncMonitor:
     collective of the checked steps is compared with its group before it runs.
     """
 
-    def __init__(self, dims: ParallelDims, dp_cp_group: dist.ProcessGroup, steps: int = 2,
-                 timeout: timedelta = timedelta(seconds=60)) -> None:
+    def __init__(self, mesh: ParallelMesh, steps: int = 2, timeout: timedelta = timedelta(seconds=60)) -> None:
         self.steps = steps
-        self.replica = self._own_group(dims.groups(("pp", "cp", "tp")))
-        self.stage = self._own_group(dims.groups(("dp", "cp", "tp")))
-        self.shards = dp_cp_group
-        self._trace = CollectiveTrace(dist.distributed_c10d._get_default_store(), timeout)
+        self.replica = mesh.group("replica")
+        self.stage = mesh.group("stage")
+        self.shards = mesh.group("dp_cp")
+        self._trace = CollectiveTrace(compat.default_store(), timeout)
         self._recording: Optional[Any] = None
-
-    @staticmethod
-    def _own_group(groups: list[list[int]]) -> dist.ProcessGroup:
-        mine = None
-        for ranks in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
-        return mine
 
     def check_batch(self, batch: Any, step: int) -> None:
         if step < self.steps:

@@ -14,10 +14,13 @@ same samples, so for the weights they are data parallel too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Union
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_4d import _compat as compat
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
@@ -123,12 +126,57 @@ class ParallelDims:
         title = f"lightning-4d layout: dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
         return "\n".join([title, *lines])
 
-    def build_mesh(self, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
-        """The 4D mesh and its flattened meshes (a collective call): ``dp_cp``, over which gradients are
-        reduced, and under pipelining ``pp_dp_cp``, over which metrics sync (only the last stage updates them)."""
+    def build(self, device_type: str) -> ParallelMesh:
+        """Every process group of the layout (a collective call: every rank builds every group in one order)."""
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        flat = {"dp_cp": mesh["dp", "cp"]._flatten("dp_cp")}
+        flat = {"dp_cp": compat.flatten_mesh(mesh, ("dp", "cp"), "dp_cp")}
         if self.pp_enabled:
-            flat["pp_dp_cp"] = mesh["pp", "dp", "cp"]._flatten("pp_dp_cp")
-        return mesh, flat
+            flat["pp_dp_cp"] = compat.flatten_mesh(mesh, ("pp", "dp", "cp"), "pp_dp_cp")
+        return ParallelMesh(self, mesh, flat)
 
+
+@dataclass
+class ParallelMesh:
+    """The device mesh of a layout and every process group built from it, in one place.
+
+    Groups by name: ``dp``, ``pp``, ``cp``, ``tp`` (one dim each); ``dp_cp``, over which gradients are
+    reduced (context-parallel ranks see other tokens of the same samples); under pipelining ``pp_dp_cp``,
+    over which metrics sync (only the last stage updates them); ``replica`` (the ranks of one data-parallel
+    replica, which must see the same batch) and ``stage`` (the ranks that hold one pipeline stage), which
+    only ``debug=True`` uses: they are built on first request, which every rank makes at the same point.
+    """
+
+    dims: ParallelDims
+    mesh: DeviceMesh
+    flat: dict[str, DeviceMesh]
+    _built: dict[object, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        if name in self.flat:
+            return self.flat[name].get_group()
+        if name in MESH_DIMS:
+            return self.mesh.get_group(name)
+        if name in _SHARED_BY:
+            return self._subgroup(name, self.dims.groups(_SHARED_BY[name]))
+        raise KeyError(f"no process group {name!r}; groups: {', '.join((*MESH_DIMS, *self.flat, *_SHARED_BY))}")
+
+    def _subgroup(self, key: object, ranks_per_group: list[list[int]]) -> Optional[dist.ProcessGroup]:
+        """This rank's group among ``ranks_per_group``; collective the first time (every rank creates all)."""
+        if key not in self._built:
+            self._built[key] = dist.new_subgroups_by_enumeration(ranks_per_group)[0]
+        return self._built[key]
+
+    def local_rank(self, dim: str) -> int:
+        return self.mesh.get_local_rank(dim)
+
+    def pipeline_pair(self, first: int, last: int) -> Optional[dist.ProcessGroup]:
+        """The group of pipeline ranks ``first`` and ``last`` of this rank's pipeline (None if this rank is
+        neither); collective the first time: every rank asks for the same pair, in the same order."""
+        if first == last:
+            return None
+        pipelines = self.dims.groups(("pp",))  # each in rank order, which is pipeline-rank order
+        return self._subgroup(("pipeline_pair", first, last), [[p[first], p[last]] for p in pipelines])
+
+
+# The ranks that must hold the same data or weights: those that differ only in these dims.
+_SHARED_BY = {"replica": ("pp", "cp", "tp"), "stage": ("dp", "cp", "tp")}

@@ -75,10 +75,11 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
     return {key: float(value) for key, value in metrics.items()}
 
 
-def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from lightning_4d.checkpoint import full_model_state
-
-    return {key: value.detach().cpu().clone() for key, value in full_model_state(module).items()}
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    """The trained model's weights as plain tensors (gathered over shards and stages under FourDStrategy)."""
+    parallel = getattr(trainer.strategy, "parallel", None)
+    state = parallel.full_state() if parallel is not None else trainer.lightning_module.state_dict()
+    return {key: value.detach().cpu().clone() for key, value in state.items()}
 
 
 def make_trainer(case: Case, *, distributed: bool, devices: int = 1, num_nodes: int = 1, recorder=None):
@@ -162,7 +163,7 @@ def _fit(case, distributed, devices, num_nodes, workdir, ckpt_path=None) -> dict
         "losses": recorder.losses,
         "logged": recorder.logged,
         "epochs": recorder.epochs,
-        "weights": full_weights(trainer.lightning_module),
+        "weights": full_weights(trainer),
         "extras": extras,
         "rank": trainer.global_rank,
     }

@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -42,13 +41,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from lightning_4d import checkpoint
 from lightning_4d.data_parallel import _local
-from lightning_4d.pipeline.config import PipelineConfig
+from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
+from lightning_4d.pipeline.plan import PipelinePlan
 from lightning_4d.pipeline.split import split_module
 from lightning_4d.step_logging import StepLogs
-from lightning_4d.tensor_parallel import clip_grad_norm_
 
 _CACHED_SCHEDULES = 4  # one per batch shape seen recently, for training and for evaluation
 
@@ -95,24 +93,24 @@ class _StageModule(nn.Module):
 
 
 class PipelineRunner:
-    """Splits ``module`` for this rank's stages and runs its step methods through pipeline schedules."""
+    """Cuts ``module`` down to this rank's stages (as ``plan`` says) and runs its step methods through pipeline
+    schedules. The caller enters the step's contexts (tensor and context parallelism) around :meth:`step`."""
 
-    def __init__(self, module: LightningModule, config: PipelineConfig, mesh: DeviceMesh, device: torch.device,
-                 step_context: Callable[[], AbstractContextManager]) -> None:
+    def __init__(self, module: LightningModule, plan: PipelinePlan, mesh: ParallelMesh, device: torch.device) -> None:
         self.module = module
-        self.config = config
+        self.plan = plan
+        self.config = plan.config
         self.device = device
-        self.step_context = step_context
-        self.group = mesh.get_group("pp")
-        ranks = config.stage_ranks()
-        self.local_stages = [s for s, r in enumerate(ranks) if r == mesh.get_local_rank("pp")]
-        self.split = split_module(module, config, self.local_stages, device)
-        self.last = self.split.last
+        self.group = mesh.group("pp")
+        ranks = plan.stage_ranks
+        self.local_stages = plan.stages_of(mesh.local_rank("pp"))
+        self.split = split_module(module, plan, self.local_stages, device)
+        self.last = plan.last
         self.holds_last = self.last in self.local_stages
         self._last_rank = dist.get_global_rank(self.group, ranks[-1])
         self._first_rank = dist.get_global_rank(self.group, ranks[0])
         # A weight kept by the first and the last stage gets its gradient from both.
-        self._ends_group = self._pair_group(mesh, ranks) if ranks[0] != ranks[-1] and self.split.has_ends else None
+        self._ends_group = mesh.pipeline_pair(ranks[0], ranks[-1]) if plan.has_ends else None
         self._stage_modules = {s: _StageModule(self._run_stage, s, self.split.params_of) for s in self.local_stages}
         # The hooks stay for the module's lifetime: outside a pipeline step they do nothing.
         for s, blocks in self.split.chunks.items():
@@ -125,7 +123,7 @@ class PipelineRunner:
             stubbed.register_forward_pre_hook(self._placement_check(name, role))
         from torchmetrics import Metric
 
-        # Only the last stage updates metrics (the strategy syncs them over pp_dp_cp).
+        # Only the last stage updates metrics (they sync over pp_dp_cp).
         self._metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
         self._schedules: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
         self._logs = StepLogs(module)
@@ -139,27 +137,13 @@ class PipelineRunner:
         self._call: Optional[Callable[[int], Any]] = None  # the user's step on micro-batch i, set per step
         self._training = False
         self._loss_scale = 1.0
-        checkpoint.set_pipeline_group(module, self.group)
-
-    # ---------------------------------------------------------------------------------- groups
-
-    def _pair_group(self, mesh: DeviceMesh, ranks: list[int]) -> Optional[dist.ProcessGroup]:
-        """The group of this pipeline's first and last rank (every rank creates every pair, in one order);
-        ``ranks``: the pipeline rank of every stage."""
-        pipelines = mesh.mesh.movedim(mesh.mesh_dim_names.index("pp"), -1).reshape(-1, self.config.pp)
-        mine = None
-        for pipeline in pipelines.tolist():
-            pair = [pipeline[ranks[0]], pipeline[ranks[-1]]]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                mine = group
-        return mine
 
     # ------------------------------------------------------------------------------- one step
 
-    def step(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def step(self, method: str, args: tuple, kwargs: dict, accumulate_grad_batches: int = 1) -> Any:
         """Run ``module.<method>`` on every micro-batch of ``args[0]`` through the pipeline; returns the step
-        output on every rank (the merged outputs of the micro-batches, computed on the last stage)."""
+        output on every rank (the merged outputs of the micro-batches, computed on the last stage). Training
+        losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them."""
         training = self._training = method == "training_step"
         n = self.config.num_microbatches
         micro = split_batch(args[0], n)
@@ -169,7 +153,7 @@ class PipelineRunner:
         schedule = self._schedule(training, shape_key(micro[0]))
         index = torch.arange(n, device=self.device)
         if training:
-            self._loss_scale = 1.0 / (n * self.module.trainer.accumulate_grad_batches)
+            self._loss_scale = 1.0 / (n * accumulate_grad_batches)
             self._params = list(self.module.parameters())
             earlier = self._take_grads()
             try:
@@ -234,7 +218,7 @@ class PipelineRunner:
         self.split.enter(stage)
         before = {name: m._update_count for name, m in self._metrics.items()}
         try:
-            with logs.recording(index if stage == self.last else None), self.step_context():
+            with logs.recording(index if stage == self.last else None):
                 output = self._call(index)
         except _StageExit as stop:
             return stop.hidden
@@ -383,11 +367,10 @@ class PipelineRunner:
                 offset += shard.numel()
         return pending
 
-    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
-        """Scale the gradients so that their norm over every stage is at most ``max_norm``; returns that norm.
-        A weight kept by the first and the last stage counts once."""
-        counted_twice = self.split.ends() if self._ends_group is not None and 0 not in self.local_stages else []
-        return clip_grad_norm_(params, max_norm, group=self.group, skip_in_norm=counted_twice)
+    def counted_on_another_stage(self) -> list[nn.Parameter]:
+        """Weights whose gradient norm another rank of the pipeline group counts already (kept by the first and
+        the last stage: the first one counts them)."""
+        return self.split.ends() if self._ends_group is not None and 0 not in self.local_stages else []
 
 
 def _mean_or_none(values: list[Any]) -> Optional[Tensor]:

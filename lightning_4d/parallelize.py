@@ -1,0 +1,306 @@
+"""One composition: how a module becomes parallel, in one order, once per module.
+
+:func:`parallelize` takes an unchanged module, the layout's :class:`~lightning_4d.parallel_dims.ParallelMesh`
+and the per-dimension options, and applies, in this order:
+
+1. **Plans**, without communicating, so that a module that does not fit fails alike on every rank before any
+   collective: the tensor-parallel plan on the whole module (it must see the LM head that the pipeline gives
+   to the last stage) and the pipeline plan (which modules each stage holds).
+2. **One set of weights**: rank 0's parameters and buffers are broadcast to every rank, as DDP does, so a
+   module built without a common seed still trains one model, and tp/pp cut their shards from it.
+3. **Pipeline cut**: this rank keeps only its stages' blocks and the modules around them that it owns.
+4. **Device**, then **tensor/sequence parallelism**: the modules this rank holds are sharded over ``tp``.
+5. **Context parallelism**: hooks that give position modules global positions and turn attention into
+   ring attention while a step runs on sequence shards.
+6. **Metric sync** over the ranks that hold different data.
+7. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
+   bucketed all-reduce over ``dp x cp``, overlapped with backward.
+
+Activation checkpointing, compile and sharded data parallelism wrap the blocks as steps 3-5 leave them, so
+they take their place between steps 5 and 6.
+
+The :class:`ParallelModel` returned owns everything a training loop needs afterwards: the step (with its
+contexts, the pipeline schedule, the tensor-parallel self-check), batch sharding, backward, gradient sync,
+clipping over the whole model, state dicts and checkpoints, and removal of its hooks. It is attached to the
+module, so parallelizing the same module again (``validate`` after ``fit``, a second Trainer) returns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_4d import checkpoint
+from lightning_4d.context_parallel import ContextParallel
+from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
+from lightning_4d.parallel_dims import ParallelMesh
+from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner
+from lightning_4d.tensor_parallel import (
+    TensorParallelPlan,
+    TensorParallelSelfCheck,
+    apply_tensor_parallel,
+    clip_grad_norm_,
+    plan_tensor_parallel,
+)
+
+_ATTRIBUTE = "_lightning_4d_parallel"
+
+
+@dataclass(frozen=True)
+class Plans:
+    """What :func:`parallelize` will do to a module, decided without communication."""
+
+    tensor: Optional[TensorParallelPlan]  # None: tp=1, or DTensor parameters made by the user already
+    pipeline: Optional[PipelinePlan]  # None: pp=1
+
+    def describe(self) -> str:
+        return "\n".join(plan.describe() for plan in (self.tensor, self.pipeline) if plan is not None)
+
+
+def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, tp_options: dict[str, Any]) -> Plans:
+    """Both plans for ``module`` (pure: raises a ValueError naming the fix, the same on every rank).
+
+    ``mesh_dims``: the :class:`~lightning_4d.parallel_dims.ParallelDims` of the layout.
+    """
+    if mesh_dims.pp_enabled:
+        automatic = getattr(module, "automatic_optimization", True)
+        if not automatic:
+            raise ValueError(f"FourDStrategy(pp={mesh_dims.pp}) needs automatic optimization, but"
+                             f" {type(module).__name__}.automatic_optimization is False: the pipeline schedule runs"
+                             " forward and backward of every micro-batch itself, so manual_backward cannot. Use"
+                             " automatic optimization, or pp=1.")
+    pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
+    tensor_plan = None
+    if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):
+        tensor_plan = plan_tensor_parallel(module, mesh_dims.tp, **tp_options)
+    return Plans(tensor_plan, pipeline_plan)
+
+
+def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
+                tp_options: dict[str, Any], cp_options: dict[str, Any], tp_self_check: bool = True,
+                bucket_mb: float = DEFAULT_BUCKET_MB) -> ParallelModel:
+    """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
+
+    Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
+    back (with its hooks re-installed if they were removed); other options raise a ValueError.
+    """
+    options = dict(dims=mesh.dims, pipeline=pipeline, tp=tp_options, cp=cp_options, bucket_mb=bucket_mb)
+    existing: Optional[ParallelModel] = module.__dict__.get(_ATTRIBUTE)
+    if existing is not None:
+        if existing.options != options:
+            raise ValueError(f"This {type(module).__name__} was already parallelized with other options"
+                             f" ({existing.options}); a sharded or cut module cannot be laid out again. Use the same"
+                             " strategy options for fit, validate, test and predict, or a freshly built module.")
+        existing.install_hooks()
+        return existing
+    plans = make_plans(module, mesh.dims, pipeline=pipeline, tp_options=tp_options)
+    _broadcast_from_rank0(module, device)
+    runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
+    module.to(device)
+    self_check = None
+    if plans.tensor is not None:
+        self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tp_self_check)
+    parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
+    parallel.install_hooks()
+    from torchmetrics import Metric
+
+    for metric in module.modules():
+        if isinstance(metric, Metric) and metric.process_group is None:
+            metric.process_group = parallel.metric_group
+    module.__dict__[_ATTRIBUTE] = parallel
+    return parallel
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers on every rank, one flat broadcast per dtype (DTensors were placed by a
+    parallelization that already happened, meta tensors hold no values)."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta" and not isinstance(tensor, DTensor):
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+        dist.broadcast(flat, src=0)
+        for t, value in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(value.view_as(t))
+
+
+class ParallelModel:
+    """A module made parallel by :func:`parallelize`, and everything a training loop does with it."""
+
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, device: torch.device, plans: Plans,
+                 pipeline: Optional[PipelineRunner], self_check: Optional[TensorParallelSelfCheck],
+                 options: dict[str, Any]) -> None:
+        self.module, self.mesh, self.device, self.plans, self.pipeline = module, mesh, device, plans, pipeline
+        self.options = options
+        self.tensor_plan = plans.tensor if plans.tensor is not None and plans.tensor.enabled else None
+        self.context: Optional[ContextParallel] = None
+        self._self_check = self_check
+        self._buckets: dict[int, GradientBuckets] = {}
+        self._armed: Optional[GradientBuckets] = None
+        dims = mesh.dims
+        # torchmetrics sync over the ranks that saw different data: replicas and cp ranks (each saw its part of
+        # every sequence). Under pipelining only the last stage updates metrics, the others keep default states
+        # (zeros, empty lists), so the sync also spans the stages and gives every rank the last stage's values.
+        self.metric_group = mesh.group("pp_dp_cp" if dims.pp_enabled else "dp_cp")
+        self.pp_group = mesh.group("pp") if dims.pp_enabled else None
+
+    def describe(self) -> str:
+        return self.plans.describe()
+
+    # ----------------------------------------------------------------------------------- hooks
+
+    def install_hooks(self) -> None:
+        """Context-parallel hooks on the module (again, after :meth:`remove`)."""
+        dims = self.mesh.dims
+        if dims.cp_enabled and self.context is None:
+            # Sequence parallelism splits each cp shard again over the tp ranks.
+            sp = dims.tp if self.tensor_plan is not None and self.tensor_plan.sequence_parallel else 1
+            self.context = ContextParallel(self.module, self.mesh.group("cp"), **self.options["cp"],
+                                           sequence_parallel=sp)
+
+    def remove(self) -> None:
+        """Take off the hooks that only serve training: gradient buckets and context-parallel hooks. (The cut
+        and the shards stay: they are the module now.)"""
+        for buckets in self._buckets.values():
+            buckets.remove()
+        self._buckets.clear()
+        if self.context is not None:
+            self.context.remove()
+            self.context = None
+
+    # ------------------------------------------------------------------------------------ steps
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's part of the batch: under context parallelism, its shard of every sequence."""
+        return self.context.shard_batch(batch) if self.context is not None else batch
+
+    @contextmanager
+    def step_context(self, predicting: bool = False) -> Iterator[None]:
+        """What every step runs inside: tensor parallelism's loss-parallel cross entropy, then context-parallel
+        attention and positions (not for prediction, which runs on whole sequences)."""
+        with ExitStack() as stack:
+            if self.tensor_plan is not None:
+                stack.enter_context(self.tensor_plan.step_context())
+            if self.context is not None and not predicting:
+                stack.enter_context(self.context.step_context())
+            yield
+
+    def step(self, name: str, args: tuple, kwargs: dict, *, predicting: bool = False,
+             accumulate_grad_batches: int = 1) -> Any:
+        """Run the module's step method ``name`` (``training_step``, ``validation_step``, ...) as one process
+        would on the whole batch; under pipelining the schedule runs the backward passes here too."""
+        training = name == "training_step"
+        check, self._self_check = (self._self_check, None) if training else (None, self._self_check)
+        with ExitStack() as stack:
+            if check is not None:
+                stack.enter_context(_armed_check(check))
+            stack.enter_context(self.step_context(predicting))
+            if self.pipeline is not None:
+                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches)
+            else:
+                output = getattr(self.module, name)(*args, **kwargs)
+        if training and self.context is not None:
+            output = self.context.global_loss(output)
+        return output
+
+    def backward(self, run_backward: Callable[[], None]) -> None:
+        """Lightning's backward: ``run_backward`` computes the gradients (already computed by the pipeline
+        schedule, which only commits them here); the armed buckets then finish the gradient sync, so that
+        ``on_after_backward`` sees averaged gradients, as with DDP."""
+        if self.pipeline is not None:
+            self.pipeline.commit_gradients()
+        else:
+            with self.tensor_plan.step_context() if self.tensor_plan is not None else ExitStack():
+                run_backward()
+        if self._armed is not None:
+            self._armed.synchronize()
+
+    # --------------------------------------------------------------------------------- gradients
+
+    def attach_optimizers(self, optimizers: Sequence[Optimizer], bucket_mb: Optional[float] = None) -> None:
+        """One set of gradient buckets per optimizer, over the ``dp x cp`` ranks."""
+        for buckets in self._buckets.values():
+            buckets.remove()
+        group = self.mesh.group("dp_cp")
+        self._buckets = {id(optimizer): GradientBuckets([p for g in optimizer.param_groups for p in g["params"]],
+                                                        group, bucket_mb or self.options["bucket_mb"])
+                         for optimizer in optimizers}
+
+    def synchronizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (training step, zero_grad, backward) with its gradients averaged over the replicas.
+
+        Lightning calls the closure through the optimizer step only for the last micro-step of gradient
+        accumulation, so only that backward communicates. Under pipelining the schedule runs a backward per
+        micro-batch: the buckets then reduce everything after the step, not during backward.
+        """
+        buckets = self._buckets.get(id(optimizer))
+        if buckets is None:
+            return closure
+
+        def closure_with_gradient_sync() -> Any:
+            buckets.begin(overlap=self.pipeline is None)
+            self._armed = buckets
+            try:
+                result = closure()
+            finally:
+                self._armed = None
+            buckets.synchronize()
+            return result
+
+        return closure_with_gradient_sync
+
+    def clip_grad_norm_(self, parameters: Sequence[Tensor], max_norm: float) -> Tensor:
+        """Clip by the norm over the whole model: every stage, every shard; a weight kept by the first and the
+        last stage counts once."""
+        if self.pipeline is not None:
+            return clip_grad_norm_(parameters, max_norm, group=self.pp_group,
+                                   skip_in_norm=self.pipeline.counted_on_another_stage())
+        return clip_grad_norm_(parameters, max_norm)
+
+    # -------------------------------------------------------------------------------- state
+
+    def model_state(self) -> dict[str, Any]:
+        """The tensors this rank holds, by full parameter name (DTensor shards stay shards)."""
+        return checkpoint.model_state(self.module)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return checkpoint.optimizer_state(self.module, optimizer)
+
+    @property
+    def whole_model_keys(self) -> Optional[frozenset[str]]:
+        """Every state-dict key of the whole model under pipelining (this rank holds its stage's only)."""
+        return self.plans.pipeline.state_keys if self.plans.pipeline is not None else None
+
+    def load(self, path: str, optimizers: Sequence[Optimizer], strict: bool = True) -> dict[str, Any]:
+        """A lightning-4d checkpoint directory into this layout; returns Lightning's metadata."""
+        return checkpoint.load(path, self.module, optimizers, strict=strict, whole_model=self.whole_model_keys)
+
+    def load_weights(self, path: str, strict: bool = True) -> None:
+        """Weights only (a checkpoint directory, a Lightning checkpoint file or a plain state_dict file)."""
+        checkpoint.load_weights(path, self.module, strict=strict, whole_model=self.whole_model_keys)
+
+    def full_state(self) -> dict[str, Tensor]:
+        """The whole model as plain tensors on every rank (collective; for export and tests of small models)."""
+        return checkpoint.full_model_state(self.module, pp_group=self.pp_group)
+
+
+@contextmanager
+def _armed_check(check: TensorParallelSelfCheck) -> Iterator[None]:
+    """Around the first training step after sharding: each sharded block type against an unsharded copy."""
+    check.arm()
+    try:
+        yield
+    except Exception:
+        check.verify(failed=True)  # names a sharded block that could not run; otherwise the error stands
+        raise
+    check.verify()

@@ -1,0 +1,175 @@
+"""Where pipeline parallelism cuts a module: decided once, without communication, and printed at start-up.
+
+The cut is at the module's list of repeated blocks (:func:`find_blocks`): stage ``s`` runs blocks
+``bounds[s]`` of it. Modules outside the list are owned by where they run: those registered before the list
+(embeddings) by the first stage, those registered after it (final norm, head, loss modules) by the last
+stage. A parameter used on both sides (an embedding tied to the head), or held directly by a module that
+contains the block list (where its use cannot be placed), is kept by the first and the last stage, which sum
+its gradients. The plan answers, for any pipeline rank, which modules it holds: tensor parallelism shards only
+those, the split stubs the rest, and checkpoints know every key of the whole model.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from lightning_4d.pipeline.config import PipelineConfig
+
+ROLES = ("prefix", "suffix", "ends")  # kept by the first stage, the last stage, both
+
+
+def _describe_list(container: nn.Module) -> str:
+    kinds = Counter(type(child).__name__ for child in container)
+    return f"{type(container).__name__} of " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
+
+
+def _block_lists(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in module.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0]
+
+
+def _all_lists_text(module: nn.Module) -> str:
+    lists = [f"{name} ({_describe_list(m)})" for name, m in _block_lists(module)]
+    return "module lists found: " + ("; ".join(lists) if lists else "none")
+
+
+def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]:
+    """The block list named by ``path``, else the longest list of two or more blocks of one type that is
+    not itself inside such a list (mixture-of-experts lists inside each block are not the pipeline)."""
+    if path is not None:
+        try:
+            container = module.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"pp_blocks={path!r} names no submodule of {type(module).__name__}; "
+                             f"{_all_lists_text(module)}.") from None
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            raise ValueError(f"pp_blocks={path!r} is a {type(container).__name__}, not an nn.ModuleList or"
+                             f" nn.Sequential of blocks; {_all_lists_text(module)}.")
+        return path, container
+    candidates: list[tuple[str, nn.Module]] = []
+    for name, m in _block_lists(module):
+        if len(m) >= 2 and len({type(child) for child in m}) == 1 \
+                and not any(name.startswith(outer + ".") for outer, _ in candidates):
+            candidates.append((name, m))
+    if not candidates:
+        raise ValueError(
+            f"Pipeline parallelism found no list of repeated blocks in {type(module).__name__} (an nn.ModuleList"
+            f" or nn.Sequential of two or more modules of one type); {_all_lists_text(module)}. Name the list"
+            " to split with FourDStrategy(pp_blocks='model.layers') (YAML: pp_blocks: model.layers).")
+    longest = max(len(m) for _, m in candidates)
+    best = [(name, m) for name, m in candidates if len(m) == longest]
+    if len(best) > 1:
+        raise ValueError(f"Pipeline parallelism found several block lists of length {longest}:"
+                         f" {', '.join(name for name, _ in best)}. Name the one to split with pp_blocks (YAML:"
+                         f" pp_blocks: {best[0][0]}).")
+    return best[0]
+
+
+def check_blocks(container: nn.Module, path: str, config: PipelineConfig) -> None:
+    """Refuse a block list the layout cannot split: fewer blocks than stages, split points past the end, or
+    one block object repeated (a stage cannot hold part of a shared block)."""
+    n = len(container)
+    if config.num_stages > n:
+        per_rank = f" ({config.stages_per_rank} stages per rank)" if config.stages_per_rank > 1 else ""
+        fewer = " or a schedule with one stage per rank (gpipe, 1f1b)" if config.stages_per_rank > 1 else ""
+        raise ValueError(f"pp={config.pp} with pp_schedule={config.schedule!r} needs {config.num_stages} stages"
+                         f"{per_rank}, but {path} has only {n} blocks. Use pp <= {n // config.stages_per_rank}{fewer}.")
+    if config.split_points is not None and config.split_points[-1] >= n:
+        raise ValueError(f"pp_split_points={list(config.split_points)} must all be below the number of blocks in"
+                         f" {path} ({n}): every stage needs at least one block.")
+    if len({id(block) for block in container}) < n:
+        raise ValueError(f"{path} holds the same block more than once (shared weights across depth); pipeline"
+                         " stages cannot share a block.")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Which modules every stage holds, and where every stage runs; the same on every rank."""
+
+    config: PipelineConfig
+    path: str  # the block list
+    blocks: tuple[str, ...]  # its children's names, in order
+    bounds: tuple[tuple[int, int], ...]  # the [start, stop) block range of every stage
+    stage_ranks: tuple[int, ...]  # the pipeline rank of every stage
+    # Parameters outside the blocks: every place one is registered ("module.fqn", "name") and its role.
+    outside: tuple[tuple[tuple[tuple[str, str], ...], str], ...]
+    modules: tuple[str, ...]  # every module FQN of the whole model
+    state_keys: frozenset[str]  # every state-dict key of the whole model
+
+    @classmethod
+    def build(cls, module: nn.Module, config: PipelineConfig) -> PipelinePlan:
+        """Plan the cut; raises a ValueError naming the fix if ``module`` cannot be cut this way."""
+        path, container = find_blocks(module, config.blocks)
+        check_blocks(container, path, config)
+        roles: dict[int, set[str]] = {}
+        places: dict[int, list[tuple[str, str]]] = {}
+        after = False
+        for name, m in module.named_modules():
+            if name == path:
+                after = True
+                continue
+            if name.startswith(path + "."):
+                continue
+            role = "ends" if name == "" or path.startswith(name + ".") else ("suffix" if after else "prefix")
+            for pname, p in m.named_parameters(recurse=False):
+                roles.setdefault(id(p), set()).add(role)
+                places.setdefault(id(p), []).append((name, pname))
+        outside = tuple((tuple(where), next(iter(roles[pid])) if len(roles[pid]) == 1 else "ends")
+                        for pid, where in places.items())
+        blocks = tuple(name for name, _ in container.named_children())
+        return cls(config, path, blocks, tuple(config.stage_bounds(len(blocks))), tuple(config.stage_ranks()),
+                   outside, tuple(name for name, _ in module.named_modules()), frozenset(module.state_dict()))
+
+    @property
+    def last(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def has_ends(self) -> bool:
+        """Whether a weight is kept by the first and the last stage (then their gradients are summed)."""
+        return any(role == "ends" for _, role in self.outside)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [stage for stage, rank in enumerate(self.stage_ranks) if rank == pp_rank]
+
+    def stage_blocks(self, stage: int) -> tuple[str, ...]:
+        return self.blocks[slice(*self.bounds[stage])]
+
+    def keeps(self, role: str, stages: list[int]) -> bool:
+        first, last = 0 in stages, self.last in stages
+        return (role == "prefix" and first) or (role == "suffix" and last) or (role == "ends" and (first or last))
+
+    def held_modules(self, pp_rank: int) -> set[str]:
+        """FQNs of the modules whose parameters ``pp_rank`` holds (blocks of its stages, kept modules outside),
+        and of modules without parameters of their own outside other stages' blocks."""
+        stages = self.stages_of(pp_rank)
+        mine = {f"{self.path}.{name}" for s in stages for name in self.stage_blocks(s)}
+        others = {f"{self.path}.{name}" for name in self.blocks} - mine
+        stubbed = {fqn for where, role in self.outside if not self.keeps(role, stages) for fqn, _ in where}
+        return {fqn for fqn in self.modules
+                if fqn not in stubbed and not any(fqn == o or fqn.startswith(o + ".") for o in others)}
+
+    def describe(self) -> str:
+        """The plan as printed at start-up: each stage's rank and modules, and the weights tied across stages."""
+        c = self.config
+        lines = [f"pipeline plan: pp={c.pp}, schedule {c.schedule}, {c.num_microbatches} micro-batches,"
+                 f" {len(self.bounds)} stages, blocks {self.path} ({len(self.blocks)})"]
+        order = {fqn: index for index, fqn in enumerate(self.modules)}
+        owners = {role: {fqn for where, r in self.outside if r == role for fqn, _ in where} for role in ROLES}
+        for stage, rank in enumerate(self.stage_ranks):
+            start, stop = self.bounds[stage]
+            held = {fqn: fqn or "(root)" for fqn in owners["ends"] | owners["prefix" if stage == 0 else "ends"]
+                    | owners["suffix" if stage == self.last else "ends"]}
+            held[self.path] = f"{self.path}.{self.blocks[start]}" + (f"-{self.blocks[stop - 1]}" if stop - start > 1
+                                                                     else "")
+            listed = ", ".join(held[fqn] for fqn in sorted(held, key=order.__getitem__))
+            lines.append(f"  stage {stage} (pp rank {rank}): {listed}")
+        tied = [" = ".join(f"{fqn}.{name}" if fqn else name for fqn, name in where)
+                for where, role in self.outside if role == "ends"]
+        if tied:
+            lines.append("  kept by the first and the last stage, gradients summed: " + "; ".join(tied))
+        return "\n".join(lines)

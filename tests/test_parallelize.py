@@ -1,0 +1,125 @@
+"""The composition without a Trainer: ``parallelize`` a module in plain torch, train it by hand, and get the
+numbers of one process; its plans are pure and say what each rank holds."""
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lightning_4d.parallel_dims import ParallelDims
+from lightning_4d.parallelize import make_plans, parallelize
+from lightning_4d.pipeline import PipelineConfig
+from tests.lm_models import NanoGPT, sgd, tiny_gpt, token_data
+from tests.parity import free_port, spawn
+
+TP_OPTIONS = dict(tp_plan="auto", sequence_parallel=False, loss_parallel=True)
+CP_OPTIONS = dict(comm="ring", seq_dim=1, batch_keys=None, position_modules=None, buffers=None)
+# Two layouts of 4 processes, run one after the other by the same ranks.
+LAYOUTS = {
+    "nanogpt-pp2-tp2": (NanoGPT, dict(dp=1, pp=2, cp=1, tp=2)),  # weights tied across the stages, fused qkv
+    "gpt-dp2-cp2": (tiny_gpt, dict(dp=2, pp=1, cp=2, tp=1)),  # rotary tables, ring attention, gradient buckets
+}
+STEPS, BATCH, SEED, CLIP = 3, 8, 7, 0.5
+
+
+def _batches():
+    data = token_data()
+    return [tuple(t[i * BATCH:(i + 1) * BATCH] for t in data.tensors) for i in range(STEPS)]
+
+
+def _train_one_process(factory) -> dict:
+    torch.manual_seed(SEED)
+    module = factory()
+    optimizer = sgd(module)
+    losses = []
+    for index, batch in enumerate(_batches()):
+        optimizer.zero_grad()
+        loss = module.training_step(batch, index)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+def _worker(rank: int, world_size: int, out_dir: str, port: int, keep_dir: str) -> None:
+    """One rank: both layouts in turn; rank 0 keeps the records in ``keep_dir``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # self.log without a Trainer warns; nothing is logged here
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    records = {}
+    for name, (factory, sizes) in LAYOUTS.items():
+        dims = ParallelDims.resolve(world_size, **sizes)
+        mesh = dims.build("cpu")
+        torch.manual_seed(SEED + rank)  # other weights on every rank: parallelize must start all from rank 0's
+        module = factory()
+        options = dict(pipeline=PipelineConfig(dims.pp), tp_options=TP_OPTIONS, cp_options=CP_OPTIONS)
+        parallel = parallelize(module, mesh, torch.device("cpu"), **options)
+        again = parallelize(module, mesh, torch.device("cpu"), **options)
+        try:
+            parallelize(module, mesh, torch.device("cpu"), **dict(options, tp_options=dict(TP_OPTIONS, tp_plan="none")))
+            refused = "no error"
+        except ValueError as error:
+            refused = str(error)
+        optimizer = sgd(module)  # after parallelize, which replaced sharded parameters
+        parallel.attach_optimizers([optimizer])
+        replica, replicas = mesh.local_rank("dp"), dims.dp
+        losses = []
+        for index, (inputs, labels) in enumerate(_batches()):
+            part = slice(replica * BATCH // replicas, (replica + 1) * BATCH // replicas)
+            batch = parallel.shard_batch((inputs[part], labels[part]))
+
+            def closure():
+                loss = parallel.step("training_step", (batch, index), {})
+                optimizer.zero_grad()  # where Lightning calls it: after the step, before backward
+                parallel.backward(loss.backward)
+                return loss
+
+            loss = parallel.synchronizing(optimizer, closure)().detach()
+            parallel.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], CLIP)
+            optimizer.step()
+            dist.all_reduce(loss, group=mesh.group("dp"))
+            losses.append(loss.item() / replicas)
+        weights = parallel.full_state()
+        records[name] = {"losses": losses, "same_object": again is parallel, "refused": refused,
+                         "plan": parallel.describe(), "weights": {k: v.tolist() for k, v in weights.items()}}
+    if rank == 0:
+        torch.save(records, os.path.join(keep_dir, "records.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        f.write("{}")
+    dist.destroy_process_group()
+
+
+def test_plans_are_pure_and_say_what_each_rank_holds():
+    module = NanoGPT(n_layer=4)
+    plans = make_plans(module, ParallelDims.resolve(4, dp=1, pp=2, tp=2), pipeline=PipelineConfig(2),
+                       tp_options=TP_OPTIONS)
+    pipeline = plans.pipeline
+    assert pipeline.stages_of(0) == [0] and pipeline.stages_of(1) == [1]
+    text = plans.describe()
+    assert "tensor parallel plan: tp=2" in text
+    assert "stage 0 (pp rank 0): transformer.wte, transformer.wpe, transformer.h.0-1, lm_head" in text, text
+    assert "stage 1 (pp rank 1): transformer.wte, transformer.h.2-3, transformer.ln_f, lm_head" in text, text
+    assert "gradients summed: transformer.wte.weight = lm_head.weight" in text, text
+    held = pipeline.held_modules(1)
+    assert {"transformer.h.2.attn.c_attn", "transformer.ln_f", "lm_head"} <= held
+    assert not held & {"transformer.h.0", "transformer.h.1.mlp.c_fc", "transformer.wpe"}
+    assert pipeline.state_keys == set(module.state_dict())
+
+
+def test_parallelize_without_a_trainer_trains_as_one_process(tmp_path):
+    spawn(_worker, 4, 300, free_port(), str(tmp_path))
+    records = torch.load(tmp_path / "records.pt", weights_only=False)
+    for name, (factory, _) in LAYOUTS.items():
+        got, expected = records[name], _train_one_process(factory)
+        assert got["same_object"], name
+        assert "already parallelized with other options" in got["refused"], got["refused"]
+        for step, (a, b) in enumerate(zip(got["losses"], expected["losses"], strict=True)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{name}: loss at step {step}: {a} vs one process {b}"
+        assert set(got["weights"]) == set(expected["weights"]), name
+        for key, ref in expected["weights"].items():
+            torch.testing.assert_close(torch.tensor(got["weights"][key]), ref, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{name}: {key}: {m}")
+    assert "pipeline plan: pp=2" in records["nanogpt-pp2-tp2"]["plan"]
