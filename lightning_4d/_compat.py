@@ -7,8 +7,41 @@ instead of a parallel run going wrong somewhere else. Each entry says why no pub
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
+from torch import nn
+from torch._ops import OpOverloadPacket
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils.data import DataLoader
+
+__all__ = [
+    "OpOverloadPacket", "all_gather_ddp_if_available", "keystr", "sync_ddp_if_available", "tree_flatten",
+    "tree_flatten_with_path", "tree_map",
+]
+
+# ------------------------------------------------------------------------------------------------ torch
+
+# Re-exported above: pytree (torch's flattening of nested containers; torch has no public pytree module yet)
+# and OpOverloadPacket (the class of ``torch.ops.<namespace>.<op>``, by which telemetry tells ops apart).
+
+
+def op_qualified_name(packet: OpOverloadPacket) -> str:
+    """``"namespace::op"`` of an op packet (telemetry matches the functional-collective namespaces)."""
+    return packet._qualified_op_name
+
+
+# Namespaces of torch's functional collectives (what DTensor redistributions call).
+FUNCTIONAL_COLLECTIVE_NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::")
+# ProcessGroup methods that start communication, private ones included (gloo/NCCL bindings call them).
+PROCESS_GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+                         "allgather_into_tensor_coalesced", "_allgather_base", "reduce_scatter",
+                         "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "broadcast", "reduce", "gather",
+                         "scatter", "alltoall", "alltoall_base", "barrier", "monitored_barrier", "send", "recv",
+                         "recv_anysource", "_end_coalescing")
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:
@@ -21,3 +54,86 @@ def default_store() -> dist.Store:
     """The rendezvous store of the default process group: a side channel that works while collectives hang
     or fail (desync checks, first-failure reports). torch exposes it only privately."""
     return dist.distributed_c10d._get_default_store()
+
+
+# Attention kernels that return the log-sum-exp, which ring attention needs to merge blocks exactly
+# (``F.scaled_dot_product_attention`` returns only the output).
+aten = torch.ops.aten
+flash_attention_cpu = aten._scaled_dot_product_flash_attention_for_cpu
+flash_attention_cpu_backward = aten._scaled_dot_product_flash_attention_for_cpu_backward
+flash_attention_cuda = aten._scaled_dot_product_flash_attention
+flash_attention_cuda_backward = aten._scaled_dot_product_flash_attention_backward
+efficient_attention_cuda = aten._scaled_dot_product_efficient_attention
+efficient_attention_cuda_backward = aten._scaled_dot_product_efficient_attention_backward
+# Every attention kernel and the position of its ``is_causal`` argument, for telemetry's FLOP count.
+ATTENTION_KERNELS: dict[Any, int] = {
+    flash_attention_cpu: 4, flash_attention_cuda: 4, efficient_attention_cuda: 6,
+    **{getattr(aten, name): position for name, position in (("_scaled_dot_product_cudnn_attention", 6),
+                                                            ("_scaled_dot_product_attention_math", 5))
+       if hasattr(aten, name)},
+}
+
+
+# nn.Module's own registries. The pipeline cut swaps a block list's children for one stage's, and stands in
+# zero-size buffers for parameters a stage does not hold; context parallelism swaps per-position tables for
+# a step. ``register_*``/``setattr`` would refuse a buffer replacing a parameter, or re-register hooks.
+def children_of(module: nn.Module) -> dict[str, nn.Module]:
+    return module._modules
+
+
+def set_children(module: nn.Module, children: dict[str, nn.Module]) -> None:
+    module._modules = children
+
+
+def parameters_of(module: nn.Module) -> dict[str, Any]:
+    return module._parameters
+
+
+def buffers_of(module: nn.Module) -> dict[str, Any]:
+    return module._buffers
+
+
+def wrap_index_sampler(loader_class: type, wrap: Callable[[Any, Any], Any]) -> None:
+    """Make ``loader_class`` (a DataLoader subclass) iterate ``wrap(loader, sampler)`` instead of its index
+    sampler. A DataLoader cannot get another sampler once built, and its iterator reads the private
+    ``_index_sampler``; resuming mid-epoch must skip batches of the user's own loader."""
+    base = DataLoader._index_sampler
+    loader_class._index_sampler = property(lambda self: wrap(self, base.fget(self)))
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+
+# Lightning's reduce/gather over a group, the same ones its own strategies use for ``self.log(sync_dist=True)``.
+sync_ddp_if_available = _sync_ddp_if_available
+all_gather_ddp_if_available = _all_gather_ddp_if_available
+
+
+def setup_distributed(strategy: Any) -> None:
+    """ModelParallelStrategy's process-group set-up (environment, backend, timeout), which the strategy reuses."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(owner: Any, mesh: DeviceMesh) -> None:
+    """What ``strategy.device_mesh`` and ``LightningModule.device_mesh`` return (their setters are private)."""
+    owner._device_mesh = mesh
+
+
+# -------------------------------------------------------------------------------------------- torchmetrics
+
+# Under pipelining only the last stage updates a metric; the other stages must still count the update (so
+# ``compute`` does not warn and syncs), and ``forward``'s cached batch value must be the last stage's.
+def metric_update_count(metric: Any) -> int:
+    return metric._update_count
+
+
+def count_metric_updates(metric: Any, count: int) -> None:
+    metric._update_count += count
+    metric._computed = None
+
+
+def metric_forward_cache(metric: Any) -> Any:
+    return metric._forward_cache
+
+
+def set_metric_forward_cache(metric: Any, value: Any) -> None:
+    metric._forward_cache = value

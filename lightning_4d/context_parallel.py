@@ -6,8 +6,8 @@ sequence (:func:`~lightning_4d.ring_attention.zigzag_positions`). The module's o
 they are adjusted while a step runs:
 
 * Attention. Every call of scaled-dot-product attention is caught by a ``TorchFunctionMode`` (which sees
-  ``F.scaled_dot_product_attention`` under any import name, and ``torch._C._nn.scaled_dot_product_attention``,
-  the function they all are) and computed as ring attention over the group. Only full and causal attention
+  ``F.scaled_dot_product_attention`` under any import name: they are all one function) and computed as ring
+  attention over the group. Only full and causal attention
   keep the same meaning on a shard, so any other mask is an error.
 * Positions derived from the local length. ``wpe(torch.arange(T))`` and a rotary embedding's
   ``position_ids`` input are mapped to the tokens' global positions by forward pre-hooks, and tables sliced
@@ -33,9 +33,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_4d import _compat as compat
 from lightning_4d.ring_attention import _nearest_multiples, ring_attention, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
@@ -45,7 +47,7 @@ POSITION_EMBEDDING_NAMES = ("wpe", "pos_emb", "pos_embedding", "position_embeddi
                             "embed_positions")
 # ... and per-position tables that code slices by length (litgpt's cos/sin, torchtitan's freqs_cis).
 POSITION_BUFFER_NAMES = ("cos", "sin", "cos_cached", "sin_cached", "freqs_cis")
-_SDPA = torch._C._nn.scaled_dot_product_attention  # what F.scaled_dot_product_attention is
+_SDPA = F.scaled_dot_product_attention
 
 
 # ------------------------------------------------------------------------------------------- options
@@ -365,7 +367,7 @@ class ContextParallel:
         finally:
             self._active = False
             for owner, name, original in swapped:
-                owner._buffers[name] = original
+                compat.buffers_of(owner)[name] = original
         if not self._verified:
             if self.attention_calls == calls:
                 raise RuntimeError(
@@ -404,13 +406,13 @@ class ContextParallel:
         for fqn in self.buffers:
             owner_name, _, name = fqn.rpartition(".")
             owner = self.module.get_submodule(owner_name)
-            table = owner._buffers[name]
+            table = compat.buffers_of(owner)[name]
             if table.dim() == 0 or table.size(0) < self._seq_len:
                 raise ValueError(f"Buffer {fqn} of shape {tuple(table.shape)} has fewer rows than the sequence length"
                                  f" {self._seq_len}, so it cannot be indexed by global position; exclude it with"
                                  " cp_buffers=[...] if it is not a per-position table.")
             swapped.append((owner, name, table))
-            owner._buffers[name] = table.index_select(0, self._positions.to(table.device))
+            compat.buffers_of(owner)[name] = table.index_select(0, self._positions.to(table.device))
         return swapped
 
     def _position_hook(self, fqn: str, arg: str) -> Callable:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from lightning_4d import _compat as compat
 from lightning_4d.parallel_dims import ParallelMesh
@@ -65,8 +64,8 @@ def _first_mismatch(fingerprints: dict[str, Any], group: dist.ProcessGroup) -> O
 
 def check_batch(batch: Any, replica_group: dist.ProcessGroup) -> None:
     """All ranks of ``replica_group`` (one data-parallel replica) must hold the same batch."""
-    leaves, _ = tree_flatten_with_path(batch)
-    fingerprints = {keystr(path) or "batch": (tuple(leaf.shape), fingerprint(leaf))
+    leaves, _ = compat.tree_flatten_with_path(batch)
+    fingerprints = {compat.keystr(path) or "batch": (tuple(leaf.shape), fingerprint(leaf))
                     for path, leaf in leaves if isinstance(leaf, Tensor)}
     problem = _first_mismatch(fingerprints, replica_group)
     if problem:

@@ -15,6 +15,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from lightning_4d import _compat as compat
+
 
 class _SkipFirst:
     """The first ``count`` batches of index lists are dropped; iterated lazily so ``set_epoch`` still applies."""
@@ -35,11 +37,6 @@ class ResumableDataLoader(DataLoader):
     consumed_batches = 0  # set by the strategy before every training batch
     _skip = 0
 
-    @property
-    def _index_sampler(self) -> Any:
-        sampler = DataLoader._index_sampler.fget(self)
-        return _SkipFirst(sampler, self._skip) if self._skip else sampler
-
     def __iter__(self) -> Any:
         iterator = super().__iter__()
         self._skip = 0
@@ -58,6 +55,10 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._skip = self.consumed_batches = state["consumed_batches"]
+
+
+compat.wrap_index_sampler(
+    ResumableDataLoader, lambda loader, sampler: _SkipFirst(sampler, loader._skip) if loader._skip else sampler)
 
 
 def make_resumable(dataloader: Any) -> Any:

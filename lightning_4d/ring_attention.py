@@ -25,6 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_4d import _compat as compat
+
 __all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "zigzag_positions"]
 
 # K/V and dK/dV exchanges can be in flight at the same time between the same peers;
@@ -101,11 +103,11 @@ class _CpuFlashKernel:
     """ATen's CPU flash attention; handles grouped K/V heads natively."""
 
     def forward(self, q, k, v, causal, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = compat.flash_attention_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse, None
 
     def backward(self, dout, q, k, v, out, lse, aux, causal, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return compat.flash_attention_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
 
@@ -179,13 +181,13 @@ class _CudaKernel:
 class _CudaFlashKernel(_CudaKernel):
     def _forward(self, q, k, v, causal, scale):
         out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused, _ = (
-            torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+            compat.flash_attention_cuda(q, k, v, 0.0, causal, False, scale=scale)
         )
         return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
 
     def _backward(self, dout, q, k, v, out, lse, aux, causal, scale):
         cum_q, cum_k, max_q, max_k, rng_state, unused = aux
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        return compat.flash_attention_cuda_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
         )
 
@@ -194,7 +196,7 @@ class _CudaEfficientKernel(_CudaKernel):
     """Memory-efficient kernel; it pads its log-sum-exp to a multiple of 32 rows."""
 
     def _forward(self, q, k, v, causal, scale):
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = compat.efficient_attention_cuda(
             q, k, v, None, True, 0.0, causal, scale=scale
         )
         return out, lse[..., : q.size(2)], (seed, offset)
@@ -202,7 +204,7 @@ class _CudaEfficientKernel(_CudaKernel):
     def _backward(self, dout, q, k, v, out, lse, aux, causal, scale):
         seed, offset = aux
         padded = torch.nn.functional.pad(lse, (0, -lse.size(-1) % 32))
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dq, dk, dv, _ = compat.efficient_attention_cuda_backward(
             dout, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
         )
         return dq, dk, dv

@@ -18,7 +18,6 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -27,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.context_parallel import check_options as check_context_parallel_options
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
@@ -122,6 +122,7 @@ class FourDStrategy(ModelParallelStrategy):
         if unknown:
             _raise_unknown_arguments(unknown)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self.timeout = timeout
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb!r} must be a positive number of megabytes (default 25).")
         self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
@@ -166,15 +167,15 @@ class FourDStrategy(ModelParallelStrategy):
                 and self.lightning_module.__dict__.get("_lightning_4d_parallel") is None:
             # A module the pipeline cannot cut fails here, before any process group exists.
             make_plans(self.lightning_module, self.parallel_dims, pipeline=self._pp_config, tp_options={})
-        self._setup_distributed()
+        compat.setup_distributed(self)
         self.mesh = self.parallel_dims.build(self.root_device.type)
-        self._device_mesh = self.mesh.mesh
+        compat.set_device_mesh(self, self.mesh.mesh)
         if self.global_rank == 0:  # the table is O(world) lines: only the rank that prints it builds it
             rank_zero_info(self.layout_table())
-        self.lightning_module._device_mesh = self._device_mesh
+        compat.set_device_mesh(self.lightning_module, self.mesh.mesh)
         if self.debug and self._desync is None:
             self._desync = DesyncMonitor(self.mesh, self.debug_steps,
-                                         timeout=min(self._timeout, timedelta(seconds=60)))
+                                         timeout=min(self.timeout, timedelta(seconds=60)))
         trainer = self.lightning_module.trainer
         if self.telemetry and not any(isinstance(c, Telemetry) for c in trainer.callbacks):
             trainer.callbacks.append(Telemetry())
@@ -302,13 +303,13 @@ class FourDStrategy(ModelParallelStrategy):
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Reduce over the data-parallel replicas: other ranks of a replica hold the same value already."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group or self._replica_group(), reduce_op=reduce_op)
+            return compat.sync_ddp_if_available(tensor, group or self._replica_group(), reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         """Gather one value per data-parallel replica, as DDP would with that many processes."""
-        return _all_gather_ddp_if_available(tensor, group=group or self._replica_group(), sync_grads=sync_grads)
+        return compat.all_gather_ddp_if_available(tensor, group=group or self._replica_group(), sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -30,11 +30,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch._ops import OpOverloadPacket
 from torch.overrides import TorchFunctionMode
+
+from lightning_4d import _compat as compat
 
 # Dense peak FLOP/s per device by name (vendor datasheets, without sparsity): (16-bit, TF32, FP32).
 PEAK_FLOPS: tuple[tuple[str, float, Optional[float], Optional[float]], ...] = (
@@ -56,21 +58,7 @@ PEAK_FLOPS: tuple[tuple[str, float, Optional[float], Optional[float]], ...] = (
 
 # Forward attention kernels and the position of their ``is_causal`` argument. Context parallelism's ring
 # calls the aten kernels blockwise; plain code calls the first, which dispatches to one of the others.
-_SDPA = torch._C._nn.scaled_dot_product_attention
-_ATTENTION: dict[Any, int] = {_SDPA: 5}
-for _name, _position in (("_scaled_dot_product_flash_attention_for_cpu", 4), ("_scaled_dot_product_flash_attention", 4),
-                         ("_scaled_dot_product_efficient_attention", 6), ("_scaled_dot_product_cudnn_attention", 6),
-                         ("_scaled_dot_product_attention_math", 5)):
-    if hasattr(torch.ops.aten, _name):
-        _ATTENTION[getattr(torch.ops.aten, _name)] = _position
-_FUNCTIONAL_COLLECTIVES = ("_c10d_functional::", "_c10d_functional_autograd::")
-
-# Process-group methods that start communication; each returns a Work (or is a no-op wrapper around one).
-_PG_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
-               "allgather_into_tensor_coalesced", "_allgather_base", "reduce_scatter",
-               "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "broadcast", "reduce", "gather", "scatter",
-               "alltoall", "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
-               "_end_coalescing")
+_ATTENTION: dict[Any, int] = {F.scaled_dot_product_attention: 5, **compat.ATTENTION_KERNELS}
 _DIM_PRECEDENCE = ("dp", "cp", "tp", "pp", "dp_cp")  # a group with one dim's ranks is that dim's
 OTHER = "other"
 
@@ -182,7 +170,7 @@ class _Stopwatch:
                     watch.add(watch.finished(work), time.perf_counter() - start)
             return wait
 
-        for name in _PG_METHODS:
+        for name in compat.PROCESS_GROUP_METHODS:
             if name in vars(dist.ProcessGroup):
                 self._patch(dist.ProcessGroup, name, timed_call(getattr(dist.ProcessGroup, name)))
         self._patch(dist.Work, "wait", timed_wait(dist.Work.wait))
@@ -214,12 +202,13 @@ class _StepMode(TorchFunctionMode):
             causal = kwargs.get("is_causal", args[position] if len(args) > position else False)
             query, key, value = (list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")][len(args):])[:3]
             self.attention_flops += attention_flops(query, key, value, bool(causal))
-        elif type(packet) is OpOverloadPacket and packet._qualified_op_name.startswith(_FUNCTIONAL_COLLECTIVES):
+        elif type(packet) is compat.OpOverloadPacket and compat.op_qualified_name(packet).startswith(
+                compat.FUNCTIONAL_COLLECTIVE_NAMESPACES):
             return self._collective(packet, func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _collective(self, packet: OpOverloadPacket, func: Any, args: tuple, kwargs: dict) -> Any:
-        waiting = packet._qualified_op_name.endswith("::wait_tensor")
+    def _collective(self, packet: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+        waiting = compat.op_qualified_name(packet).endswith("::wait_tensor")
         if waiting:
             label = self.watch.finished(args[0] if args else kwargs.get("tensor"))
         else:

@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.data_parallel import _local
+from lightning_4d import _compat as compat
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
 from lightning_4d.pipeline.plan import PipelinePlan
@@ -149,7 +149,7 @@ class PipelineRunner:
         micro = split_batch(args[0], n)
         user_step = getattr(self.module, method)
         self._call = lambda index: user_step(micro[index], *args[1:], **kwargs)
-        counts = {name: m._update_count for name, m in self._metrics.items()}
+        counts = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         schedule = self._schedule(training, shape_key(micro[0]))
         index = torch.arange(n, device=self.device)
         if training:
@@ -216,7 +216,7 @@ class PipelineRunner:
         logs = self._logs if stage == self.last else StepLogs(self.module)
         self._running = _Running(stage, hidden)
         self.split.enter(stage)
-        before = {name: m._update_count for name, m in self._metrics.items()}
+        before = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         try:
             with logs.recording(index if stage == self.last else None):
                 output = self._call(index)
@@ -233,8 +233,8 @@ class PipelineRunner:
             raise RuntimeError(f"Pipeline stage {stage}: the step never called the first block of the stage in"
                                f" {self.split.path}, so it did not use the activation of the previous stage.")
         for name, m in self._metrics.items():
-            if m._update_count != before[name]:
-                self._forward_caches.setdefault(name, []).append(m._forward_cache)
+            if compat.metric_update_count(m) != before[name]:
+                self._forward_caches.setdefault(name, []).append(compat.metric_forward_cache(m))
         self._outputs[index] = detached(output)
         if self._training:
             loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -293,8 +293,9 @@ class PipelineRunner:
             outputs = [self._outputs.pop(i) for i in range(n)]
             logs = {name: (_MetricRef(self._metric_name(value)) if not isinstance(value, Tensor) else value, kw)
                     for name, (value, kw) in self._logs.combined().items()}
-            updates = {name: (m._update_count - counts[name], _mean_or_none(self._forward_caches.get(name, [])))
-                       for name, m in self._metrics.items() if m._update_count != counts[name]}
+            updates = {name: (compat.metric_update_count(m) - counts[name],
+                              _mean_or_none(self._forward_caches.get(name, [])))
+                       for name, m in self._metrics.items() if compat.metric_update_count(m) != counts[name]}
             self._forward_caches.clear()
             local = (merge(outputs), logs, updates)
             payload[0] = apply_to_collection(local, Tensor, Tensor.cpu)
@@ -306,10 +307,9 @@ class PipelineRunner:
             if not self.holds_last:
                 # This rank never saw the data; its (default) state adds nothing when the metric syncs over
                 # the pipeline and data-parallel ranks, but it must know that the metric was updated.
-                metric._update_count += count
-                metric._computed = None
+                compat.count_metric_updates(metric, count)
             if forward_cache is not None:
-                metric._forward_cache = forward_cache
+                compat.set_metric_forward_cache(metric, forward_cache)
         self._logs.replay({name: (self._metrics[value.name] if isinstance(value, _MetricRef) else value, kw)
                            for name, (value, kw) in logs.items()})
         return output
@@ -371,6 +371,10 @@ class PipelineRunner:
         """Weights whose gradient norm another rank of the pipeline group counts already (kept by the first and
         the last stage: the first one counts them)."""
         return self.split.ends() if self._ends_group is not None and 0 not in self.local_stages else []
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _mean_or_none(values: list[Any]) -> Optional[Tensor]:

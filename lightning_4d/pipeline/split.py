@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_4d import _compat as compat
 from lightning_4d.pipeline.plan import PipelinePlan
 
 
@@ -40,27 +41,28 @@ class StageSplit:
 
     def rest(self) -> None:
         """Between steps the list holds all local blocks (for state dicts, ``.train()``, ``.to()``)."""
-        self.container._modules = OrderedDict(kv for chunk in self.chunks.values() for kv in chunk.items())
+        compat.set_children(self.container, OrderedDict(kv for chunk in self.chunks.values() for kv in chunk.items()))
 
     def enter(self, stage: int) -> None:
-        self.container._modules = self.chunks[stage]
+        compat.set_children(self.container, self.chunks[stage])
 
     def params_of(self, stage: int) -> list[nn.Parameter]:
         """Every parameter the computation of ``stage`` uses."""
         found = [p for block in self.chunks[stage].values() for p in block.parameters()]
         roles = (["prefix", "ends"] if stage == 0 else []) + (["suffix", "ends"] if stage == self.last else [])
-        found += [m._parameters[name] for role in roles for m, name in self.kept[role]]
+        found += [compat.parameters_of(m)[name] for role in roles for m, name in self.kept[role]]
         return list({id(p): p for p in found}.values())
 
     def ends(self) -> list[nn.Parameter]:
         """The live parameters this rank keeps for both the first and the last stage."""
-        return list({id(p): p for p in (m._parameters[name] for m, name in self.kept["ends"])}.values())
+        return list({id(p): p for p in (compat.parameters_of(m)[name] for m, name in self.kept["ends"])}.values())
 
 
 def split_module(module: nn.Module, plan: PipelinePlan, local_stages: list[int], device: torch.device) -> StageSplit:
     """Cut ``module`` in place down to ``local_stages``; no communication."""
     container = module.get_submodule(plan.path)
-    chunks = {s: OrderedDict((name, container._modules[name]) for name in plan.stage_blocks(s)) for s in local_stages}
+    blocks = compat.children_of(container)
+    chunks = {s: OrderedDict((name, blocks[name]) for name in plan.stage_blocks(s)) for s in local_stages}
     kept: dict[str, list[tuple[nn.Module, str]]] = {"prefix": [], "suffix": [], "ends": []}
     stubbed: dict[int, tuple[str, nn.Module, str]] = {}
     for where, role in plan.outside:
@@ -68,10 +70,10 @@ def split_module(module: nn.Module, plan: PipelinePlan, local_stages: list[int],
         if plan.keeps(role, local_stages):
             kept[role] += [(m, name) for _, m, name in owners]
             continue
-        p = owners[0][1]._parameters[owners[0][2]]
+        p = compat.parameters_of(owners[0][1])[owners[0][2]]
         stub = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
         for fqn, m, name in owners:
-            del m._parameters[name]
+            del compat.parameters_of(m)[name]
             m.register_buffer(name, stub, persistent=False)
             if role != "ends":
                 stubbed[id(m)] = (fqn, m, role)

@@ -1,0 +1,134 @@
+"""The private torch / Lightning / torchmetrics names lightning-4d depends on still exist and behave as used,
+and no module but ``lightning_4d/_compat.py`` reaches one. An upgrade that breaks one fails here, by name."""
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_4d import _compat as compat
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lightning_4d"
+
+
+def _attention_inputs():
+    torch.manual_seed(0)
+    return [torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3)]
+
+
+def _flash_cpu_matches_sdpa():
+    q, k, v = _attention_inputs()
+    out, lse = compat.flash_attention_cpu(q, k, v, 0.0, True, scale=None)[:2]
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    grads = compat.flash_attention_cpu_backward(torch.ones_like(out), q, k, v, out, lse, 0.0, True, scale=None)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def _module_registries():
+    module = nn.Linear(2, 2)
+    assert compat.children_of(nn.Sequential(module))["0"] is module
+    assert compat.parameters_of(module)["weight"] is module.weight
+    module.register_buffer("table", torch.zeros(2))
+    assert compat.buffers_of(module)["table"] is module.table
+    container = nn.ModuleList([nn.Linear(1, 1), nn.Linear(1, 1)])
+    compat.set_children(container, OrderedDict(list(compat.children_of(container).items())[:1]))
+    assert len(container) == 1
+
+
+def _index_sampler():
+    class Skipping(DataLoader):
+        pass
+
+    compat.wrap_index_sampler(Skipping, lambda loader, sampler: list(sampler)[1:])
+    assert [b.tolist() for b in Skipping(torch.arange(6), batch_size=2)] == [[2, 3], [4, 5]]
+
+
+def _metric_internals():
+    metric = torchmetrics.MeanMetric()
+    metric(torch.tensor(3.0))
+    assert compat.metric_update_count(metric) == 1 and float(compat.metric_forward_cache(metric)) == 3.0
+    compat.count_metric_updates(metric, 2)
+    compat.set_metric_forward_cache(metric, torch.tensor(5.0))
+    assert compat.metric_update_count(metric) == 3 and float(compat.metric_forward_cache(metric)) == 5.0
+
+
+def _pytree_and_ops():
+    leaves, _ = compat.tree_flatten_with_path({"a": [torch.zeros(1)]})
+    assert compat.keystr(leaves[0][0]) == "['a'][0]"
+    assert compat.tree_map(lambda t: t + 1, [torch.zeros(1)])[0].item() == 1
+    assert type(torch.ops.aten.mm) is compat.OpOverloadPacket
+    assert compat.op_qualified_name(torch.ops.aten.mm) == "aten::mm"
+    assert torch.distributed.ProcessGroup  # the methods are looked up on it at telemetry start
+
+
+CHECKS = {
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(+_backward)": _flash_cpu_matches_sdpa,
+    "torch.ops.aten CUDA attention kernels (flash, efficient)": lambda: [
+        op.default for op in (compat.flash_attention_cuda, compat.flash_attention_cuda_backward,
+                              compat.efficient_attention_cuda, compat.efficient_attention_cuda_backward)],
+    "nn.Module._modules/_parameters/_buffers": _module_registries,
+    "DataLoader._index_sampler": _index_sampler,
+    "torchmetrics Metric._update_count/_forward_cache/_computed": _metric_internals,
+    "torch.utils._pytree, torch._ops.OpOverloadPacket._qualified_op_name": _pytree_and_ops,
+    "torch.distributed.device_mesh.DeviceMesh._flatten": lambda: compat.DeviceMesh._flatten,
+    "torch.distributed.distributed_c10d._get_default_store": lambda: compat.dist.distributed_c10d._get_default_store,
+    "ProcessGroup methods telemetry wraps": lambda: [
+        getattr(torch.distributed.ProcessGroup, name) for name in compat.PROCESS_GROUP_METHODS
+        if name not in ("allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "recv_anysource",
+                        "monitored_barrier", "_end_coalescing")],
+    "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
+        compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),
+    "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (
+        compat.sync_ddp_if_available(torch.tensor(1.0)), compat.all_gather_ddp_if_available(torch.tensor(1.0))),
+}
+
+
+def compat_lightning_strategy():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    compat.set_device_mesh(strategy, "a mesh")
+    return strategy
+
+
+@pytest.mark.parametrize("symbol", list(CHECKS))
+def test_private_name_still_works(symbol):
+    try:
+        CHECKS[symbol]()
+    except (AttributeError, TypeError, RuntimeError, AssertionError) as error:
+        pytest.fail(f"{symbol} changed in torch {torch.__version__}: {type(error).__name__}: {error}."
+                    " Adapt lightning_4d/_compat.py.")
+
+
+# Private names of torch, Lightning and torchmetrics found in lightning_4d (an attribute or import starting
+# with "_" on one of their objects); our own private names are not theirs.
+PRIVATE = re.compile(
+    r"torch\.(?:[a-z]\w*\.)*_[a-zA-Z]|from (?:torch|lightning|torchmetrics)(?:\.[\w.]*)? import .*\b_[a-z]|"
+    r"\._(?:modules|parameters|buffers|update_count|forward_cache|computed|index_sampler|flatten|get_default_store|"
+    r"setup_distributed|device_mesh|qualified_op_name|timeout|apply|prepare_input_fn|prepare_output_fn)\b|\b_(?:sync|all_gather)_ddp_if_available\b|"
+    r"def _(?:apply|prepare_input_fn|prepare_output_fn)\b")
+
+
+def test_no_private_name_outside_compat():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE.search(code):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}")
+    assert not found, "private torch/Lightning names outside lightning_4d/_compat.py:\n" + "\n".join(found)
+
+
+def test_the_check_finds_a_private_name():
+    assert PRIVATE.search("store = dist.distributed_c10d._get_default_store()")
+    assert PRIVATE.search("from torch.utils._pytree import tree_map")
+    assert PRIVATE.search("out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q)")
+    assert not PRIVATE.search("self._pipeline = None")
