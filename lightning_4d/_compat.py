@@ -74,6 +74,12 @@ ATTENTION_KERNELS: dict[Any, int] = {
 }
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """A counter that every in-place change of ``tensor`` bumps: a mask checked once stays checked while it is
+    unchanged (autograd's own use of it is the only public trace)."""
+    return tensor._version
+
+
 # nn.Module's own registries. The pipeline cut swaps a block list's children for one stage's, and stands in
 # zero-size buffers for parameters a stage does not hold; context parallelism swaps per-position tables for
 # a step. ``register_*``/``setattr`` would refuse a buffer replacing a parameter, or re-register hooks.

@@ -474,7 +474,7 @@ class ContextParallel:
                                  " is_causal=True.")
             checked = self._causal_mask
             # Models build one mask per forward and pass it to every layer: check it once, not per layer.
-            if (checked is None or checked[0] is not attn_mask or checked[1] != attn_mask._version) \
+            if (checked is None or checked[0] is not attn_mask or checked[1] != compat.tensor_version(attn_mask)) \
                     and not is_causal_mask(attn_mask, local):
                 raise ValueError(
                     f"Context parallelism supports only causal or full attention, but scaled_dot_product_attention got"
@@ -482,7 +482,7 @@ class ContextParallel:
                     " mask (padding, sliding window or document masks would change meaning on a shard). Train on"
                     " unpadded, unpacked sequences, or with cp=1. (A Hugging Face model given position_ids treats"
                     " the sharded ones as packed sequences: leave them out, the rotary embedding gets global ones.)")
-            self._causal_mask = (attn_mask, attn_mask._version)
+            self._causal_mask = (attn_mask, compat.tensor_version(attn_mask))
             is_causal = True
         if query.size(-3) != key.size(-3) and not enable_gqa:
             raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"

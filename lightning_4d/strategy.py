@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -166,7 +167,7 @@ class FourDStrategy(ModelParallelStrategy):
         if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module) \
                 and self.lightning_module.__dict__.get("_lightning_4d_parallel") is None:
             # A module the pipeline cannot cut fails here, before any process group exists.
-            make_plans(self.lightning_module, self.parallel_dims, pipeline=self._pp_config, tp_options={})
+            make_plans(self.lightning_module, self.parallel_dims, pipeline=self._pp_config, tp_options=self._tp_options)
         compat.setup_distributed(self)
         self.mesh = self.parallel_dims.build(self.root_device.type)
         compat.set_device_mesh(self, self.mesh.mesh)
@@ -330,7 +331,7 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.parallel.optimizer_state(getattr(optimizer, "_optimizer", optimizer))
+        return self.parallel.optimizer_state(optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
 
     @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

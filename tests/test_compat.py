@@ -58,6 +58,13 @@ def _metric_internals():
     assert compat.metric_update_count(metric) == 3 and float(compat.metric_forward_cache(metric)) == 5.0
 
 
+def _tensor_version():
+    mask = torch.zeros(2)
+    before = compat.tensor_version(mask)
+    mask.add_(1)
+    assert compat.tensor_version(mask) == before + 1
+
+
 def _pytree_and_ops():
     leaves, _ = compat.tree_flatten_with_path({"a": [torch.zeros(1)]})
     assert compat.keystr(leaves[0][0]) == "['a'][0]"
@@ -73,6 +80,7 @@ CHECKS = {
         op.default for op in (compat.flash_attention_cuda, compat.flash_attention_cuda_backward,
                               compat.efficient_attention_cuda, compat.efficient_attention_cuda_backward)],
     "nn.Module._modules/_parameters/_buffers": _module_registries,
+    "Tensor._version": _tensor_version,
     "DataLoader._index_sampler": _index_sampler,
     "torchmetrics Metric._update_count/_forward_cache/_computed": _metric_internals,
     "torch.utils._pytree, torch._ops.OpOverloadPacket._qualified_op_name": _pytree_and_ops,
@@ -111,7 +119,8 @@ def test_private_name_still_works(symbol):
 PRIVATE = re.compile(
     r"torch\.(?:[a-z]\w*\.)*_[a-zA-Z]|from (?:torch|lightning|torchmetrics)(?:\.[\w.]*)? import .*\b_[a-z]|"
     r"\._(?:modules|parameters|buffers|update_count|forward_cache|computed|index_sampler|flatten|get_default_store|"
-    r"setup_distributed|device_mesh|qualified_op_name|timeout|apply|prepare_input_fn|prepare_output_fn)\b|\b_(?:sync|all_gather)_ddp_if_available\b|"
+    r"setup_distributed|device_mesh|qualified_op_name|timeout|apply|prepare_input_fn|prepare_output_fn|version|"
+    r"optimizer)\b|\b_(?:sync|all_gather)_ddp_if_available\b|"
     r"def _(?:apply|prepare_input_fn|prepare_output_fn)\b")
 
 
