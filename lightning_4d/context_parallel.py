@@ -27,7 +27,7 @@ import dataclasses
 import fnmatch
 import inspect
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -345,8 +345,9 @@ class ContextParallel:
             if recomputing:
                 raise ValueError(f"Gradient checkpointing is on in {_examples(recomputing, 3)}: it recomputes"
                                  " attention during backward, outside the step in which context parallelism makes"
-                                 " attention span the whole sequence. Turn it off"
-                                 " (activation_checkpointing_disable()) or use cp=1.")
+                                 " attention span the whole sequence. Turn it off (activation_checkpointing_disable())"
+                                 " and let the strategy checkpoint the blocks:"
+                                 " FourDStrategy(activation_checkpointing='full'), or use cp=1.")
             self._trained = True
 
     # -------------------------------------------------------------------------------------- the step
@@ -377,6 +378,12 @@ class ContextParallel:
                     " hand-written softmax, or Hugging Face attn_implementation='eager'): use"
                     " torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa'), or cp=1.")
             self._verified = True
+
+    def recompute_context(self) -> AbstractContextManager[None]:
+        """Entered around a block that recomputes its forward during backward (activation checkpointing):
+        backward runs outside the step's interception, so the recomputed attention is ring attention again only
+        inside a fresh one (positions and tables are the checkpointed block's saved inputs)."""
+        return _AttentionInterception(self) if self._positions is not None else nullcontext()
 
     @contextmanager
     def step_context(self) -> Iterator[None]:

@@ -12,12 +12,14 @@ and the per-dimension options, and applies, in this order:
 4. **Device**, then **tensor/sequence parallelism**: the modules this rank holds are sharded over ``tp``.
 5. **Context parallelism**: hooks that give position modules global positions and turn attention into
    ring attention while a step runs on sequence shards.
-6. **Metric sync** over the ranks that hold different data.
-7. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
+6. **Activation checkpointing** of the blocks this rank holds, as the earlier steps left them (so a
+   recomputed block is sharded, cut and context-parallel like the original).
+7. **Metric sync** over the ranks that hold different data.
+8. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
    bucketed all-reduce over ``dp x cp``, overlapped with backward.
 
-Activation checkpointing, compile and sharded data parallelism wrap the blocks as steps 3-5 leave them, so
-they take their place between steps 5 and 6.
+Compile and sharded data parallelism wrap the blocks as steps 3-6 leave them, so they take their place
+between steps 6 and 7.
 
 The :class:`ParallelModel` returned owns everything a training loop needs afterwards: the step (with its
 contexts, the pipeline schedule, the tensor-parallel self-check), batch sharding, backward, gradient sync,
@@ -28,7 +30,7 @@ module, so parallelizing the same module again (``validate`` after ``fit``, a se
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,10 +41,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d import checkpoint
+from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.context_parallel import ContextParallel
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelMesh
-from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner
+from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
 from lightning_4d.tensor_parallel import (
     TensorParallelPlan,
     TensorParallelSelfCheck,
@@ -86,13 +89,15 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
                 tp_options: dict[str, Any], cp_options: dict[str, Any], tp_self_check: bool = True,
+                activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
                 bucket_mb: float = DEFAULT_BUCKET_MB) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
     """
-    options = dict(dims=mesh.dims, pipeline=pipeline, tp=tp_options, cp=cp_options, bucket_mb=bucket_mb)
+    options = dict(dims=mesh.dims, pipeline=pipeline, tp=tp_options, cp=cp_options, bucket_mb=bucket_mb,
+                   activation_checkpointing=activation_checkpointing)
     existing: Optional[ParallelModel] = module.__dict__.get(_ATTRIBUTE)
     if existing is not None:
         if existing.options != options:
@@ -110,6 +115,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tp_self_check)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
     parallel.install_hooks()
+    if activation_checkpointing.enabled:
+        parallel.checkpointed_blocks = apply_activation_checkpointing(
+            _held_blocks(module, plans.pipeline, pipeline), activation_checkpointing, parallel.recompute_context)
     from torchmetrics import Metric
 
     for metric in module.modules():
@@ -117,6 +125,19 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
             metric.process_group = parallel.metric_group
     module.__dict__[_ATTRIBUTE] = parallel
     return parallel
+
+
+def _held_blocks(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[tuple[int, nn.Module]]:
+    """The blocks this rank holds, with their position in the whole model's block list."""
+    if plan is not None:
+        container = module.get_submodule(plan.path)
+        return [(plan.blocks.index(name), block) for name, block in container.named_children()]
+    try:
+        _, container = find_blocks(module, config.blocks)
+    except ValueError as error:
+        raise ValueError(f"activation_checkpointing checkpoints the module's blocks, but {error} Or use"
+                         " activation_checkpointing='none'.") from None
+    return list(enumerate(container.children()))
 
 
 @torch.no_grad()
@@ -144,6 +165,7 @@ class ParallelModel:
         self.options = options
         self.tensor_plan = plans.tensor if plans.tensor is not None and plans.tensor.enabled else None
         self.context: Optional[ContextParallel] = None
+        self.checkpointed_blocks: list[int] = []  # positions in the whole model's block list
         self._self_check = self_check
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
@@ -195,6 +217,10 @@ class ParallelModel:
                 stack.enter_context(self.context.step_context())
             yield
 
+    def recompute_context(self) -> AbstractContextManager[None]:
+        """Around a checkpointed block's recomputation during backward."""
+        return self.context.recompute_context() if self.context is not None else nullcontext()
+
     def step(self, name: str, args: tuple, kwargs: dict, *, predicting: bool = False,
              accumulate_grad_batches: int = 1) -> Any:
         """Run the module's step method ``name`` (``training_step``, ``validation_step``, ...) as one process
@@ -220,7 +246,7 @@ class ParallelModel:
         if self.pipeline is not None:
             self.pipeline.commit_gradients()
         else:
-            with self.tensor_plan.step_context() if self.tensor_plan is not None else ExitStack():
+            with self.tensor_plan.step_context() if self.tensor_plan is not None else nullcontext():
                 run_backward()
         if self._armed is not None:
             self._armed.synchronize()

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
+from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
 from lightning_4d.context_parallel import check_options as check_context_parallel_options
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
@@ -81,6 +82,11 @@ class FourDStrategy(ModelParallelStrategy):
         tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded
             copy and fail naming the block if they differ (a head count that was not divided, ...).
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
+        activation_checkpointing: ``"none"``, ``"full"`` (every block recomputes its forward in backward),
+            ``"every_n"`` (every ``activation_checkpointing_every``-th block) or ``"selective"`` (blocks keep their
+            matmul and attention outputs and recompute the elementwise work); see
+            :mod:`lightning_4d.activation_checkpointing`.
+        activation_checkpointing_every: the ``n`` of ``"every_n"``.
         debug: for the first ``debug_steps`` training steps, check that the ranks of a replica receive identical
             batches, that replicated weights stay bit-identical, and that every rank issues the same collectives
             (each checked before it runs); the first difference is reported by rank and tensor name.
@@ -115,6 +121,8 @@ class FourDStrategy(ModelParallelStrategy):
         sequence_parallel: bool = False,
         tp_self_check: bool = True,
         loss_parallel: bool = True,
+        activation_checkpointing: str = "none",
+        activation_checkpointing_every: int = 2,
         debug: bool = False,
         debug_steps: int = 2,
         telemetry: bool = False,
@@ -148,6 +156,7 @@ class FourDStrategy(ModelParallelStrategy):
                              " tensor. Use sequence_parallel=False with pipeline parallelism.")
         self._tp_options = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         self.tp_self_check = tp_self_check
+        self.activation_checkpointing = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         if isinstance(debug_steps, bool) or not isinstance(debug_steps, int) or debug_steps < 1:
             raise ValueError(f"debug_steps={debug_steps!r} must be a positive number of training steps.")
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
@@ -228,7 +237,8 @@ class FourDStrategy(ModelParallelStrategy):
         first = self.lightning_module.__dict__.get("_lightning_4d_parallel") is None
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self._pp_config,
                                     tp_options=self._tp_options, cp_options=self._cp_options,
-                                    tp_self_check=self.tp_self_check, bucket_mb=self.bucket_mb)
+                                    tp_self_check=self.tp_self_check, bucket_mb=self.bucket_mb,
+                                    activation_checkpointing=self.activation_checkpointing)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled:
