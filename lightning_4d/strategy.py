@@ -37,12 +37,12 @@ from lightning_4d.telemetry import Telemetry
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
 from lightning_4d.pipeline import PipelineConfig, PipelineRunner, check_splittable
+from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
 from lightning_4d.tensor_parallel import (
     TensorParallelPlan,
     TensorParallelSelfCheck,
     apply_tensor_parallel,
-    clip_grad_norm_,
     plan_tensor_parallel,
 )
 

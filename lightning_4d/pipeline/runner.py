@@ -48,7 +48,7 @@ from lightning_4d.pipeline.config import PipelineConfig
 from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
 from lightning_4d.pipeline.split import split_module
 from lightning_4d.step_logging import StepLogs
-from lightning_4d.tensor_parallel import clip_grad_norm_
+from lightning_4d.clipping import clip_grad_norm_
 
 _CACHED_SCHEDULES = 4  # one per batch shape seen recently, for training and for evaluation
 
