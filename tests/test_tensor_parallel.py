@@ -198,14 +198,15 @@ def _parity(family: str, mesh, sp: bool = False, tp_plan="auto") -> dict:
     return result
 
 
-def _pipeline_stage(mesh) -> dict:
-    """A plan made on the whole model, applied to a middle stage holding only some of its blocks."""
+def _pipeline_stage(mesh, held=None) -> dict:
+    """A plan made on the whole model, applied to a middle stage holding only some of its blocks (found by
+    inspection, or named by ``held`` as the pipeline plan names them)."""
     torch.manual_seed(0)
     model = M.TinyGPT(VOCAB, n_layer=3)
     plan = plan_tensor_parallel(model, mesh.size(), sequence_parallel=True)
     model.tok_emb, model.layers[2], model.norm, model.lm_head = nn.Identity(), nn.Identity(), nn.Identity(), nn.Identity()
     ref = copy.deepcopy(model)
-    check = apply_tensor_parallel(model, mesh, plan)
+    check = apply_tensor_parallel(model, mesh, plan, held=held)
     x = torch.randn(B, T, 32)
     check.arm()
     with tensor_parallel_context(plan):
@@ -286,6 +287,7 @@ def _suite(world: int) -> dict:
         )
         cases["custom_heads_divide"] = _case("custom_heads", True, {"layers.*.attn": {"divide": ["heads"]}})
         cases["pipeline_stage"] = _pipeline_stage
+        cases["pipeline_stage_held"] = lambda mesh: _pipeline_stage(mesh, held={"layers.0", "layers.1"})
         cases["wrong_head_count"] = _wrong_head_count
         cases["mesh_mismatch"] = _mesh_mismatch
         return cases
@@ -400,8 +402,9 @@ def test_user_plan_divides_unknown_head_attribute(tp2):
         _assert_parity(record)
 
 
-def test_plan_of_whole_model_applies_to_pipeline_stage(tp2):
-    for record in _records(tp2, "pipeline_stage"):
+@pytest.mark.parametrize("name", ["pipeline_stage", "pipeline_stage_held"])
+def test_plan_of_whole_model_applies_to_pipeline_stage(tp2, name):
+    for record in _records(tp2, name):
         assert record["out_err"] < TOL and record["grad_err"] < TOL, record
         assert record["checked"] == ["layers.0.attn", "layers.0.mlp"]
 
@@ -429,6 +432,30 @@ def test_clip_grad_norm_over_pipeline_group(tp4):
 
 
 # --------------------------------------------------------------------------- plan errors (no processes)
+
+
+def test_plan_restricted_to_what_a_stage_holds():
+    """``held`` (the pipeline plan's modules of this rank) picks the entries at or under them; without it a
+    stand-in whose parameters became buffers (as the pipeline split leaves them) is recognised and skipped."""
+    model = M.TinyGPT(VOCAB, n_layer=3)
+    plan = plan_tensor_parallel(model, 2)
+    planned = lambda p: {*p.styles, *p.regions, *p.attributes}  # noqa: E731
+    stage = plan.restricted_to(model, held={"layers.1", "lm_head"})
+    assert planned(stage) == {f for f in planned(plan) if f.startswith("layers.1.") or f == "lm_head"}
+    assert "layers.1.attn" in stage.regions and "layers.0.attn" not in stage.regions
+    assert planned(plan.restricted_to(model, held={""})) == planned(plan)
+    with pytest.raises(ValueError, match=r"held names layers\.2\.attn \(under \['layers\.2'\]\), planned as a"
+                                         r" GPTAttention, but TinyGPT has no such module"):
+        model.layers[2] = nn.Identity()
+        plan.restricted_to(model, held={"layers.2"})
+    with pytest.raises(ValueError, match=r"held='layers\.0' must be a collection of module FQNs"):
+        plan.restricted_to(model, held="layers.0")
+    weight = model.tok_emb.weight  # the pipeline split's stand-in: same class, the weight is a buffer now
+    del model.tok_emb._parameters["weight"]
+    model.tok_emb.register_buffer("weight", torch.zeros(()).expand(weight.shape), persistent=False)
+    inspected = planned(plan.restricted_to(model))
+    assert "tok_emb" not in inspected and "layers.0.attn" in inspected and not any(
+        f.startswith("layers.2.") for f in inspected)
 
 
 def test_plan_off_and_describe():

@@ -5,8 +5,7 @@ sees), per-head norm gradients, and tied weights kept one parameter."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Collection, Iterable
 from functools import partial
 from typing import Any
 
@@ -165,15 +164,21 @@ def _to_replicated(mesh: DeviceMesh, args: tuple) -> tuple:
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, *, self_check: bool = True
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan,
+    *,
+    self_check: bool = True,
+    held: Collection[str] | None = None,
 ) -> TensorParallelSelfCheck | None:
     """Shard ``module`` in place; returns an (unarmed) self-check, or None when off or nothing is sharded.
 
     Collective over ``tp_mesh``: every rank must call it with an identically initialised module.
-    ``module`` may be a pipeline stage cut from the module the plan was made for: entries for
-    modules the stage no longer holds (or holds replaced, e.g. by ``nn.Identity``, or as a stand-in whose
-    parameters became buffers) are skipped. Plan on the whole model, so that the last stage still knows its
-    LM head. Parameters are replaced by new DTensor parameters: collect them for an optimizer afterwards.
+    ``module`` may be a pipeline stage cut from the module the plan was made for (plan on the whole model,
+    so that the last stage still knows its LM head): ``held`` names the modules (FQNs relative to ``module``)
+    this rank holds, from the pipeline plan of its stages, and only plan entries at or inside them are
+    applied; ``None`` finds them by inspection (see :meth:`TensorParallelPlan.restricted_to`).
+    Parameters are replaced by new DTensor parameters: collect them for an optimizer afterwards.
     """
     if not plan.enabled:
         return None
@@ -182,18 +187,7 @@ def apply_tensor_parallel(
             f"The plan is for tp={plan.tp_size} but the mesh has shape {tuple(tp_mesh.shape)}; pass mesh['tp']."
         )
     tp = plan.tp_size
-    present = {
-        fqn
-        for fqn, m in module.named_modules()
-        if type(m).__name__ == plan.classes.get(fqn) and not {"weight", "bias"} & set(m._buffers)
-    }
-    plan = replace(
-        plan,
-        styles={f: s for f, s in plan.styles.items() if f in present},
-        regions={f: r for f, r in plan.regions.items() if f in present},
-        attributes={f: a for f, a in plan.attributes.items() if f in present},
-        config_attributes={f: a for f, a in plan.config_attributes.items() if f in present},
-    )
+    plan = plan.restricted_to(module, held)
     replicas = _check_replicas(module, plan) if self_check else {}
 
     owners = _parameter_owners(module)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -93,6 +93,45 @@ class TensorParallelPlan:
     def step_context(self) -> contextlib.AbstractContextManager[None]:
         """``tensor_parallel_context(self)``, so that a strategy can enter the plan like its other step components."""
         return tensor_parallel_context(self)
+
+    def restricted_to(self, module: nn.Module, held: Collection[str] | None = None) -> TensorParallelPlan:
+        """The entries of this plan that ``module`` holds, so that a plan made on the whole model applies to a
+        pipeline stage cut from it.
+
+        ``held``: the FQNs (relative to ``module``) of the modules this rank holds, e.g. from the pipeline plan
+        of its stages; an entry is kept when its FQN is one of them or lies inside one (``{""}``: everything).
+        Each kept entry must name a module of the planned class, else ``ValueError``. ``None``: found by
+        inspection (the pre-pipeline-plan rule): entries whose module is missing, of another class (replaced,
+        e.g. by ``nn.Identity``) or a stand-in whose ``weight``/``bias`` became buffers are dropped.
+        """
+        planned = [*self.styles, *self.regions, *self.attributes, *self.config_attributes]
+        if held is None:
+            present = {
+                fqn
+                for fqn, m in module.named_modules()
+                if type(m).__name__ == self.classes.get(fqn) and not {"weight", "bias"} & set(m._buffers)
+            }
+        else:
+            if isinstance(held, str) or not all(isinstance(h, str) for h in held):
+                raise ValueError(f"held={held!r} must be a collection of module FQNs (strings), or None.")
+            present = {fqn for fqn in planned if _under(fqn, held)}
+            modules = dict(module.named_modules())
+            for fqn in sorted(present):
+                found = type(modules[fqn]).__name__ if fqn in modules else None
+                if found != self.classes.get(fqn):
+                    what = f"holds a {found} there" if found else "has no such module"
+                    raise ValueError(
+                        f"held names {fqn} (under {sorted(h for h in held if _under(fqn, [h]))}), planned as a "
+                        f"{self.classes.get(fqn)}, but {type(module).__name__} {what}. Fix: pass in held only the "
+                        "modules this rank holds, and plan on the module the stages were cut from."
+                    )
+        return replace(
+            self,
+            styles={f: s for f, s in self.styles.items() if f in present},
+            regions={f: r for f, r in self.regions.items() if f in present},
+            attributes={f: a for f, a in self.attributes.items() if f in present},
+            config_attributes={f: a for f, a in self.config_attributes.items() if f in present},
+        )
 
     def describe(self) -> str:
         tp = self.tp_size
