@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -30,7 +30,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_4d import checkpoint
-from lightning_4d.context_parallel import ContextParallel, check_options as check_context_parallel_options
+from lightning_4d.context_parallel import ContextParallel
+from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import report_failure
 from lightning_4d.telemetry import Telemetry
@@ -40,6 +41,7 @@ from lightning_4d.pipeline import PipelineConfig, PipelineRunner, check_splittab
 from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
 from lightning_4d.tensor_parallel import (
+    TensorParallelConfig,
     TensorParallelPlan,
     TensorParallelSelfCheck,
     apply_tensor_parallel,
@@ -143,7 +145,8 @@ class FourDStrategy(ModelParallelStrategy):
         ParallelDims.check_sizes(dp, pp, cp, tp)
         self.bucket_mb = float(bucket_mb)
         self.init_from = init_from
-        check_context_parallel_options(cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
+        self._cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules,
+                                                cp_buffers)
         self._cp_options = dict(comm=cp_comm, seq_dim=cp_seq_dim, batch_keys=cp_batch_keys,
                                 position_modules=cp_position_modules, buffers=cp_buffers)
         self._context_parallel: Optional[ContextParallel] = None
@@ -155,14 +158,9 @@ class FourDStrategy(ModelParallelStrategy):
         self._grad_buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
         self._train_loaders: list[object] = []
-        if not (tp_plan is None or tp_plan in ("auto", "none") or isinstance(tp_plan, Mapping)):
-            raise ValueError(f"tp_plan={tp_plan!r}: use 'auto', 'none' or a mapping of module globs to styles, e.g."
-                             " {'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}.")
-        if sequence_parallel and pp > 1:
-            raise ValueError(f"sequence_parallel=True with pp={pp} is not supported: sequence parallelism keeps the"
-                             " hidden state split over the tp ranks as a DTensor, and a pipeline stage sends a plain"
-                             " tensor. Use sequence_parallel=False with pipeline parallelism.")
-        self._tp_options = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        self._tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check)
+        self._tp_config.check_with_pipeline(pp)
+        self._tp_options = self._tp_config.plan_kwargs()
         self.tp_self_check = tp_self_check
         if isinstance(debug_steps, bool) or not isinstance(debug_steps, int) or debug_steps < 1:
             raise ValueError(f"debug_steps={debug_steps!r} must be a positive number of training steps.")

@@ -78,11 +78,12 @@ Modules, one per job
 ``plan`` (the plan's types), ``user_plan`` (a ``tp_plan`` mapping expanded to FQNs), ``discovery``
 (``plan_tensor_parallel``), ``styles`` (DTensor parallel styles, Conv1D included), ``loss_parallel``
 (vocabulary-sharded logits and ``tensor_parallel_context``), ``apply`` (``apply_tensor_parallel`` and its
-hooks), ``self_check`` (``TensorParallelSelfCheck``). Clipping over
+hooks), ``self_check`` (``TensorParallelSelfCheck``), ``config`` (``TensorParallelConfig``). Clipping over
 DTensor, plain and pipeline-split parameters is :mod:`lightning_4d.clipping`.
 """
 
 from lightning_4d.tensor_parallel.apply import apply_tensor_parallel
+from lightning_4d.tensor_parallel.config import TensorParallelConfig
 from lightning_4d.tensor_parallel.discovery import plan_tensor_parallel
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
 from lightning_4d.tensor_parallel.plan import STYLES, FusedQKVLayout, ModuleStyle, Region, TensorParallelPlan
@@ -94,6 +95,7 @@ __all__ = [
     "ModuleStyle",
     "Region",
     "TensorParallelCheckError",
+    "TensorParallelConfig",
     "TensorParallelPlan",
     "TensorParallelSelfCheck",
     "apply_tensor_parallel",
