@@ -8,7 +8,7 @@ before any collective.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch.nn as nn
@@ -220,12 +220,8 @@ def plan_tensor_parallel(
                 f"'{parent}linear2': rowwise}}."
             )
 
-    for fqn, m in modules.items():
-        if _under(fqn, replicated) or _under(fqn, list(plan.regions)):
-            continue
-        region = _find_region(fqn, m, divide)
-        if region is None or any(_under(_child(fqn, n), replicated) for n in (*region.inputs, region.output)):
-            continue
+    for fqn, region in _regions(modules, replicated, divide):
+        m = modules[fqn]
         _check_region(fqn, m, region, tp_size)
         plan.regions[fqn] = region
         for name in region.inputs:
@@ -288,6 +284,28 @@ def plan_tensor_parallel(
     planned = {*plan.styles, *plan.regions, *plan.attributes, *plan.config_attributes}
     plan.classes = {fqn: type(modules[fqn]).__name__ for fqn in planned}
     return plan
+
+
+def _regions(
+    modules: dict[str, nn.Module], replicated: list[str], divide: dict[str, list[str]]
+) -> Iterator[tuple[str, Region]]:
+    """The attention and MLP regions in module order, outermost first, none inside another or a replicated one."""
+    found: list[str] = []
+    for fqn, m in modules.items():
+        if _under(fqn, replicated) or _under(fqn, found):
+            continue
+        region = _find_region(fqn, m, divide)
+        if region is None or any(_under(_child(fqn, n), replicated) for n in (*region.inputs, region.output)):
+            continue
+        found.append(fqn)
+        yield fqn, region
+
+
+def find_regions(module: nn.Module) -> dict[str, Region]:
+    """The attention and MLP regions the automatic plan finds, by FQN, with their sizes (heads, key/value
+    heads, widths), for any tp: pure and size-only, so it works on a module built on the meta device. The
+    planner reads a model's head counts from here, so that it counts them as the runtime does."""
+    return dict(_regions(dict(module.named_modules()), [], {}))
 
 
 def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
