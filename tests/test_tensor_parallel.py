@@ -27,6 +27,7 @@ from lightning_4d.tensor_parallel import (
     tensor_parallel_context,
 )
 from tests import tp_models as M
+from tests.models import Classifier
 from tests.parity import free_port, spawn
 
 TOL = 1e-5
@@ -474,3 +475,52 @@ def test_plan_off_and_describe():
     assert plan.styles["transformer.h.0.attn.c_proj"].output == "replicate"  # user entry merged over the automatic one
     gathered = plan_tensor_parallel(model, 2, loss_parallel=False)
     assert not gathered.loss_parallel and gathered.styles["lm_head"].output == "replicate"
+
+
+class _FeedForwardBlocks(nn.Module):
+    """Repeated blocks whose feed-forward the presets miss (a norm inside it): only a user plan shards them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ff = lambda: nn.ModuleDict(dict(fc_in=nn.Linear(8, 32), act=nn.GELU(), fc_out=nn.Linear(32, 8),  # noqa: E731
+                                        norm=nn.LayerNorm(8)))
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ff=ff())) for _ in range(3))
+        self.out = nn.Linear(8, 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "suggested", "styled"),
+    [
+        (Classifier, {"net.0": "colwise", "net.2": "rowwise"}, 2),  # 16->32->32: net.4 (32->4), `unused` whole
+        (M.PlainMLPStack, {"net.0": "colwise", "net.2": "rowwise"}, 2),
+        (_FeedForwardBlocks, {"blocks.*.ff.fc_in": "colwise", "blocks.*.ff.fc_out": "rowwise"}, 6),
+    ],
+)
+def test_nothing_recognised_suggests_a_plan_in_the_modules_own_names(model, suggested, styled):
+    with pytest.raises(ValueError, match="can be sharded automatically") as info:
+        plan_tensor_parallel(model(), 2)
+    message = str(info.value)
+    yaml = "Fix: name the pairs to shard in tp_plan, e.g. in YAML:\n  tp_plan:" + "".join(
+        f'\n    "{key}": {style}' for key, style in suggested.items()) + "\nor use tp=1."
+    assert message.endswith(yaml) and "blocks.*.ff.fc_in" not in message.replace(yaml, ""), message
+    plan = plan_tensor_parallel(model(), 2, suggested)  # the suggestion plans as it is
+    assert len(plan.styles) == styled and {s.style for s in plan.styles.values()} == {"colwise", "rowwise"}
+
+
+def test_nothing_recognised_and_no_pair_of_linears_names_the_shape_of_a_plan():
+    with pytest.raises(ValueError) as info:
+        plan_tensor_parallel(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(5, 4)), 2)
+    assert '"<first linear>": colwise\n    "<second linear>": rowwise\nor use tp=1.' in str(info.value)
+
+
+def test_user_plan_describes_which_module_got_which_style():
+    text = plan_tensor_parallel(Classifier(), 2, {"net.0": "colwise", "net.2": "rowwise"}).describe()
+    assert "  user      'net.0': colwise -> net.0 (Linear)" in text and "'net.2': rowwise -> net.2 (Linear)" in text
+    text = plan_tensor_parallel(_FeedForwardBlocks(), 2, {"blocks.*.ff.fc_in": "colwise", "blocks.*.ff.fc_out":
+                                                          {"style": "rowwise", "output": "replicate"}}).describe()
+    assert ("'blocks.*.ff.fc_in': colwise -> blocks.0.ff.fc_in (Linear), blocks.1.ff.fc_in (Linear), "
+            "blocks.2.ff.fc_in (Linear)") in text, text
+    assert "'blocks.*.ff.fc_out': rowwise, output replicate -> blocks.0.ff.fc_out (Linear)" in text, text
+    many = nn.ModuleDict(dict(net=nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])))
+    text = plan_tensor_parallel(many, 2, {"net.*": "colwise"}).describe()
+    assert "'net.*': colwise -> net.0 (Linear), net.1 (Linear), net.2 (Linear), ... (5 modules)" in text, text

@@ -27,7 +27,7 @@ from lightning_4d.tensor_parallel.plan import (
     _pattern,
     _under,
 )
-from lightning_4d.tensor_parallel.user_plan import _parse_user_plan
+from lightning_4d.tensor_parallel.user_plan import _matches, _parse_user_plan
 
 # (column-wise children, row-wise child); checked by shapes after matching names.
 _ATTENTION_PRESETS = (
@@ -204,7 +204,7 @@ def plan_tensor_parallel(
         )
     modules = dict(module.named_modules())
     user = tp_plan if isinstance(tp_plan, Mapping) else {}
-    user_styles, replicated, divide = _parse_user_plan(user, modules, sequence_parallel)
+    user_styles, replicated, divide, sources = _parse_user_plan(user, modules, sequence_parallel)
     plan = TensorParallelPlan(tp_size, replicated=tuple(replicated), sequence_parallel=sequence_parallel)
     if tp_size == 1:
         return plan
@@ -266,12 +266,20 @@ def plan_tensor_parallel(
             if _linear_shape(m)
         ]
         listing = "\n  ".join(found[:20]) or "(none)"
+        suggestion = _suggested_plan(module, modules, tp_size, user, replicated, sequence_parallel)
+        if suggestion:
+            entries = "".join(f'\n    "{key}": {style}' for key, style in suggestion.items())
+            fix = f"Fix: name the pairs to shard in tp_plan, e.g. in YAML:\n  tp_plan:{entries}\n"
+        else:
+            fix = (
+                "Fix: name in tp_plan a linear to shard column-wise and the linear that reads its output (after "
+                "elementwise code only) to shard row-wise, e.g. in YAML:\n"
+                '  tp_plan:\n    "<first linear>": colwise\n    "<second linear>": rowwise\n'
+            )
         raise ValueError(
             f"tp={tp_size} but nothing in {type(module).__name__} can be sharded automatically: no attention "
             "(q/k/v -> output projection), MLP (up/gate -> down) or vocabulary embedding was recognised. "
-            f"Linear modules found:\n  {listing}\nFix: name the pairs to shard in tp_plan, e.g. in YAML:\n"
-            '  tp_plan:\n    "blocks.*.ff.fc_in": colwise\n    "blocks.*.ff.fc_out": rowwise\n'
-            "or use tp=1."
+            f"Linear modules found:\n  {listing}\n{fix}or use tp=1."
         )
     for fqn, style in user_styles.items():
         auto = plan.styles.get(fqn)
@@ -283,6 +291,7 @@ def plan_tensor_parallel(
     _check_ties(plan, module)
     planned = {*plan.styles, *plan.regions, *plan.attributes, *plan.config_attributes}
     plan.classes = {fqn: type(modules[fqn]).__name__ for fqn in planned}
+    plan.sources = {fqn: key for fqn, key in sources.items() if plan.styles[fqn].role == "user"}
     return plan
 
 
@@ -306,6 +315,42 @@ def find_regions(module: nn.Module) -> dict[str, Region]:
     heads, widths), for any tp: pure and size-only, so it works on a module built on the meta device. The
     planner reads a model's head counts from here, so that it counts them as the runtime does."""
     return dict(_regions(dict(module.named_modules()), [], {}))
+
+
+def _suggested_plan(
+    module: nn.Module,
+    modules: dict[str, nn.Module],
+    tp: int,
+    user: Mapping[str, Any],
+    replicated: list[str],
+    sequence_parallel: bool,
+) -> dict[str, str]:
+    """A tp_plan in the module's own names for a module with nothing recognised: pairs of linears of one
+    parent, next to each other in registration order, the first's output width the second's input width and
+    divisible by tp; pairs that go back to their input width (C->F->C) first. Returned only if it plans."""
+    linears = [(f, _linear_shape(m)) for f, m in modules.items() if _linear_shape(m) and not _under(f, replicated)]
+    pairs = [
+        ((a, sa), (b, sb))
+        for (a, sa), (b, sb) in zip(linears, linears[1:])
+        if a.rpartition(".")[0] == b.rpartition(".")[0] and sa[1] == sb[0] and sa[1] % tp == 0
+    ]
+    pairs.sort(key=lambda pair: pair[0][1][0] != pair[1][1][1])  # stable: C->F->C pairs first, in module order
+    styles: dict[str, str] = {}
+    for (a, _), (b, _) in pairs:
+        if a not in styles and b not in styles:
+            styles.update({a: "colwise", b: "rowwise"})
+    suggestion: dict[str, str] = {}
+    for fqn, style in styles.items():  # one glob for a repeated block's modules when it names only them
+        glob = _pattern(fqn)
+        alike = all(styles.get(other) == style for other in modules if _matches(glob, other))
+        suggestion[glob if alike else fqn] = style
+    if not suggestion:
+        return {}
+    try:
+        plan_tensor_parallel(module, tp, {**user, **suggestion}, sequence_parallel=sequence_parallel)
+    except ValueError:
+        return {}
+    return suggestion
 
 
 def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:

@@ -85,6 +85,7 @@ class TensorParallelPlan:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     classes: dict[str, str] = field(default_factory=dict)  # planned FQN -> class name, to spot pipeline cuts
+    sources: dict[str, str] = field(default_factory=dict)  # FQN -> the tp_plan key that gave it its own style
 
     @property
     def enabled(self) -> bool:
@@ -168,15 +169,20 @@ class TensorParallelPlan:
                 f"  {region.kind:<9} {pattern} (x{count}) [{', '.join(region.inputs)} -> {region.output}]{fused}: "
                 f"{size}{local}{norms}"
             )
-        grouped: dict[tuple[str, str], list[str]] = {}
+        grouped: dict[tuple[str, str, str], list[str]] = {}
         for fqn, style in self.styles.items():
             if style.role in ("attention", "mlp"):
                 continue
             text = style.style + "".join(
                 f", {k} {v}" for k, v in (("input", style.input), ("output", style.output)) if v
             )
-            grouped.setdefault((style.role, text), []).append(fqn)
-        for (role, text), fqns in grouped.items():
+            grouped.setdefault((style.role, text, self.sources.get(fqn, "")), []).append(fqn)
+        for (role, text, key), fqns in grouped.items():
+            if role == "user":  # per tp_plan entry, the modules it styled: a glob alone hides which got what
+                shown = ", ".join(f"{f} ({self.classes.get(f, '?')})" for f in fqns[:3])
+                more = f", ... ({len(fqns)} modules)" if len(fqns) > 3 else ""
+                lines.append(f"  {role:<9} {key or fqns[0]!r}: {text} -> {shown}{more}")
+                continue
             patterns = sorted({_pattern(f) for f in fqns})
             note = ""
             if role == "head" and self.loss_parallel and fqns and self.styles[fqns[0]].output is None:

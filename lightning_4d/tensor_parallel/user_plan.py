@@ -34,9 +34,11 @@ def _matches(pattern: str, fqn: str) -> bool:
 
 def _parse_user_plan(
     tp_plan: Mapping[str, Any], modules: dict[str, nn.Module], sequence_parallel: bool
-) -> tuple[dict[str, ModuleStyle], list[str], dict[str, list[str]]]:
-    """Expand globs to FQNs; returns (styles, replicated FQNs, attributes to divide per FQN)."""
+) -> tuple[dict[str, ModuleStyle], list[str], dict[str, list[str]], dict[str, str]]:
+    """Expand globs to FQNs; returns (styles, replicated FQNs, attributes to divide per FQN, the key that gave
+    each FQN its style)."""
     styles: dict[str, ModuleStyle] = {}
+    sources: dict[str, str] = {}
     replicated: list[str] = []
     divide: dict[str, list[str]] = {}
     names = [n for n in modules if n]
@@ -80,8 +82,9 @@ def _parse_user_plan(
                 replicated.append(fqn)
             elif style is not None:
                 styles[fqn] = ModuleStyle(style, spec.get("input"), spec.get("output"), "user")
+                sources[fqn] = key
             if "divide" in spec:
                 names = spec["divide"]
                 divide[fqn] = [names] if isinstance(names, str) else list(names)
-    return styles, replicated, divide
+    return styles, replicated, divide, sources
 
