@@ -66,7 +66,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
                 "dualpipev")
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-KV_HEAD_ATTRIBUTES = ("n_kv_heads", "num_key_value_heads", "n_query_groups", "num_kv_heads")
+KV_HEAD_ATTRIBUTES = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "n_query_groups", "num_kv_heads")
 VOCAB_PADDING = 128
 
 
@@ -142,9 +142,11 @@ class Model:
     def from_module(cls, module: Any) -> Model:
         """Counts read from a module (build it on the meta device: only shapes are needed).
 
-        The blocks are the longest ``ModuleList``/``Sequential`` of one module type, the token embedding the
-        largest ``nn.Embedding``, the head a ``Linear`` with ``vocab`` outputs, the head counts integer
-        attributes such as ``n_head`` or a ``config.num_attention_heads``."""
+        The blocks are the list pipeline parallelism splits (``lightning_4d.pipeline.find_blocks``), the token
+        embedding the largest ``nn.Embedding``, the head a ``Linear`` with ``vocab`` outputs, the head and
+        key/value head counts those tensor parallelism finds in the first block's attention
+        (``tensor_parallel.discovery.find_regions``), else integer attributes such as ``n_head`` or a
+        ``config.num_attention_heads``."""
         from torch import nn
 
         from lightning_4d.pipeline.split import find_blocks
@@ -312,7 +314,7 @@ def layout_problems(model: Model, training: Training, layout: Layout) -> list[st
             rule = "2*cp*tp" if tensor_parallel.sequence_shards > 1 else "2*cp"
             problems.append(f"cp={layout.cp} needs the sequence ({training.seq_len}) divisible by {rule}="
                             f"{context_parallel.sequence_multiple(tensor_parallel)}")
-    m = pipeline.num_microbatches if pipeline is not None else 1
+    m = _microbatches(training, layout)
     if training.global_batch % layout.dp:
         problems.append(f"dp={layout.dp} does not divide the global batch ({training.global_batch})")
     elif layout.pp > 1 and (training.global_batch // layout.dp) % m:
