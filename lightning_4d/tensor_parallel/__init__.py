@@ -64,7 +64,8 @@ Integration (what a strategy calls)
 1. setup: ``plan = plan_tensor_parallel(module, tp, tp_plan, ...)`` (raises
    ``ValueError`` before any collective; log ``plan.describe()``), then, after moving the
    module to its device, ``check = apply_tensor_parallel(module, mesh["tp"], plan)``.  With
-   pipeline parallelism, plan on the whole model and apply the same plan to each stage.
+   pipeline parallelism, plan on the whole model and apply the same plan to each stage, passing
+   ``held=`` the FQNs of the modules the rank's stages hold (from the pipeline plan).
    With sequence parallelism a stage's output is a DTensor sharded on dim 1; a plain stage
    input is read as replicated.
 2. around every training/validation/test/predict step *and* around backward:
