@@ -85,7 +85,7 @@ DTensor, plain and pipeline-split parameters is :mod:`lightning_4d.clipping`.
 
 from lightning_4d.tensor_parallel.apply import apply_tensor_parallel
 from lightning_4d.tensor_parallel.config import TensorParallelConfig
-from lightning_4d.tensor_parallel.discovery import plan_tensor_parallel
+from lightning_4d.tensor_parallel.discovery import find_regions, plan_tensor_parallel
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
 from lightning_4d.tensor_parallel.plan import STYLES, FusedQKVLayout, ModuleStyle, Region, TensorParallelPlan
 from lightning_4d.tensor_parallel.self_check import TensorParallelCheckError, TensorParallelSelfCheck
@@ -100,6 +100,7 @@ __all__ = [
     "TensorParallelPlan",
     "TensorParallelSelfCheck",
     "apply_tensor_parallel",
+    "find_regions",
     "plan_tensor_parallel",
     "tensor_parallel_context",
 ]
