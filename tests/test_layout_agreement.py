@@ -154,6 +154,8 @@ def test_planner_counts_heads_as_tensor_parallelism_does():
         (lambda: TensorParallelConfig(2, sequence_parallel=1), r"sequence_parallel=1 must be true or false"),
         (lambda: TensorParallelConfig(2, sequence_parallel=True).check_with_pipeline(2),
          r"sequence_parallel=True with pp=2 is not supported"),
+        (lambda: TensorParallelConfig(2, sequence_parallel=True).check_with_pipeline(PipelineConfig(4)),
+         r"sequence_parallel=True with pp=4 is not supported"),
         (lambda: ContextParallelConfig(2, comm="ulysses"), r"cp_comm='ulysses' is not a communication mode"),
         (lambda: ContextParallelConfig(2, batch_keys="input_ids"), r"cp_batch_keys='input_ids' must be a list"),
         (lambda: ContextParallelConfig(-2), r"cp=-2 is not a valid size"),
@@ -171,5 +173,7 @@ def test_typed_configs_hold_their_values():
     assert tp.enabled and tp.sequence_shards == 2
     assert tp.plan_kwargs() == dict(tp_plan={"lm_head": "replicate"}, sequence_parallel=True, loss_parallel=False)
     assert TensorParallelConfig(2, "none", sequence_parallel=True).sequence_shards == 1  # off: nothing to shard
+    tp.check_with_pipeline(PipelineConfig(1))  # sequence parallelism without a pipeline: no refusal
+    TensorParallelConfig(2).check_with_pipeline(4)  # a pipeline without sequence parallelism: no refusal
     cp = ContextParallelConfig(4, batch_keys=["input_ids", 0])
     assert cp.batch_keys == ("input_ids", 0) and cp.sequence_multiple(tp) == 16 and cp.sequence_multiple() == 8
