@@ -7,6 +7,7 @@ instead of a parallel run going wrong somewhere else. Each entry says why no pub
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -15,6 +16,8 @@ from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available,
 from torch import nn
 from torch._ops import OpOverloadPacket
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import SequenceParallel
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 from torch.utils.data import DataLoader
 
@@ -78,6 +81,47 @@ def tensor_version(tensor: torch.Tensor) -> int:
     """A counter that every in-place change of ``tensor`` bumps: a mask checked once stays checked while it is
     unchanged (autograd's own use of it is the only public trace)."""
     return tensor._version
+
+
+class OwnPlacementsStyle:
+    """Mixin for torch's ColwiseParallel / RowwiseParallel: a module for which ``own_placements(module)`` gives
+    parameter placements (transformers' Conv1D stores its weight [in, out]) is distributed with them by
+    ``place(module, mesh, placements, src_data_rank)``, its input brought to ``own_input_layouts`` if set. The
+    style's ``_apply`` and its input/output preparation are private: there is no public hook for a module the
+    style does not know."""
+
+    own_input_layouts: Any = None
+
+    def own_placements(self, module: nn.Module) -> Any:
+        return None
+
+    def place(self, module: nn.Module, mesh: DeviceMesh, placements: Any, src_data_rank: Any) -> None:
+        raise NotImplementedError
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements = self.own_placements(module)
+        if placements is None:
+            return super()._apply(module, device_mesh)
+        if self.own_input_layouts is not None:
+            self.desired_input_layouts = self.own_input_layouts
+        return distribute_module(
+            module, device_mesh, lambda _, m, mesh: self.place(m, mesh, placements, self.src_data_rank),
+            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class SequenceParallelFromPlain(SequenceParallel):
+    """SequenceParallel that reads a plain input as replicated (torch's reads it as already sharded); its input
+    preparation is a private static method."""
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+        if x.placements != sequence_sharding:
+            x = x.redistribute(placements=sequence_sharding)
+        return (x, *inputs[1:])
 
 
 # nn.Module's own registries. The pipeline cut swaps a block list's children for one stage's, and stands in

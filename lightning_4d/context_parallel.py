@@ -38,41 +38,16 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
-from lightning_4d.ring_attention import _nearest_multiples, ring_attention, zigzag_positions
+from lightning_4d.context_parallel_config import ContextParallelConfig, check_sequence_length
+from lightning_4d.ring_attention import ring_attention, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
-COMM_MODES = ("ring", "allgather")
 # Automatic detection, by the last part of the name: learned position embeddings (nn.Embedding) ...
 POSITION_EMBEDDING_NAMES = ("wpe", "pos_emb", "pos_embedding", "position_embedding", "position_embeddings",
                             "embed_positions")
 # ... and per-position tables that code slices by length (litgpt's cos/sin, torchtitan's freqs_cis).
 POSITION_BUFFER_NAMES = ("cos", "sin", "cos_cached", "sin_cached", "freqs_cis")
 _SDPA = F.scaled_dot_product_attention
-
-
-# ------------------------------------------------------------------------------------------- options
-
-
-def check_options(comm: Any, seq_dim: Any, batch_keys: Any, position_modules: Any, buffers: Any) -> None:
-    """Raise a ValueError naming the strategy argument, its value and the fix; needs no module or group."""
-    if comm not in COMM_MODES:
-        raise ValueError(f"cp_comm={comm!r} is not a communication mode: use 'ring' (K/V blocks passed round the"
-                         " group, O(L/cp) memory) or 'allgather' (all K/V gathered at once, O(L) memory).")
-    if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
-        raise ValueError(f"cp_seq_dim={seq_dim!r} must be the non-negative index of the sequence dim of the batch's"
-                         " tensors (1 for [batch, seq, ...]).")
-    for name, value in (("cp_batch_keys", batch_keys), ("cp_position_modules", position_modules),
-                        ("cp_buffers", buffers)):
-        if value is None:
-            continue
-        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
-                isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-            raise ValueError(f"{name}={value!r} must be a list of names (or null for automatic detection),"
-                             f" e.g. {name}=[{_option_example(name)!r}].")
-
-
-def _option_example(name: str) -> str:
-    return {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.wpe", "cp_buffers": "model.cos"}[name]
 
 
 # ------------------------------------------------------------------------------------- module discovery
@@ -219,17 +194,6 @@ def _shapes(tensors: dict[str, Tensor]) -> str:
     return ", ".join(f"{path or 'batch'}: {tuple(t.shape)}" for path, t in tensors.items()) or "none"
 
 
-def check_sequence_length(length: int, cp: int, sequence_parallel: int = 1, where: str = "the batch") -> None:
-    """Zigzag sharding needs two equal chunks per cp rank, which sequence parallelism splits over its tp ranks."""
-    multiple = 2 * cp * sequence_parallel
-    if length > 0 and length % multiple == 0:
-        return
-    rule = f"2*cp*tp = 2*{cp}*{sequence_parallel}" if sequence_parallel > 1 else f"2*cp = 2*{cp}"
-    raise ValueError(f"Context parallelism needs sequence lengths that are multiples of {rule} = {multiple}, but"
-                     f" {where} has length {length}. Pad or truncate sequences to"
-                     f" {_nearest_multiples(length, multiple)} tokens.")
-
-
 # ----------------------------------------------------------------------------------------- attention
 
 
@@ -274,7 +238,7 @@ class ContextParallel:
                  batch_keys: Optional[Sequence[Union[str, int]]] = None,
                  position_modules: Optional[Sequence[str]] = None, buffers: Optional[Sequence[str]] = None,
                  sequence_parallel: int = 1) -> None:
-        check_options(comm, seq_dim, batch_keys, position_modules, buffers)
+        ContextParallelConfig(dist.get_world_size(group), comm, seq_dim, batch_keys, position_modules, buffers)
         self.module = module
         self.group = group
         self.size = dist.get_world_size(group)

@@ -42,15 +42,17 @@ from torch.optim import Optimizer
 
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
+from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.context_parallel import ContextParallel
+from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
 from lightning_4d.tensor_parallel import (
+    TensorParallelConfig,
     TensorParallelPlan,
     TensorParallelSelfCheck,
     apply_tensor_parallel,
-    clip_grad_norm_,
     plan_tensor_parallel,
 )
 
@@ -68,7 +70,7 @@ class Plans:
         return "\n".join(plan.describe() for plan in (self.tensor, self.pipeline) if plan is not None)
 
 
-def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, tp_options: dict[str, Any]) -> Plans:
+def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, tensor: TensorParallelConfig) -> Plans:
     """Both plans for ``module`` (pure: raises a ValueError naming the fix, the same on every rank).
 
     ``mesh_dims``: the :class:`~lightning_4d.parallel_dims.ParallelDims` of the layout.
@@ -83,12 +85,12 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
     pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):
-        tensor_plan = plan_tensor_parallel(module, mesh_dims.tp, **tp_options)
+        tensor_plan = plan_tensor_parallel(module, mesh_dims.tp, **tensor.plan_kwargs())
     return Plans(tensor_plan, pipeline_plan)
 
 
 def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
-                tp_options: dict[str, Any], cp_options: dict[str, Any], tp_self_check: bool = True,
+                tensor: TensorParallelConfig, context: ContextParallelConfig,
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
                 bucket_mb: float = DEFAULT_BUCKET_MB) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
@@ -96,7 +98,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
     """
-    options = dict(dims=mesh.dims, pipeline=pipeline, tp=tp_options, cp=cp_options, bucket_mb=bucket_mb,
+    options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,
                    activation_checkpointing=activation_checkpointing)
     existing: Optional[ParallelModel] = module.__dict__.get(_ATTRIBUTE)
     if existing is not None:
@@ -106,13 +108,15 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                              " strategy options for fit, validate, test and predict, or a freshly built module.")
         existing.install_hooks()
         return existing
-    plans = make_plans(module, mesh.dims, pipeline=pipeline, tp_options=tp_options)
+    plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
     _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
     module.to(device)
     self_check = None
     if plans.tensor is not None:
-        self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tp_self_check)
+        held = plans.pipeline.held_modules(mesh.local_rank("pp")) if plans.pipeline is not None else None
+        self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tensor.self_check,
+                                           held=held)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
     parallel.install_hooks()
     if activation_checkpointing.enabled:
@@ -187,8 +191,10 @@ class ParallelModel:
         if dims.cp_enabled and self.context is None:
             # Sequence parallelism splits each cp shard again over the tp ranks.
             sp = dims.tp if self.tensor_plan is not None and self.tensor_plan.sequence_parallel else 1
-            self.context = ContextParallel(self.module, self.mesh.group("cp"), **self.options["cp"],
-                                           sequence_parallel=sp)
+            config: ContextParallelConfig = self.options["context"]
+            self.context = ContextParallel(self.module, self.mesh.group("cp"), comm=config.comm, seq_dim=config.seq_dim,
+                                           batch_keys=config.batch_keys, position_modules=config.position_modules,
+                                           buffers=config.buffers, sequence_parallel=sp)
 
     def remove(self) -> None:
         """Take off the hooks that only serve training: gradient buckets and context-parallel hooks. (The cut

@@ -61,9 +61,12 @@ PRECISIONS = {
 }
 # Optimizer state per parameter, in units of the parameter's own size.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
-PP_SCHEDULES = ("1f1b", "gpipe")
+# The names of lightning_4d.pipeline.config.SCHEDULES (tests/test_layout_agreement.py keeps them equal), written
+# out so that importing the planner (and its --help) needs no torch.
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
+                "dualpipev")
 HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-KV_HEAD_ATTRIBUTES = ("n_kv_heads", "num_key_value_heads", "n_query_groups", "num_kv_heads")
+KV_HEAD_ATTRIBUTES = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "n_query_groups", "num_kv_heads")
 VOCAB_PADDING = 128
 
 
@@ -139,26 +142,34 @@ class Model:
     def from_module(cls, module: Any) -> Model:
         """Counts read from a module (build it on the meta device: only shapes are needed).
 
-        The blocks are the longest ``ModuleList``/``Sequential`` of one module type, the token embedding the
-        largest ``nn.Embedding``, the head a ``Linear`` with ``vocab`` outputs, the head counts integer
-        attributes such as ``n_head`` or a ``config.num_attention_heads``."""
+        The blocks are the list pipeline parallelism splits (``lightning_4d.pipeline.find_blocks``), the token
+        embedding the largest ``nn.Embedding``, the head a ``Linear`` with ``vocab`` outputs, the head and
+        key/value head counts those tensor parallelism finds in the first block's attention
+        (``tensor_parallel.discovery.find_regions``), else integer attributes such as ``n_head`` or a
+        ``config.num_attention_heads``."""
         from torch import nn
 
-        blocks = _repeated_blocks(module)
-        if blocks is None:
-            raise PlanError(f"{type(module).__name__} has no ModuleList or Sequential of repeated blocks to"
-                            " count layers from: give the sizes instead (--layers --hidden --heads --vocab).")
+        from lightning_4d.pipeline.plan import find_blocks
+
+        try:  # the block list pipeline parallelism would split
+            _, blocks = find_blocks(module, None)
+        except ValueError as error:
+            raise PlanError(f"cannot count the layers of {type(module).__name__}: {error} Or give the sizes instead"
+                            " (--layers --hidden --heads --vocab).") from None
         embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
         if not embeddings:
             raise PlanError(f"{type(module).__name__} has no nn.Embedding to read the vocabulary and hidden size"
                             " from: give the sizes instead (--layers --hidden --heads --vocab).")
         token = max(embeddings, key=lambda m: m.num_embeddings)
         vocab, hidden = token.num_embeddings, token.embedding_dim
-        heads = _find_int(blocks[0], HEAD_ATTRIBUTES) or _find_int(module, HEAD_ATTRIBUTES)
+        attention = _attention_sizes(blocks[0])
+        heads = attention[0] if attention else _find_int(blocks[0], HEAD_ATTRIBUTES) or _find_int(module,
+                                                                                                HEAD_ATTRIBUTES)
         if heads is None:
             raise PlanError(f"could not find the number of attention heads of {type(module).__name__} (looked for"
                             f" {', '.join(HEAD_ATTRIBUTES)}): give it with --heads.")
-        kv_heads = _find_int(blocks[0], KV_HEAD_ATTRIBUTES) or _find_int(module, KV_HEAD_ATTRIBUTES) or heads
+        kv_heads = attention[1] if attention else (
+            _find_int(blocks[0], KV_HEAD_ATTRIBUTES) or _find_int(module, KV_HEAD_ATTRIBUTES) or heads)
         _check_heads(hidden, heads, kv_heads)
         linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
         widths = [m.in_features for m in linears if m.out_features == hidden and m.in_features != hidden]
@@ -265,23 +276,52 @@ def _microbatches(training: Training, layout: Layout) -> int:
 
 
 def layout_problems(model: Model, training: Training, layout: Layout) -> list[str]:
-    """Why ``layout`` cannot run this model and batch (empty when it can)."""
+    """Why ``layout`` cannot run this model and batch (empty when it can), by the runtime's own rules: the
+    typed tensor-, context- and pipeline-parallel configs and the pipeline's block check."""
+    from lightning_4d.context_parallel_config import ContextParallelConfig
+    from lightning_4d.pipeline.config import PipelineConfig
+    from lightning_4d.pipeline.plan import check_blocks
+    from lightning_4d.tensor_parallel.config import TensorParallelConfig
+
     problems = []
     for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
                        ("vocab", model.vocab)):
         if size % layout.tp:
             problems.append(f"tp={layout.tp} does not divide {name} ({size})")
-    if layout.pp > model.layers:
-        problems.append(f"pp={layout.pp} exceeds the {model.layers} layers")
-    if training.seq_len % (2 * layout.cp):
-        problems.append(f"cp={layout.cp} needs the sequence ({training.seq_len}) divisible by 2*cp={2 * layout.cp}")
+    tensor_parallel = TensorParallelConfig(layout.tp, sequence_parallel=training.sequence_parallel)
+    pipeline, schedule_problem = None, None
+    if layout.pp > 1:
+        try:
+            pipeline = PipelineConfig(layout.pp, training.pp_schedule, training.microbatches)
+        except ValueError as error:  # micro-batches that do not fit the schedule
+            schedule_problem = str(error).rstrip(".")
+            pipeline = PipelineConfig(layout.pp, training.pp_schedule)
+        try:
+            check_blocks([object() for _ in range(model.layers)], "the blocks", pipeline)
+        except ValueError:
+            per_rank = f" x {pipeline.stages_per_rank} stages per rank" if pipeline.stages_per_rank > 1 else ""
+            problems.append(f"pp={layout.pp}{per_rank} exceeds the {model.layers} layers")
+        try:
+            tensor_parallel.check_with_pipeline(layout.pp)
+        except ValueError:
+            problems.append(f"sequence_parallel does not work with pp={layout.pp}: a stage boundary carries a"
+                            " plain tensor")
+    if layout.cp > 1:
+        context_parallel = ContextParallelConfig(layout.cp)
+        try:
+            context_parallel.check_sequence_length(training.seq_len, tensor_parallel)
+        except ValueError:
+            rule = "2*cp*tp" if tensor_parallel.sequence_shards > 1 else "2*cp"
+            problems.append(f"cp={layout.cp} needs the sequence ({training.seq_len}) divisible by {rule}="
+                            f"{context_parallel.sequence_multiple(tensor_parallel)}")
+    m = _microbatches(training, layout)
     if training.global_batch % layout.dp:
         problems.append(f"dp={layout.dp} does not divide the global batch ({training.global_batch})")
-    elif layout.pp > 1 and (training.global_batch // layout.dp) % _microbatches(training, layout):
+    elif layout.pp > 1 and (training.global_batch // layout.dp) % m:
         problems.append(f"the batch per replica ({training.global_batch // layout.dp}) does not divide into"
-                        f" {_microbatches(training, layout)} pipeline micro-batches")
-    if layout.pp > 1 and training.pp_schedule == "1f1b" and _microbatches(training, layout) < layout.pp:
-        problems.append(f"1f1b needs at least pp={layout.pp} micro-batches, not {_microbatches(training, layout)}")
+                        f" {m} pipeline micro-batches")
+    if schedule_problem:
+        problems.append(schedule_problem)
     return problems
 
 
@@ -296,11 +336,16 @@ def all_layouts(devices: int) -> list[Layout]:
 # ------------------------------------------------------------------------------------------ estimates
 
 
-def _stage_layers(layers: int, pp: int) -> list[int]:
-    """Blocks per stage, split as ``FourDStrategy(pp=pp)`` splits them."""
+def _stage_layers(layers: int, pp: int, schedule: str = "1f1b") -> list[int]:
+    """Blocks per pipeline rank (all its stages together), split as ``FourDStrategy(pp=pp, pp_schedule=...)``
+    splits them."""
     from lightning_4d.pipeline.config import PipelineConfig
 
-    return [stop - start for start, stop in PipelineConfig(pp).stage_bounds(layers)]
+    config = PipelineConfig(pp, schedule)
+    per_rank = [0] * pp
+    for rank, (start, stop) in zip(config.stage_ranks(), config.stage_bounds(layers)):
+        per_rank[rank] += stop - start
+    return per_rank
 
 
 def _tokens(training: Training, layout: Layout) -> float:
@@ -353,11 +398,12 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
     m = _microbatches(training, layout)
     tokens = _tokens(training, layout)
     per_layer = activation_bytes_per_layer(model, training, layout)
-    stage_layers = _stage_layers(model.layers, layout.pp)
+    stage_layers = _stage_layers(model.layers, layout.pp, training.pp_schedule)
     heaviest: Optional[tuple[dict[str, float], float]] = None
     for stage, layers in enumerate(stage_layers):
         params = _stage_params(model, layout, stage, layers)
-        in_flight = min(layout.pp - stage, m) if training.pp_schedule == "1f1b" else m
+        # GPipe and looped BFS run every forward first; the others start backward after a warm-up.
+        in_flight = m if training.pp_schedule in ("gpipe", "looped_bfs") else min(layout.pp - stage, m)
         activations = in_flight * layers * per_layer
         if stage == layout.pp - 1:
             final_norm = _norm_elements(training) * tokens * model.hidden * e
@@ -511,15 +557,16 @@ def _parse_count(text: str) -> int:
 # ------------------------------------------------------------------------------------------ modules
 
 
-def _repeated_blocks(module: Any) -> Any:
-    from torch import nn
+def _attention_sizes(block: Any) -> Optional[tuple[int, int]]:
+    """(heads, key/value heads) of the first attention region tensor parallelism finds in ``block``, as it
+    counts them (names and shapes, head size from the module's attributes); None when it finds none."""
+    from lightning_4d.tensor_parallel.discovery import find_regions
 
-    best = None
-    for child in module.modules():
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 0:
-            if len({type(block) for block in child}) == 1 and (best is None or len(child) > len(best)):
-                best = child
-    return best
+    try:
+        regions = find_regions(block)
+    except ValueError:  # an attention whose head count tensor parallelism cannot read: fall back to attributes
+        return None
+    return next(((r.heads, r.kv_heads) for r in regions.values() if r.kind == "attention" and r.heads), None)
 
 
 def _find_int(module: Any, names: Sequence[str]) -> Optional[int]:

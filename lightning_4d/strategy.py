@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
-from lightning_4d.context_parallel import check_options as check_context_parallel_options
+from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import report_failure
@@ -39,6 +39,7 @@ from lightning_4d.parallelize import ParallelModel, make_plans, parallelize
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
 from lightning_4d.telemetry import Telemetry
+from lightning_4d.tensor_parallel import TensorParallelConfig
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -138,25 +139,16 @@ class FourDStrategy(ModelParallelStrategy):
         ParallelDims.check_sizes(dp, pp, cp, tp)
         self.bucket_mb = float(bucket_mb)
         self.init_from = init_from
-        check_context_parallel_options(cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
-        self._cp_options = dict(comm=cp_comm, seq_dim=cp_seq_dim, batch_keys=cp_batch_keys,
-                                position_modules=cp_position_modules, buffers=cp_buffers)
-        self._pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points,
-                                         pp_virtual_stages)
+        # Typed per-dimension options, each validated on construction (before any process starts).
+        self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
+        self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
+        self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check)
+        self.tp_config.check_with_pipeline(self.pp_config)
+        self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
         self._train_loaders: list[ResumableDataLoader] = []
-        if not (tp_plan is None or tp_plan in ("auto", "none") or isinstance(tp_plan, Mapping)):
-            raise ValueError(f"tp_plan={tp_plan!r}: use 'auto', 'none' or a mapping of module globs to styles, e.g."
-                             " {'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}.")
-        if sequence_parallel and pp > 1:
-            raise ValueError(f"sequence_parallel=True with pp={pp} is not supported: sequence parallelism keeps the"
-                             " hidden state split over the tp ranks as a DTensor, and a pipeline stage sends a plain"
-                             " tensor. Use sequence_parallel=False with pipeline parallelism.")
-        self._tp_options = dict(tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        self.tp_self_check = tp_self_check
-        self.activation_checkpointing = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         if isinstance(debug_steps, bool) or not isinstance(debug_steps, int) or debug_steps < 1:
             raise ValueError(f"debug_steps={debug_steps!r} must be a positive number of training steps.")
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
@@ -176,7 +168,7 @@ class FourDStrategy(ModelParallelStrategy):
         if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module) \
                 and self.lightning_module.__dict__.get("_lightning_4d_parallel") is None:
             # A module the pipeline cannot cut fails here, before any process group exists.
-            make_plans(self.lightning_module, self.parallel_dims, pipeline=self._pp_config, tp_options=self._tp_options)
+            make_plans(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config)
         compat.setup_distributed(self)
         self.mesh = self.parallel_dims.build(self.root_device.type)
         compat.set_device_mesh(self, self.mesh.mesh)
@@ -235,10 +227,9 @@ class FourDStrategy(ModelParallelStrategy):
         self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
         first = self.lightning_module.__dict__.get("_lightning_4d_parallel") is None
-        self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self._pp_config,
-                                    tp_options=self._tp_options, cp_options=self._cp_options,
-                                    tp_self_check=self.tp_self_check, bucket_mb=self.bucket_mb,
-                                    activation_checkpointing=self.activation_checkpointing)
+        self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
+                                    tensor=self.tp_config, context=self.cp_config,
+                                    activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled:

@@ -57,6 +57,8 @@ STRATEGY_ARGUMENTS = [
     (dict(tp=2, tp_plan=42), r"tp_plan=42: use 'auto', 'none' or a mapping of module globs to styles"),
     (dict(tp=2, tp_plan="everything"), r"tp_plan='everything': use 'auto', 'none' or a mapping"),
     (dict(pp=2, tp=2, sequence_parallel=True), r"sequence_parallel=True with pp=2 is not supported"),
+    (dict(tp=2, loss_parallel="yes"), r"loss_parallel='yes' must be true or false"),
+    (dict(tp=2, tp_self_check=None), r"tp_self_check=None must be true or false"),
 ]
 
 

@@ -74,7 +74,23 @@ def _pytree_and_ops():
     assert torch.distributed.ProcessGroup  # the methods are looked up on it at telemetry start
 
 
+def _parallel_style_hooks():
+    import inspect
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    for style in (ColwiseParallel, RowwiseParallel):
+        assert list(inspect.signature(style._apply).parameters) == ["self", "module", "device_mesh"]
+        for name in ("_prepare_input_fn", "_prepare_output_fn"):
+            assert callable(getattr(style, name)), name
+    assert list(inspect.signature(SequenceParallel._prepare_input_fn).parameters) == [
+        "sequence_sharding", "mod", "inputs", "device_mesh"]
+    for attribute in ("input_layouts", "desired_input_layouts", "output_layouts", "use_local_output", "src_data_rank"):
+        assert hasattr(ColwiseParallel(), attribute), attribute
+
+
 CHECKS = {
+    "torch ParallelStyle._apply/_prepare_input_fn/_prepare_output_fn": _parallel_style_hooks,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(+_backward)": _flash_cpu_matches_sdpa,
     "torch.ops.aten CUDA attention kernels (flash, efficient)": lambda: [
         op.default for op in (compat.flash_attention_cuda, compat.flash_attention_cuda_backward,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy
+from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.context_parallel import (
     check_sequence_length,
     find_position_buffers,
@@ -157,8 +158,9 @@ strategy:
   cp_buffers: []
 """)
     strategy = parser.instantiate(config).strategy
-    assert strategy._cp_options == dict(comm="allgather", seq_dim=1, batch_keys=["input_ids", "labels"],
-                                        position_modules=["model.*.rotary_emb"], buffers=[])
+    assert strategy.cp_config == ContextParallelConfig(cp=2, comm="allgather", seq_dim=1,
+                                                       batch_keys=("input_ids", "labels"),
+                                                       position_modules=("model.*.rotary_emb",), buffers=())
     with pytest.raises(SystemExit):
         parser.parse_string("strategy: {cp_comm: p2p}")
 

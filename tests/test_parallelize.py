@@ -7,14 +7,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.parallel_dims import ParallelDims
 from lightning_4d.parallelize import make_plans, parallelize
 from lightning_4d.pipeline import PipelineConfig
+from lightning_4d.tensor_parallel import TensorParallelConfig
 from tests.lm_models import NanoGPT, sgd, tiny_gpt, token_data
 from tests.parity import free_port, spawn
 
-TP_OPTIONS = dict(tp_plan="auto", sequence_parallel=False, loss_parallel=True)
-CP_OPTIONS = dict(comm="ring", seq_dim=1, batch_keys=None, position_modules=None, buffers=None)
+
 # Two layouts of 4 processes, run one after the other by the same ranks.
 LAYOUTS = {
     "nanogpt-pp2-tp2": (NanoGPT, dict(dp=1, pp=2, cp=1, tp=2)),  # weights tied across the stages, fused qkv
@@ -55,11 +56,12 @@ def _worker(rank: int, world_size: int, out_dir: str, port: int, keep_dir: str) 
         mesh = dims.build("cpu")
         torch.manual_seed(SEED + rank)  # other weights on every rank: parallelize must start all from rank 0's
         module = factory()
-        options = dict(pipeline=PipelineConfig(dims.pp), tp_options=TP_OPTIONS, cp_options=CP_OPTIONS)
+        options = dict(pipeline=PipelineConfig(dims.pp), tensor=TensorParallelConfig(dims.tp),
+                       context=ContextParallelConfig(dims.cp))
         parallel = parallelize(module, mesh, torch.device("cpu"), **options)
         again = parallelize(module, mesh, torch.device("cpu"), **options)
         try:
-            parallelize(module, mesh, torch.device("cpu"), **dict(options, tp_options=dict(TP_OPTIONS, tp_plan="none")))
+            parallelize(module, mesh, torch.device("cpu"), **dict(options, tensor=TensorParallelConfig(dims.tp, "none")))
             refused = "no error"
         except ValueError as error:
             refused = str(error)
@@ -95,7 +97,7 @@ def _worker(rank: int, world_size: int, out_dir: str, port: int, keep_dir: str) 
 def test_plans_are_pure_and_say_what_each_rank_holds():
     module = NanoGPT(n_layer=4)
     plans = make_plans(module, ParallelDims.resolve(4, dp=1, pp=2, tp=2), pipeline=PipelineConfig(2),
-                       tp_options=TP_OPTIONS)
+                       tensor=TensorParallelConfig(2))
     pipeline = plans.pipeline
     assert pipeline.stages_of(0) == [0] and pipeline.stages_of(1) == [1]
     text = plans.describe()

@@ -272,13 +272,13 @@ def test_resume_continues_exactly(two):
 def test_schedule_names_accept_torch_spelling_and_yaml():
     from jsonargparse import ArgumentParser
 
-    assert FourDStrategy(pp=2, pp_schedule="ZBVZeroBubble")._pp_config.schedule == "zbv_zero_bubble"
+    assert FourDStrategy(pp=2, pp_schedule="ZBVZeroBubble").pp_config.schedule == "zbv_zero_bubble"
     parser = ArgumentParser()
     parser.add_class_arguments(FourDStrategy, "strategy")
     config = parser.parse_args(["--strategy.pp=2", "--strategy.pp_schedule=interleaved_1f1b",
                                 "--strategy.pp_microbatches=8", "--strategy.pp_split_points=[1, 2, 3]",
                                 "--strategy.pp_blocks=model.layers"])
-    pipeline = parser.instantiate(config).strategy._pp_config
+    pipeline = parser.instantiate(config).strategy.pp_config
     assert (pipeline.num_microbatches, pipeline.split_points, pipeline.blocks) == (8, (1, 2, 3), "model.layers")
 
 

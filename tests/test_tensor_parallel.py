@@ -19,14 +19,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.tensor_parallel import (
     TensorParallelCheckError,
     apply_tensor_parallel,
-    clip_grad_norm_,
     plan_tensor_parallel,
     tensor_parallel_context,
 )
 from tests import tp_models as M
+from tests.models import Classifier
 from tests.parity import free_port, spawn
 
 TOL = 1e-5
@@ -198,14 +199,15 @@ def _parity(family: str, mesh, sp: bool = False, tp_plan="auto") -> dict:
     return result
 
 
-def _pipeline_stage(mesh) -> dict:
-    """A plan made on the whole model, applied to a middle stage holding only some of its blocks."""
+def _pipeline_stage(mesh, held) -> dict:
+    """A plan made on the whole model, applied to a middle stage holding only some of its blocks (named by
+    ``held`` as the pipeline plan names them)."""
     torch.manual_seed(0)
     model = M.TinyGPT(VOCAB, n_layer=3)
     plan = plan_tensor_parallel(model, mesh.size(), sequence_parallel=True)
     model.tok_emb, model.layers[2], model.norm, model.lm_head = nn.Identity(), nn.Identity(), nn.Identity(), nn.Identity()
     ref = copy.deepcopy(model)
-    check = apply_tensor_parallel(model, mesh, plan)
+    check = apply_tensor_parallel(model, mesh, plan, held=held)
     x = torch.randn(B, T, 32)
     check.arm()
     with tensor_parallel_context(plan):
@@ -285,7 +287,7 @@ def _suite(world: int) -> dict:
             {"layers.*.self_attn": "replicate", "layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"},
         )
         cases["custom_heads_divide"] = _case("custom_heads", True, {"layers.*.attn": {"divide": ["heads"]}})
-        cases["pipeline_stage"] = _pipeline_stage
+        cases["pipeline_stage_held"] = lambda mesh: _pipeline_stage(mesh, held={"layers.0", "layers.1"})
         cases["wrong_head_count"] = _wrong_head_count
         cases["mesh_mismatch"] = _mesh_mismatch
         return cases
@@ -400,8 +402,9 @@ def test_user_plan_divides_unknown_head_attribute(tp2):
         _assert_parity(record)
 
 
-def test_plan_of_whole_model_applies_to_pipeline_stage(tp2):
-    for record in _records(tp2, "pipeline_stage"):
+@pytest.mark.parametrize("name", ["pipeline_stage_held"])
+def test_plan_of_whole_model_applies_to_pipeline_stage(tp2, name):
+    for record in _records(tp2, name):
         assert record["out_err"] < TOL and record["grad_err"] < TOL, record
         assert record["checked"] == ["layers.0.attn", "layers.0.mlp"]
 
@@ -431,6 +434,23 @@ def test_clip_grad_norm_over_pipeline_group(tp4):
 # --------------------------------------------------------------------------- plan errors (no processes)
 
 
+def test_plan_restricted_to_what_a_stage_holds():
+    """``held`` (the pipeline plan's modules of this rank) picks the entries at or under them; without it, all."""
+    model = M.TinyGPT(VOCAB, n_layer=3)
+    plan = plan_tensor_parallel(model, 2)
+    planned = lambda p: {*p.styles, *p.regions, *p.attributes}  # noqa: E731
+    stage = plan.restricted_to(model, held={"layers.1", "lm_head"})
+    assert planned(stage) == {f for f in planned(plan) if f.startswith("layers.1.") or f == "lm_head"}
+    assert "layers.1.attn" in stage.regions and "layers.0.attn" not in stage.regions
+    assert planned(plan.restricted_to(model, held={""})) == planned(plan) == planned(plan.restricted_to(model))
+    with pytest.raises(ValueError, match=r"held names layers\.2\.attn \(under \['layers\.2'\]\), planned as a"
+                                         r" GPTAttention, but TinyGPT has no such module"):
+        model.layers[2] = nn.Identity()
+        plan.restricted_to(model, held={"layers.2"})
+    with pytest.raises(ValueError, match=r"held='layers\.0' must be a collection of module FQNs"):
+        plan.restricted_to(model, held="layers.0")
+
+
 def test_plan_off_and_describe():
     model = M.NanoGPT(VOCAB)
     for off in (None, "none"):
@@ -447,3 +467,52 @@ def test_plan_off_and_describe():
     assert plan.styles["transformer.h.0.attn.c_proj"].output == "replicate"  # user entry merged over the automatic one
     gathered = plan_tensor_parallel(model, 2, loss_parallel=False)
     assert not gathered.loss_parallel and gathered.styles["lm_head"].output == "replicate"
+
+
+class _FeedForwardBlocks(nn.Module):
+    """Repeated blocks whose feed-forward the presets miss (a norm inside it): only a user plan shards them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ff = lambda: nn.ModuleDict(dict(fc_in=nn.Linear(8, 32), act=nn.GELU(), fc_out=nn.Linear(32, 8),  # noqa: E731
+                                        norm=nn.LayerNorm(8)))
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ff=ff())) for _ in range(3))
+        self.out = nn.Linear(8, 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "suggested", "styled"),
+    [
+        (Classifier, {"net.0": "colwise", "net.2": "rowwise"}, 2),  # 16->32->32: net.4 (32->4), `unused` whole
+        (M.PlainMLPStack, {"net.0": "colwise", "net.2": "rowwise"}, 2),
+        (_FeedForwardBlocks, {"blocks.*.ff.fc_in": "colwise", "blocks.*.ff.fc_out": "rowwise"}, 6),
+    ],
+)
+def test_nothing_recognised_suggests_a_plan_in_the_modules_own_names(model, suggested, styled):
+    with pytest.raises(ValueError, match="can be sharded automatically") as info:
+        plan_tensor_parallel(model(), 2)
+    message = str(info.value)
+    yaml = "Fix: name the pairs to shard in tp_plan, e.g. in YAML:\n  tp_plan:" + "".join(
+        f'\n    "{key}": {style}' for key, style in suggested.items()) + "\nor use tp=1."
+    assert message.endswith(yaml) and "blocks.*.ff.fc_in" not in message.replace(yaml, ""), message
+    plan = plan_tensor_parallel(model(), 2, suggested)  # the suggestion plans as it is
+    assert len(plan.styles) == styled and {s.style for s in plan.styles.values()} == {"colwise", "rowwise"}
+
+
+def test_nothing_recognised_and_no_pair_of_linears_names_the_shape_of_a_plan():
+    with pytest.raises(ValueError) as info:
+        plan_tensor_parallel(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(5, 4)), 2)
+    assert '"<first linear>": colwise\n    "<second linear>": rowwise\nor use tp=1.' in str(info.value)
+
+
+def test_user_plan_describes_which_module_got_which_style():
+    text = plan_tensor_parallel(Classifier(), 2, {"net.0": "colwise", "net.2": "rowwise"}).describe()
+    assert "  user      'net.0': colwise -> net.0 (Linear)" in text and "'net.2': rowwise -> net.2 (Linear)" in text
+    text = plan_tensor_parallel(_FeedForwardBlocks(), 2, {"blocks.*.ff.fc_in": "colwise", "blocks.*.ff.fc_out":
+                                                          {"style": "rowwise", "output": "replicate"}}).describe()
+    assert ("'blocks.*.ff.fc_in': colwise -> blocks.0.ff.fc_in (Linear), blocks.1.ff.fc_in (Linear), "
+            "blocks.2.ff.fc_in (Linear)") in text, text
+    assert "'blocks.*.ff.fc_out': rowwise, output replicate -> blocks.0.ff.fc_out (Linear)" in text, text
+    many = nn.ModuleDict(dict(net=nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])))
+    text = plan_tensor_parallel(many, 2, {"net.*": "colwise"}).describe()
+    assert "'net.*': colwise -> net.0 (Linear), net.1 (Linear), net.2 (Linear), ... (5 modules)" in text, text

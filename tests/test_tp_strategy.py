@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_4d import FourDStrategy
-from lightning_4d.tensor_parallel import clip_grad_norm_, plan_tensor_parallel
+from lightning_4d.clipping import clip_grad_norm_
+from lightning_4d.tensor_parallel import plan_tensor_parallel
 from tests.lm_models import TinyGPT, _CausalLM
 from tests.parity import Case, assert_error, assert_parity, reference, report_difference, train_layout_with_failures
 
@@ -238,7 +239,7 @@ def _cli_strategy(tmp_path: Path, tp_plan: str) -> FourDStrategy:
 def test_yaml_plan_merges_over_the_automatic_one(tmp_path):
     strategy = _cli_strategy(
         tmp_path, '{"model.layers.*.self_attn.q_proj": colwise, "lm_head": {style: colwise, output: replicate}}')
-    options = strategy._tp_options
+    options = strategy.tp_config.plan_kwargs()
     assert options["tp_plan"] == {"model.layers.*.self_attn.q_proj": "colwise",
                                   "lm_head": {"style": "colwise", "output": "replicate"}}
     plan = plan_tensor_parallel(BodyAndHead(), 2, **options)
@@ -250,7 +251,7 @@ def test_yaml_plan_merges_over_the_automatic_one(tmp_path):
 
 
 def test_yaml_plan_none_turns_tensor_parallelism_off(tmp_path):
-    options = _cli_strategy(tmp_path, "none")._tp_options
+    options = _cli_strategy(tmp_path, "none").tp_config.plan_kwargs()
     assert options["tp_plan"] == "none"
     assert not plan_tensor_parallel(BodyAndHead(), 2, **options).enabled
 

@@ -1,0 +1,72 @@
+"""Context-parallel options, checked when ``FourDStrategy`` is constructed (and by the planner): a bad value
+fails before processes start, with a message naming the argument, its value and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
+
+from lightning_4d.parallel_dims import ParallelDims
+from lightning_4d.ring_attention import _nearest_multiples
+
+if TYPE_CHECKING:
+    from lightning_4d.tensor_parallel.config import TensorParallelConfig
+
+COMM_MODES = ("ring", "allgather")
+_EXAMPLES = {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.wpe", "cp_buffers": "model.cos"}
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """The ``cp`` size and ``cp_*`` options of ``FourDStrategy``, validated on construction. The name lists
+    (``None``: found automatically) are kept as tuples."""
+
+    cp: int = 1
+    comm: str = "ring"
+    seq_dim: int = 1
+    batch_keys: Optional[Sequence[Union[str, int]]] = None
+    position_modules: Optional[Sequence[str]] = None
+    buffers: Optional[Sequence[str]] = None
+
+    def __post_init__(self) -> None:
+        ParallelDims.check_sizes(1, 1, self.cp, 1)
+        if self.comm not in COMM_MODES:
+            raise ValueError(f"cp_comm={self.comm!r} is not a communication mode: use 'ring' (K/V blocks passed round"
+                             " the group, O(L/cp) memory) or 'allgather' (all K/V gathered at once, O(L) memory).")
+        seq_dim = self.seq_dim
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
+            raise ValueError(f"cp_seq_dim={seq_dim!r} must be the non-negative index of the sequence dim of the"
+                             " batch's tensors (1 for [batch, seq, ...]).")
+        for field, name in (("batch_keys", "cp_batch_keys"), ("position_modules", "cp_position_modules"),
+                            ("buffers", "cp_buffers")):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+                    isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"{name}={value!r} must be a list of names (or null for automatic detection),"
+                                 f" e.g. {name}=[{_EXAMPLES[name]!r}].")
+            object.__setattr__(self, field, tuple(value))
+
+    def sequence_multiple(self, tensor_parallel: Optional[TensorParallelConfig] = None) -> int:
+        """Sequence lengths must be multiples of this: two zigzag chunks per cp rank, each split again over
+        the tp ranks under sequence parallelism."""
+        return 2 * self.cp * (tensor_parallel.sequence_shards if tensor_parallel is not None else 1)
+
+    def check_sequence_length(self, length: int, tensor_parallel: Optional[TensorParallelConfig] = None,
+                              where: str = "the batch") -> None:
+        """Refuse a sequence length the zigzag split (and sequence parallelism) cannot divide evenly."""
+        sp = tensor_parallel.sequence_shards if tensor_parallel is not None else 1
+        check_sequence_length(length, self.cp, sp, where)
+
+
+def check_sequence_length(length: int, cp: int, sequence_parallel: int = 1, where: str = "the batch") -> None:
+    """Zigzag sharding needs two equal chunks per cp rank, which sequence parallelism splits over its tp ranks."""
+    multiple = 2 * cp * sequence_parallel
+    if length > 0 and length % multiple == 0:
+        return
+    rule = f"2*cp*tp = 2*{cp}*{sequence_parallel}" if sequence_parallel > 1 else f"2*cp = 2*{cp}"
+    raise ValueError(f"Context parallelism needs sequence lengths that are multiples of {rule} = {multiple}, but"
+                     f" {where} has length {length}. Pad or truncate sequences to"
+                     f" {_nearest_multiples(length, multiple)} tokens.")

@@ -1,0 +1,255 @@
+"""Sharding a module in place by its plan: parallel styles, fused-qkv permutation with state-dict hooks,
+divided size attributes, region hooks (gathering a sequence-sharded input, narrowing what attention code
+sees), per-head norm gradients, and tied weights kept one parameter."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Collection, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_4d import _compat as compat
+from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _replication_exit, _vocab_head_output
+from lightning_4d.tensor_parallel.plan import (
+    FusedQKVLayout,
+    Region,
+    TensorParallelPlan,
+    _linear_shape,
+    _parameter_owners,
+    _pattern,
+    _under,
+)
+from lightning_4d.tensor_parallel.self_check import TensorParallelSelfCheck, _check_replicas
+from lightning_4d.tensor_parallel.styles import _distribute_params, _torch_style
+
+_HIDDEN_ARG_NAMES = ("hidden_states", "x", "hidden", "input", "inputs", "query")
+
+def _hidden_argument(args: tuple, kwargs: dict) -> tuple[int | str | None, Any]:
+    if args and isinstance(args[0], torch.Tensor):
+        return 0, args[0]
+    for name in _HIDDEN_ARG_NAMES:
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return name, kwargs[name]
+    return None, None
+
+
+def _replace_argument(args: tuple, kwargs: dict, key: int | str, value: Any) -> tuple[tuple, dict]:
+    if key == 0:
+        return (value, *args[1:]), kwargs
+    return args, {**kwargs, key: value}
+
+
+class _RegionHooks:
+    """Gathers a sequence-sharded region input once and, for attention, narrows what the module's own code sees."""
+
+    def __init__(self, fqn: str, module: nn.Module, region: Region, mesh: DeviceMesh) -> None:
+        self.fqn, self.region, self.mesh = fqn, region, mesh
+        self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
+        module.register_forward_pre_hook(self.pre, with_kwargs=True)
+        module.register_forward_hook(self.post, always_call=True)
+        if region.kind == "attention":
+            for name in region.inputs:
+                projection = module.get_submodule(name)
+                projection.register_forward_pre_hook(
+                    partial(self.projection_pre, name, _linear_shape(projection)[0]), prepend=True
+                )
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        key, x = _hidden_argument(args, kwargs)
+        if key is None:
+            return None
+        full = x.redistribute(self.mesh, [Replicate()]) if isinstance(x, DTensor) else x
+        if self.region.kind == "mlp":
+            return _replace_argument(args, kwargs, key, full)
+        local = full.to_local() if isinstance(full, DTensor) else full
+        if local.shape[-1] != self.region.width:
+            raise RuntimeError(
+                f"Attention {self.fqn} got a hidden state of width {local.shape[-1]}, expected {self.region.width}."
+            )
+        narrowed = local.narrow(-1, 0, self.region.width // self.mesh.size())
+        self.swap = (narrowed, full)
+        return _replace_argument(args, kwargs, key, narrowed)
+
+    def post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.swap = None
+
+    def projection_pre(self, name: str, in_features: int, module: nn.Module, args: tuple) -> tuple | None:
+        if self.swap is not None and args and args[0] is self.swap[0]:
+            return (self.swap[1], *args[1:])
+        if args and isinstance(args[0], torch.Tensor) and args[0].shape[-1] != in_features:
+            raise RuntimeError(
+                f"{self.fqn}.{name} received width {args[0].shape[-1]} instead of {in_features}: under tensor "
+                f"parallelism attention {self.fqn} sees its hidden state narrowed to 1/{self.mesh.size()} and only "
+                f"the same tensor object passed straight to its projections is widened again. Fix: pass the hidden "
+                f"state unchanged to {name}, or keep the module unsharded with tp_plan: "
+                f"{{'{_pattern(self.fqn)}': replicate}}."
+            )
+        return None
+
+
+def _sum_over(group: dist.ProcessGroup):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+def _grad_like_param(param: nn.Parameter) -> None:
+    """Give a gradient its parameter's layout, which optimizers and data-parallel buckets rely on: replicated
+    parameters used on sharded activations accumulate Partial gradients, and DTensor's embedding backward
+    returns a replicated gradient for a vocabulary-sharded weight."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def _fused_state_dict_hooks(module: nn.Module, layout: FusedQKVLayout, tp: int) -> None:
+    """Checkpoints keep the original q|k|v layout; only the live parameter is permuted."""
+    dims = {"weight": layout.dim, "bias": 0}
+
+    def to_original(mod, state_dict, prefix, local_metadata):
+        for name, dim in dims.items():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor):
+                full = layout.to_original(value.full_tensor(), tp, dim)
+                state_dict[prefix + name] = distribute_tensor(
+                    full, value.device_mesh, value.placements, src_data_rank=None
+                )
+            elif value is not None:
+                state_dict[prefix + name] = layout.to_original(value, tp, dim)
+
+    def to_tp(mod, state_dict, prefix, *args):
+        for name, dim in dims.items():
+            value, param = state_dict.get(prefix + name), getattr(mod, name, None)
+            if value is None or param is None:
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            permuted = layout.to_tp(full, tp, dim)
+            if isinstance(param, DTensor):
+                permuted = distribute_tensor(permuted, param.device_mesh, param.placements, src_data_rank=None)
+            state_dict[prefix + name] = permuted
+
+    module.register_state_dict_post_hook(to_original)
+    module.register_load_state_dict_pre_hook(to_tp)
+
+
+def _common_prefix(fqns: Iterable[str]) -> str:
+    parts = [f.split(".") if f else [] for f in fqns]
+    prefix = []
+    for segment in zip(*parts):
+        if len(set(segment)) != 1:
+            break
+        prefix.append(segment[0])
+    return ".".join(prefix)
+
+
+def _to_replicated(mesh: DeviceMesh, args: tuple) -> tuple:
+    return tuple(
+        (
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+        )
+        for a in args
+    )
+
+
+def apply_tensor_parallel(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan,
+    *,
+    self_check: bool = True,
+    held: Collection[str] | None = None,
+) -> TensorParallelSelfCheck | None:
+    """Shard ``module`` in place; returns an (unarmed) self-check, or None when off or nothing is sharded.
+
+    Collective over ``tp_mesh``: every rank must call it with an identically initialised module.
+    ``module`` may be a pipeline stage cut from the module the plan was made for (plan on the whole model,
+    so that the last stage still knows its LM head): ``held`` names the modules (FQNs relative to ``module``)
+    this rank holds, from the pipeline plan of its stages, and only plan entries at or inside them are
+    applied; ``None`` finds them by inspection (see :meth:`TensorParallelPlan.restricted_to`).
+    Parameters are replaced by new DTensor parameters: collect them for an optimizer afterwards.
+    """
+    if not plan.enabled:
+        return None
+    if tp_mesh.ndim != 1 or tp_mesh.size() != plan.tp_size:
+        raise ValueError(
+            f"The plan is for tp={plan.tp_size} but the mesh has shape {tuple(tp_mesh.shape)}; pass mesh['tp']."
+        )
+    tp = plan.tp_size
+    plan = plan.restricted_to(module, held)
+    replicas = _check_replicas(module, plan) if self_check else {}
+
+    owners = _parameter_owners(module)
+
+    for fqn, region in plan.regions.items():
+        owner = module.get_submodule(fqn)
+        if region.fused is not None:
+            fused = owner.get_submodule(region.inputs[0])
+            with torch.no_grad():
+                for name, dim in (("weight", region.fused.dim), ("bias", 0)):
+                    param = getattr(fused, name, None)
+                    if param is not None:
+                        param.copy_(region.fused.to_tp(param, tp, dim))
+            _fused_state_dict_hooks(fused, region.fused, tp)
+    for fqn, attrs in plan.attributes.items():
+        for name, value in attrs.items():
+            setattr(module.get_submodule(fqn), name, value)
+    for fqn, attrs in plan.config_attributes.items():
+        owner = module.get_submodule(fqn)
+        owner.config = copy.copy(owner.config)
+        for name, value in attrs.items():
+            setattr(owner.config, name, value)
+
+    for fqn, style in plan.styles.items():
+        target = module.get_submodule(fqn)
+        parallelize_module(target, tp_mesh, _torch_style(style, target))
+        if style.role == "head" and plan.loss_parallel:
+            target.register_forward_hook(_vocab_head_output)
+
+    group = tp_mesh.get_group()
+    for fqn, region in plan.regions.items():
+        owner = module.get_submodule(fqn)
+        if region.kind == "attention" or plan.sequence_parallel:
+            _RegionHooks(fqn, owner, region, tp_mesh)
+        for name in region.head_norms:
+            for param in owner.get_submodule(name).parameters():
+                param.register_hook(_sum_over(group))
+
+    if plan.sequence_parallel and plan.styles:
+        inside = list(plan.styles) + list(plan.regions)
+        for fqn, m in module.named_modules():
+            if _under(fqn, inside) or not compat.parameters_of(m):
+                continue
+            own = compat.parameters_of(m)
+            _distribute_params(m, tp_mesh, {n: Replicate() for n in own if own[n] is not None}, 0)
+            if not list(m.children()):
+                m.register_forward_pre_hook(lambda mod, args: _to_replicated(tp_mesh, args))
+        root = module.get_submodule(_common_prefix(inside))
+        root.register_forward_pre_hook(lambda *_: _replication_enter())
+        root.register_forward_hook(lambda *_: _replication_exit(), always_call=True)
+
+    for tied in owners.values():  # parallelize_module replaced each registration on its own: tie them again
+        _, first_module, first_name = tied[0]
+        shared = compat.parameters_of(first_module)[first_name]
+        for _, m, name in tied[1:]:
+            m.register_parameter(name, shared)
+    for param in module.parameters():  # deduplicated, so tied parameters get one hook
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(_grad_like_param)
+    if not replicas:
+        return None
+    return TensorParallelSelfCheck(
+        {fqn: (module.get_submodule(fqn), replica) for fqn, replica in replicas.items()}, tp_mesh, plan
+    )

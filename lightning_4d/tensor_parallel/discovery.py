@@ -1,0 +1,438 @@
+"""Finding what to shard in an unchanged module: attention and MLP regions by child names and shapes, the
+vocabulary embedding and LM head, per-head norms, size attributes to divide, and tied weights.
+
+:func:`plan_tensor_parallel` is pure: every refusal is a ``ValueError`` naming the module and the fix, raised
+before any collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch.nn as nn
+
+from lightning_4d.tensor_parallel.plan import (
+    _SEQUENCE_DIM,
+    FusedQKVLayout,
+    ModuleStyle,
+    Region,
+    TensorParallelPlan,
+    _child,
+    _int_attrs,
+    _is_conv1d,
+    _linear_shape,
+    _parameter_owners,
+    _pattern,
+    _under,
+)
+from lightning_4d.tensor_parallel.user_plan import _matches, _parse_user_plan
+
+# (column-wise children, row-wise child); checked by shapes after matching names.
+_ATTENTION_PRESETS = (
+    (("q_proj", "k_proj", "v_proj"), "o_proj"),  # Hugging Face Llama/Mistral/Qwen, examples/gpt.py
+    (("q_proj", "k_proj", "v_proj"), "out_proj"),
+    (("wq", "wk", "wv"), "wo"),  # Meta / torchtitan Llama
+)
+_FUSED_ATTENTION_PRESETS = (
+    ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
+    ("qkv", "proj"),  # litgpt
+)
+_MLP_PRESETS = (
+    (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face, examples/gpt.py (up_proj only)
+    (("w1", "w3"), "w2"),  # Meta / torchtitan
+    (("c_fc",), "c_proj"),  # GPT-2, nanoGPT
+    (("fc_1", "fc_2"), "proj"),  # litgpt LLaMAMLP
+    (("fc",), "proj"),  # litgpt GptNeoxMLP
+    (("fc1",), "fc2"),
+)
+_HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
+_KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
+_WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
+_HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
+
+
+def _head_geometry(module: nn.Module, q_width: int) -> tuple[int, int] | None:
+    """(heads, head_dim) from the module's or its config's attributes, or None when unknown."""
+    config = getattr(module, "config", None)
+    for source in (module, config):
+        head_dim = next(iter(_int_attrs(source, _HEAD_DIM_ATTRS).values()), None)
+        if head_dim and q_width % head_dim == 0:
+            return q_width // head_dim, head_dim
+    for source in (module, config):
+        heads = next(iter(_int_attrs(source, _HEAD_ATTRS).values()), None)
+        if heads and q_width % heads == 0:
+            return heads, q_width // heads
+    return None
+
+
+def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> Region | None:
+    linears = {n: _linear_shape(c) for n, c in module.named_children() if _linear_shape(c) is not None}
+    for qkv, out in _ATTENTION_PRESETS:
+        if out in linears and all(n in linears for n in qkv):
+            (width, q_w), (k_in, k_w), (v_in, v_w) = (linears[n] for n in qkv)
+            o_in, o_out = linears[out]
+            if k_in == v_in == width == o_out and k_w == v_w and o_in == q_w:
+                return _attention_region(fqn, module, qkv, out, width, q_w, k_w, None, divide)
+    for fused, out in _FUSED_ATTENTION_PRESETS:
+        if fused in linears and out in linears:
+            (width, total), (q_w, o_out) = linears[fused], linears[out]
+            if o_out == width and total > q_w and (total - q_w) % 2 == 0:
+                return _attention_region(fqn, module, (fused,), out, width, q_w, (total - q_w) // 2, fused, divide)
+    for ins, out in _MLP_PRESETS:
+        present = tuple(n for n in ins if n in linears)
+        if present and out in linears:
+            width, inner = linears[present[0]]
+            if all(linears[n] == (width, inner) for n in present) and linears[out] == (inner, width):
+                _head_norms(fqn, module, (*present, out), None)
+                return Region("mlp", present, out, width, inner)
+    return _generic_mlp(module, linears)
+
+
+def _generic_mlp(module: nn.Module, linears: dict[str, tuple[int, int]]) -> Region | None:
+    """Two linears C->F->C and no other parameters: sharding F is exact for any elementwise middle."""
+    if len(linears) != 2 or any(n.split(".")[0] not in linears for n, _ in module.named_parameters()):
+        return None
+    (a, (a_in, a_out)), (b, (b_in, b_out)) = linears.items()
+    if (a_in, a_out) == (b_out, b_in) and a_in != a_out:
+        return Region("mlp", (a,), b, a_in, a_out)
+    return None
+
+
+def _attention_region(
+    fqn: str,
+    module: nn.Module,
+    inputs: tuple[str, ...],
+    out: str,
+    width: int,
+    q_width: int,
+    kv_width: int,
+    fused: str | None,
+    divide: dict[str, list[str]],
+) -> Region | None:
+    geometry = _head_geometry(module, q_width)
+    if geometry is None:
+        if fqn in divide and fused is None:
+            return Region(
+                "attention", inputs, out, width, q_width, head_norms=_head_norms(fqn, module, (*inputs, out), None)
+            )
+        attrs = ", ".join(_HEAD_ATTRS + _HEAD_DIM_ATTRS)
+        raise ValueError(
+            f"Cannot tell the head count of attention {fqn} ({type(module).__name__}): none of {attrs} is an "
+            f"integer attribute of it or of its config. Fix: keep it unsharded with tp_plan: {{'{_pattern(fqn)}': "
+            f"replicate}}, or, if its q/k/v projections are separate, name the attributes holding global sizes: "
+            f"tp_plan: {{'{_pattern(fqn)}': {{divide: [my_num_heads]}}}}."
+        )
+    heads, head_dim = geometry
+    if kv_width % head_dim:
+        return None
+    kv_heads = kv_width // head_dim
+    layout = None
+    if fused is not None:
+        declared_kv = list(_int_attrs(module, _KV_HEAD_ATTRS).values()) + list(
+            _int_attrs(getattr(module, "config", None), _KV_HEAD_ATTRS).values()
+        )
+        if kv_heads != heads and kv_heads not in declared_kv:
+            return None  # e.g. a cross-attention k|v projection: no q segment, do not guess a layout
+        layout = FusedQKVLayout(heads, kv_heads, head_dim, 1 if _is_conv1d(getattr(module, fused)) else 0)
+    norms = _head_norms(fqn, module, (*inputs, out), head_dim)
+    return Region("attention", inputs, out, width, q_width, heads, kv_heads, head_dim, layout, norms)
+
+
+def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_dim: int | None) -> tuple[str, ...]:
+    """Per-head norms inside a region (their grads get summed over tp); any other parameter is an error."""
+    norms = []
+    for name, child in module.named_modules():
+        params = list(child.parameters(recurse=False))
+        if not params or (name and name.split(".")[0] in projections):
+            continue
+        if name and "norm" in type(child).__name__.lower() and head_dim and all(p.numel() == head_dim for p in params):
+            norms.append(name)
+            continue
+        raise ValueError(
+            f"{fqn} ({type(module).__name__}) has parameters in {_child(fqn, name)} ({type(child).__name__}) that are "
+            f"neither its projections nor a per-head norm of size head_dim; tensor parallelism cannot tell how to "
+            f"shard them. Fix: keep it unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}."
+        )
+    return tuple(norms)
+
+
+def _size_attributes(source: Any, region: Region) -> dict[str, int]:
+    """Integer attributes holding this attention's global head counts or widths."""
+    attrs = {n: v for n, v in _int_attrs(source, _HEAD_ATTRS).items() if v == region.heads}
+    attrs.update({n: v for n, v in _int_attrs(source, _KV_HEAD_ATTRS).items() if v == region.kv_heads})
+    attrs.update({n: v for n, v in _int_attrs(source, _WIDTH_ATTRS).items() if v in (region.width, region.inner)})
+    return attrs
+
+
+def _divided(fqn: str, attrs: dict[str, int], tp: int) -> dict[str, int]:
+    for name, value in attrs.items():
+        if value % tp:
+            raise ValueError(
+                f"{fqn}.{name} = {value} is not divisible by tp={tp}. Fix: choose a tensor-parallel size that "
+                f"divides it, or keep the module unsharded with tp_plan: "
+                f"{{'{_pattern(fqn.removesuffix('.config'))}': replicate}}."
+            )
+    return {name: value // tp for name, value in attrs.items()}
+
+
+def plan_tensor_parallel(
+    module: nn.Module,
+    tp_size: int,
+    tp_plan: str | Mapping[str, Any] | None = "auto",
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = True,
+) -> TensorParallelPlan:
+    """Decide how to shard ``module`` over ``tp_size`` ranks; pure, so errors surface before any collective.
+
+    ``tp_plan``: ``"auto"``; ``None``/``"none"`` (tensor parallelism off); or a mapping from
+    glob FQNs (``*`` matches one dotted segment) to a style name (``colwise``, ``rowwise``,
+    ``sequence_parallel``, ``replicate`` to exclude a module and everything under it) or to
+    ``{style, input, output, divide}``, merged over the automatic plan.  ``divide`` lists
+    integer attributes holding global sizes (head counts, widths) to divide by tp.
+    ``loss_parallel``: keep LM-head logits vocabulary-sharded inside ``tensor_parallel_context``.
+    """
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}.")
+    if tp_plan is None or tp_plan == "none":
+        return TensorParallelPlan(tp_size, sequence_parallel=sequence_parallel)
+    if tp_plan != "auto" and not isinstance(tp_plan, Mapping):
+        raise ValueError(
+            f"tp_plan must be 'auto', 'none', None or a mapping of module globs to styles, got {tp_plan!r}."
+        )
+    modules = dict(module.named_modules())
+    user = tp_plan if isinstance(tp_plan, Mapping) else {}
+    user_styles, replicated, divide, sources = _parse_user_plan(user, modules, sequence_parallel)
+    plan = TensorParallelPlan(tp_size, replicated=tuple(replicated), sequence_parallel=sequence_parallel)
+    if tp_size == 1:
+        return plan
+
+    for fqn, m in modules.items():
+        if isinstance(m, nn.MultiheadAttention) and not _under(fqn, replicated):
+            parent = _pattern(fqn).rsplit(".", 1)[0] + "." if "." in fqn else ""
+            raise ValueError(
+                f"{fqn} is an nn.MultiheadAttention: it computes its heads inside F.multi_head_attention_forward "
+                "from one fused in_proj_weight, which cannot be sharded without changing its code. Fix: use an "
+                "attention module built from nn.Linear q/k/v projections, or keep it replicated and shard only the "
+                f"feed-forward, e.g. tp_plan: {{'{_pattern(fqn)}': replicate, '{parent}linear1': colwise, "
+                f"'{parent}linear2': rowwise}}."
+            )
+
+    for fqn, region in _regions(modules, replicated, divide):
+        m = modules[fqn]
+        _check_region(fqn, m, region, tp_size)
+        plan.regions[fqn] = region
+        for name in region.inputs:
+            plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
+        rowwise_output = f"shard({_SEQUENCE_DIM})" if sequence_parallel else None
+        plan.styles[_child(fqn, region.output)] = ModuleStyle("rowwise", output=rowwise_output, role=region.kind)
+        if region.kind == "attention" and fqn not in divide:
+            attrs = _divided(fqn, _size_attributes(m, region), tp_size)
+            config = getattr(m, "config", None)
+            config_attrs = (
+                _divided(f"{fqn}.config", _size_attributes(config, region), tp_size) if config is not None else {}
+            )
+            if attrs:
+                plan.attributes[fqn] = attrs
+            if config_attrs:
+                plan.config_attributes[fqn] = config_attrs
+    for fqn, names in divide.items():
+        attrs = _int_attrs(modules[fqn], names)
+        missing = [n for n in names if n not in attrs]
+        if missing:
+            raise ValueError(
+                f"tp_plan entry for {fqn}: 'divide' names {missing}, which are not integer attributes of it."
+            )
+        plan.attributes[fqn] = _divided(fqn, attrs, tp_size)
+
+    _plan_vocabulary(plan, modules, replicated, sequence_parallel, loss_parallel)
+    if sequence_parallel:
+        for fqn, m in modules.items():
+            if (
+                "norm" in type(m).__name__.lower()
+                and not list(m.children())
+                and fqn not in plan.styles
+                and not _under(fqn, replicated)
+                and not _under(fqn, list(plan.regions))
+            ):
+                plan.styles[fqn] = ModuleStyle("sequence_parallel", role="norm")
+
+    if not plan.styles and not user_styles:
+        found = [
+            f"{n} ({type(m).__name__} {_linear_shape(m)[0]}->{_linear_shape(m)[1]})"
+            for n, m in modules.items()
+            if _linear_shape(m)
+        ]
+        listing = "\n  ".join(found[:20]) or "(none)"
+        suggestion = _suggested_plan(module, modules, tp_size, user, replicated, sequence_parallel)
+        if suggestion:
+            entries = "".join(f'\n    "{key}": {style}' for key, style in suggestion.items())
+            fix = f"Fix: name the pairs to shard in tp_plan, e.g. in YAML:\n  tp_plan:{entries}\n"
+        else:
+            fix = (
+                "Fix: name in tp_plan a linear to shard column-wise and the linear that reads its output (after "
+                "elementwise code only) to shard row-wise, e.g. in YAML:\n"
+                '  tp_plan:\n    "<first linear>": colwise\n    "<second linear>": rowwise\n'
+            )
+        raise ValueError(
+            f"tp={tp_size} but nothing in {type(module).__name__} can be sharded automatically: no attention "
+            "(q/k/v -> output projection), MLP (up/gate -> down) or vocabulary embedding was recognised. "
+            f"Linear modules found:\n  {listing}\n{fix}or use tp=1."
+        )
+    for fqn, style in user_styles.items():
+        auto = plan.styles.get(fqn)
+        if auto is not None and auto.style == style.style:  # keep the automatic layouts and role the user left out
+            style = ModuleStyle(style.style, style.input or auto.input, style.output or auto.output, auto.role)
+        plan.styles[fqn] = style
+    head = [s for s in plan.styles.values() if s.role == "head"]
+    plan.loss_parallel = loss_parallel and bool(head) and head[0].output is None
+    _check_ties(plan, module)
+    planned = {*plan.styles, *plan.regions, *plan.attributes, *plan.config_attributes}
+    plan.classes = {fqn: type(modules[fqn]).__name__ for fqn in planned}
+    plan.sources = {fqn: key for fqn, key in sources.items() if plan.styles[fqn].role == "user"}
+    return plan
+
+
+def _regions(
+    modules: dict[str, nn.Module], replicated: list[str], divide: dict[str, list[str]]
+) -> Iterator[tuple[str, Region]]:
+    """The attention and MLP regions in module order, outermost first, none inside another or a replicated one."""
+    found: list[str] = []
+    for fqn, m in modules.items():
+        if _under(fqn, replicated) or _under(fqn, found):
+            continue
+        region = _find_region(fqn, m, divide)
+        if region is None or any(_under(_child(fqn, n), replicated) for n in (*region.inputs, region.output)):
+            continue
+        found.append(fqn)
+        yield fqn, region
+
+
+def find_regions(module: nn.Module) -> dict[str, Region]:
+    """The attention and MLP regions the automatic plan finds, by FQN, with their sizes (heads, key/value
+    heads, widths), for any tp: pure and size-only, so it works on a module built on the meta device. The
+    planner reads a model's head counts from here, so that it counts them as the runtime does."""
+    return dict(_regions(dict(module.named_modules()), [], {}))
+
+
+def _suggested_plan(
+    module: nn.Module,
+    modules: dict[str, nn.Module],
+    tp: int,
+    user: Mapping[str, Any],
+    replicated: list[str],
+    sequence_parallel: bool,
+) -> dict[str, str]:
+    """A tp_plan in the module's own names for a module with nothing recognised: pairs of linears of one
+    parent, next to each other in registration order, the first's output width the second's input width and
+    divisible by tp; pairs that go back to their input width (C->F->C) first. Returned only if it plans."""
+    linears = [(f, _linear_shape(m)) for f, m in modules.items() if _linear_shape(m) and not _under(f, replicated)]
+    pairs = [
+        ((a, sa), (b, sb))
+        for (a, sa), (b, sb) in zip(linears, linears[1:])
+        if a.rpartition(".")[0] == b.rpartition(".")[0] and sa[1] == sb[0] and sa[1] % tp == 0
+    ]
+    pairs.sort(key=lambda pair: pair[0][1][0] != pair[1][1][1])  # stable: C->F->C pairs first, in module order
+    styles: dict[str, str] = {}
+    for (a, _), (b, _) in pairs:
+        if a not in styles and b not in styles:
+            styles.update({a: "colwise", b: "rowwise"})
+    suggestion: dict[str, str] = {}
+    for fqn, style in styles.items():  # one glob for a repeated block's modules when it names only them
+        glob = _pattern(fqn)
+        alike = all(styles.get(other) == style for other in modules if _matches(glob, other))
+        suggestion[glob if alike else fqn] = style
+    if not suggestion:
+        return {}
+    try:
+        plan_tensor_parallel(module, tp, {**user, **suggestion}, sequence_parallel=sequence_parallel)
+    except ValueError:
+        return {}
+    return suggestion
+
+
+def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
+    kind = type(module).__name__
+    if region.kind == "attention" and region.heads is not None:
+        for what, count in (("attention heads", region.heads), ("key/value heads", region.kv_heads)):
+            if count % tp:
+                raise ValueError(
+                    f"{fqn} ({kind}) has {count} {what}, not divisible by tp={tp}. Fix: choose a tensor-parallel "
+                    f"size that divides {count}, or keep it unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}."
+                )
+    # An MLP's width is never split (its row-wise output is all-reduced whole); an attention's code sees the
+    # hidden state narrowed to width/tp.
+    sizes = [("intermediate size" if region.kind == "mlp" else "attention width", region.inner)]
+    if region.kind == "attention":
+        sizes.append(("hidden size", region.width))
+    for size, value in sizes:
+        if value % tp:
+            raise ValueError(
+                f"{fqn} ({kind}) has {size} {value}, not divisible by tp={tp}. Fix: choose a tensor-parallel size "
+                f"that divides {value}, or tp_plan: {{'{_pattern(fqn)}': replicate}}."
+            )
+
+
+def _plan_vocabulary(
+    plan: TensorParallelPlan, modules: dict[str, nn.Module], replicated: list[str], sp: bool, loss_parallel: bool
+) -> None:
+    """Token embedding row-wise and the LM head (a linear C->V outside regions) column-wise."""
+    embeddings = [f for f in modules if isinstance(modules[f], nn.Embedding)]
+    if not embeddings:
+        return
+    emb_fqn = max(embeddings, key=lambda f: modules[f].num_embeddings)
+    if _under(emb_fqn, replicated):
+        return
+    outside = [f for f in modules if not _under(f, replicated) and not _under(f, list(plan.regions))]
+    emb = modules[emb_fqn]
+    vocab, dim = emb.num_embeddings, emb.embedding_dim
+    heads = [
+        f
+        for f in outside
+        if _linear_shape(modules[f]) == (dim, vocab)
+        and f not in plan.styles
+        and not any(part.isdigit() for part in f.split("."))  # an LM head is not inside repeated blocks
+    ]
+    heads.sort(key=lambda f: getattr(modules[f], "weight", None) is not emb.weight)
+    if vocab % plan.tp_size:
+        raise ValueError(
+            f"Vocabulary size {vocab} of {emb_fqn} is not divisible by tp={plan.tp_size}. Fix: pad the vocabulary "
+            f"to a multiple of {plan.tp_size} (e.g. {math.ceil(vocab / 64) * 64}), or keep it unsharded with "
+            f"tp_plan: {{'{emb_fqn}': replicate{''.join(f', {h!r}: replicate' for h in heads[:1])}}}."
+        )
+    plan.styles[emb_fqn] = ModuleStyle(
+        "rowwise", input="replicate", output=f"shard({_SEQUENCE_DIM})" if sp else "replicate", role="embedding"
+    )
+    if heads:
+        plan.styles[heads[0]] = ModuleStyle("colwise", output=None if loss_parallel else "replicate", role="head")
+
+
+def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
+    if style is None or style.style in ("sequence_parallel",):
+        return "replicated"
+    if isinstance(module, nn.Embedding):
+        return f"shard({0 if style.style == 'rowwise' else 1})"
+    conv = _is_conv1d(module)
+    return f"shard({int(conv) if style.style == 'colwise' else int(not conv)})"
+
+
+def _check_ties(plan: TensorParallelPlan, module: nn.Module) -> None:
+    for owners in _parameter_owners(module).values():
+        tied = [(fqn, name) for fqn, _, name in owners]
+        shardings = {
+            (
+                _weight_sharding(module.get_submodule(f), plan.styles.get(f))
+                if n == "weight"
+                else ("replicated" if f not in plan.styles else "sharded")
+            )
+            for f, n in tied
+        }
+        if len({f for f, _ in tied}) > 1 and len(shardings) > 1:
+            names = ", ".join(f"{f}.{n}" for f, n in tied)
+            raise ValueError(
+                f"Tied parameters {names} would be sharded differently ({', '.join(sorted(shardings))}); tied weights "
+                "must stay one parameter. Fix: give the tied modules matching tp_plan styles (embedding rowwise with "
+                "LM head colwise), or replicate all of them."
+            )

@@ -1,0 +1,230 @@
+"""What tensor parallelism will do to a module, decided without communication: the plan's types.
+
+``TensorParallelPlan`` lists per module FQN the sharding style (``ModuleStyle``), the attention and MLP
+regions (``Region``), the size attributes to divide by tp, and what stays replicated. It is made by
+:func:`~lightning_4d.tensor_parallel.discovery.plan_tensor_parallel` and carried out by
+:func:`~lightning_4d.tensor_parallel.apply.apply_tensor_parallel`. The small helpers at the end are the
+vocabulary the other modules of the package share (module shapes, FQN patterns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lightning_4d import _compat as compat
+from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
+
+STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+_SEQUENCE_DIM = 1
+
+
+@dataclass(frozen=True)
+class FusedQKVLayout:
+    """Rows of a fused projection: ``q_heads`` then ``kv_heads`` then ``kv_heads`` heads of ``head_dim``."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dim: int  # output-feature dim of the weight: 0 for nn.Linear, 1 for Conv1D
+
+    def permutation(self, tp: int) -> torch.Tensor:
+        """Index that puts rank r's q, k and v heads next to each other in its contiguous shard."""
+        widths = [self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        segments = torch.arange(sum(widths)).split(widths)
+        return torch.cat([seg.chunk(tp)[r] for r in range(tp) for seg in segments])
+
+    def to_tp(self, tensor: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
+        return tensor.index_select(dim, self.permutation(tp).to(tensor.device))
+
+    def to_original(self, tensor: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
+        return tensor.index_select(dim, torch.argsort(self.permutation(tp)).to(tensor.device))
+
+
+@dataclass(frozen=True)
+class ModuleStyle:
+    """How one module is sharded; layouts are ``"replicate"`` or ``"shard(N)"``, None for the style's default."""
+
+    style: str
+    input: str | None = None
+    output: str | None = None
+    role: str = "user"  # attention | mlp | embedding | head | norm | user
+
+
+@dataclass
+class Region:
+    """An attention or MLP module whose column-wise children feed its row-wise child."""
+
+    kind: str
+    inputs: tuple[str, ...]
+    output: str
+    width: int
+    inner: int
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    fused: FusedQKVLayout | None = None
+    head_norms: tuple[str, ...] = ()
+
+
+@dataclass
+class TensorParallelPlan:
+    """Everything ``apply_tensor_parallel`` will do, decided without communication."""
+
+    tp_size: int
+    styles: dict[str, ModuleStyle] = field(default_factory=dict)
+    regions: dict[str, Region] = field(default_factory=dict)
+    attributes: dict[str, dict[str, int]] = field(default_factory=dict)
+    config_attributes: dict[str, dict[str, int]] = field(default_factory=dict)
+    replicated: tuple[str, ...] = ()
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    classes: dict[str, str] = field(default_factory=dict)  # planned FQN -> class name, to spot pipeline cuts
+    sources: dict[str, str] = field(default_factory=dict)  # FQN -> the tp_plan key that gave it its own style
+
+    @property
+    def enabled(self) -> bool:
+        return self.tp_size > 1 and bool(self.styles)
+
+    def step_context(self) -> contextlib.AbstractContextManager[None]:
+        """``tensor_parallel_context(self)``, so that a strategy can enter the plan like its other step components."""
+        return tensor_parallel_context(self)
+
+    def restricted_to(self, module: nn.Module, held: Collection[str] | None = None) -> TensorParallelPlan:
+        """The entries of this plan that ``module`` holds, so that a plan made on the whole model applies to a
+        pipeline stage cut from it.
+
+        ``held``: the FQNs (relative to ``module``) of the modules this rank holds, e.g. from the pipeline plan
+        of its stages; an entry is kept when its FQN is one of them or lies inside one. ``None``: the whole
+        module (``{""}``). Each kept entry must name a module of the planned class, else ``ValueError``.
+        """
+        planned = [*self.styles, *self.regions, *self.attributes, *self.config_attributes]
+        held = {""} if held is None else held
+        if isinstance(held, str) or not all(isinstance(h, str) for h in held):
+            raise ValueError(f"held={held!r} must be a collection of module FQNs (strings), or None.")
+        present = {fqn for fqn in planned if _under(fqn, held)}
+        modules = dict(module.named_modules())
+        for fqn in sorted(present):
+            found = type(modules[fqn]).__name__ if fqn in modules else None
+            if found != self.classes.get(fqn):
+                what = f"holds a {found} there" if found else "has no such module"
+                raise ValueError(
+                    f"held names {fqn} (under {sorted(h for h in held if _under(fqn, [h]))}), planned as a "
+                    f"{self.classes.get(fqn)}, but {type(module).__name__} {what}. Fix: pass in held only the "
+                    "modules this rank holds, and plan on the module the stages were cut from."
+                )
+        return replace(
+            self,
+            styles={f: s for f, s in self.styles.items() if f in present},
+            regions={f: r for f, r in self.regions.items() if f in present},
+            attributes={f: a for f, a in self.attributes.items() if f in present},
+            config_attributes={f: a for f, a in self.config_attributes.items() if f in present},
+        )
+
+    def describe(self) -> str:
+        tp = self.tp_size
+        head = (
+            f"tensor parallel plan: tp={tp}, sequence_parallel={self.sequence_parallel}, "
+            f"loss_parallel={self.loss_parallel}"
+        )
+        if not self.enabled:
+            return head + "\n  (tensor parallelism off: every rank holds and computes the whole module)"
+        lines = [head]
+        counts: dict[str, int] = {}
+        for fqn in self.regions:
+            counts[_pattern(fqn)] = counts.get(_pattern(fqn), 0) + 1
+        for fqn, region in self.regions.items():
+            pattern = _pattern(fqn)
+            count = counts.pop(pattern, None)
+            if count is None:
+                continue
+            if region.kind == "attention" and region.heads is not None:
+                kv = f", kv heads {region.kv_heads}->{region.kv_heads // tp}" if region.kv_heads != region.heads else ""
+                size = f"heads {region.heads}->{region.heads // tp}{kv}, head_dim {region.head_dim}"
+            elif region.kind == "attention":
+                size = f"width {region.inner}->{region.inner // tp}"
+            else:
+                size = f"intermediate {region.inner}->{region.inner // tp}"
+            fused = " fused, permuted per rank" if region.fused else ""
+            attrs = {
+                **self.attributes.get(fqn, {}),
+                **{f"config.{k}": v for k, v in self.config_attributes.get(fqn, {}).items()},
+            }
+            local = ("; local " + ", ".join(f"{k}={v}" for k, v in attrs.items())) if attrs else ""
+            norms = f"; grads of {', '.join(region.head_norms)} summed over tp" if region.head_norms else ""
+            lines.append(
+                f"  {region.kind:<9} {pattern} (x{count}) [{', '.join(region.inputs)} -> {region.output}]{fused}: "
+                f"{size}{local}{norms}"
+            )
+        grouped: dict[tuple[str, str, str], list[str]] = {}
+        for fqn, style in self.styles.items():
+            if style.role in ("attention", "mlp"):
+                continue
+            text = style.style + "".join(
+                f", {k} {v}" for k, v in (("input", style.input), ("output", style.output)) if v
+            )
+            grouped.setdefault((style.role, text, self.sources.get(fqn, "")), []).append(fqn)
+        for (role, text, key), fqns in grouped.items():
+            if role == "user":  # per tp_plan entry, the modules it styled: a glob alone hides which got what
+                shown = ", ".join(f"{f} ({self.classes.get(f, '?')})" for f in fqns[:3])
+                more = f", ... ({len(fqns)} modules)" if len(fqns) > 3 else ""
+                lines.append(f"  {role:<9} {key or fqns[0]!r}: {text} -> {shown}{more}")
+                continue
+            patterns = sorted({_pattern(f) for f in fqns})
+            note = ""
+            if role == "head" and self.loss_parallel and fqns and self.styles[fqns[0]].output is None:
+                note = " (logits vocab-sharded inside tensor_parallel_context, gathered elsewhere)"
+            lines.append(f"  {role:<9} {', '.join(patterns)}: {text}{note}")
+        for fqn, attrs in self.attributes.items():
+            if fqn not in self.regions:
+                lines.append(f"  divide    {fqn}: local {', '.join(f'{k}={v}' for k, v in attrs.items())}")
+        if self.replicated:
+            lines.append(f"  replicate {', '.join(self.replicated)}")
+        return "\n".join(lines)
+
+
+def _pattern(fqn: str) -> str:
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", fqn)
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of nn.Linear or of transformers' Conv1D, whose weight is stored [in, out]."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if _is_conv1d(module):
+        return tuple(module.weight.shape)
+    return None
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def _int_attrs(obj: Any, names: Iterable[str]) -> dict[str, int]:
+    values = getattr(obj, "__dict__", {})
+    return {n: values[n] for n in names if type(values.get(n)) is int}
+
+
+def _under(fqn: str, prefixes: Iterable[str]) -> bool:
+    return any(p == "" or fqn == p or fqn.startswith(p + ".") for p in prefixes)
+
+
+def _child(fqn: str, name: str) -> str:
+    return f"{fqn}.{name}" if fqn else name
+
+
+def _parameter_owners(module: nn.Module) -> dict[int, list[tuple[str, nn.Module, str]]]:
+    """Every place each parameter is registered (more than one for tied weights): module path, module, name."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for fqn, m in module.named_modules(remove_duplicate=False):
+        for name, p in compat.parameters_of(m).items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((fqn, m, name))
+    return owners
