@@ -89,6 +89,11 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
     return Plans(tensor_plan, pipeline_plan)
 
 
+def parallelized(module: nn.Module) -> Optional[ParallelModel]:
+    """The :class:`ParallelModel` ``module`` was made into, or None."""
+    return module.__dict__.get(_ATTRIBUTE)
+
+
 def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
                 tensor: TensorParallelConfig, context: ContextParallelConfig,
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
@@ -100,7 +105,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     """
     options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,
                    activation_checkpointing=activation_checkpointing)
-    existing: Optional[ParallelModel] = module.__dict__.get(_ATTRIBUTE)
+    existing = parallelized(module)
     if existing is not None:
         if existing.options != options:
             raise ValueError(f"This {type(module).__name__} was already parallelized with other options"

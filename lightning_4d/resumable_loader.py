@@ -61,6 +61,27 @@ compat.wrap_index_sampler(
     ResumableDataLoader, lambda loader, sampler: _SkipFirst(sampler, loader._skip) if loader._skip else sampler)
 
 
+class TrainLoaders:
+    """The training loaders of a fit, made resumable, told before every batch how many the epoch consumed."""
+
+    def __init__(self) -> None:
+        self.loaders: list[ResumableDataLoader] = []
+
+    def clear(self) -> None:
+        self.loaders.clear()
+
+    def track(self, dataloader: Any) -> Any:
+        dataloader = make_resumable(dataloader)
+        if isinstance(dataloader, ResumableDataLoader):
+            self.loaders.append(dataloader)
+        return dataloader
+
+    def consumed(self, batches: int, per_epoch: float) -> None:
+        """``batches`` into the epoch; a checkpoint after its last batch resumes at the next epoch's start."""
+        for loader in self.loaders:
+            loader.consumed_batches = batches if per_epoch == float("inf") else batches % int(per_epoch)
+
+
 def make_resumable(dataloader: Any) -> Any:
     """Resume support for a plain ``DataLoader``; any other loader is returned as it is."""
     if type(dataloader) is DataLoader:

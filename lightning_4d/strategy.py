@@ -9,8 +9,6 @@ group whose ranks hold different data.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -30,14 +28,15 @@ from typing_extensions import override
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
+from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import report_failure
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
-from lightning_4d.parallelize import ParallelModel, make_plans, parallelize
+from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
-from lightning_4d.resumable_loader import ResumableDataLoader, make_resumable
+from lightning_4d.resumable_loader import TrainLoaders
 from lightning_4d.telemetry import Telemetry
 from lightning_4d.tensor_parallel import TensorParallelConfig
 
@@ -47,51 +46,36 @@ class FourDStrategy(ModelParallelStrategy):
     """Data, tensor/sequence, context and pipeline parallelism for an unchanged LightningModule.
 
     Args:
-        dp: data-parallel replicas; ``"auto"`` takes what is left of the world size after pp, cp and tp.
-        pp: pipeline stages.
-        cp: context-parallel ranks that split each sequence.
-        tp: tensor-parallel ranks that split each layer.
+        dp, pp, cp, tp: data-parallel replicas, pipeline stages, context-parallel ranks splitting each sequence,
+            tensor-parallel ranks splitting each layer; ``dp="auto"`` takes what the others leave of the world.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout: how long a collective may wait before every rank fails instead of hanging.
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
         init_from: weights to start from, in whatever layout this run uses: a lightning-4d checkpoint
-            directory, a Lightning checkpoint file, or a file with a plain ``state_dict``. Loop and optimizer
-            state are not restored (that is ``fit(ckpt_path=...)``).
-        cp_comm: how context-parallel attention exchanges K/V: ``"ring"`` (P2P, O(L/cp) memory) or ``"allgather"``.
-        cp_seq_dim: the sequence dim of the batch's tensors, which context parallelism shards.
-        cp_batch_keys: batch entries to shard (``"input_ids"``, ``"0"`` for a tuple's first); ``None``: every
-            tensor as long on ``cp_seq_dim`` as the batch's first one.
-        cp_position_modules: module FQN globs whose position input gets global positions; ``None``: learned
-            position embeddings (``*wpe``, ...) and rotary embeddings with ``position_ids`` found by name.
-        cp_buffers: buffer FQN globs of per-position tables (dim 0) swapped for their global rows during a step;
-            ``None``: ``cos``, ``sin``, ``freqs_cis``, ... found by name.
-        pp_schedule: pipeline schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``,
-            ``interleaved_zero_bubble``, ``zbv_zero_bubble`` or ``dualpipev``.
-        pp_microbatches: micro-batches per batch; ``None``: ``2 * pp``. Every batch must split into equal parts.
-        pp_blocks: dotted path of the block list to split (``"model.layers"``); ``None``: the longest list of
-            blocks of one type.
-        pp_split_points: the block index where each stage but the first begins; ``None``: an even split.
-        pp_virtual_stages: stages per rank for ``interleaved_1f1b``, ``looped_bfs`` and
-            ``interleaved_zero_bubble`` (default 2); the others fix it.
-        tp_plan: how tensor parallelism shards the module: ``"auto"`` (attention, MLP, vocabulary found by
-            name and shape), ``"none"``/``None`` (every tp rank holds the whole module), or a mapping of module
-            FQN globs (relative to the LightningModule) to ``colwise``/``rowwise``/``sequence_parallel``/
-            ``replicate`` or ``{style, input, output, divide}``, merged over the automatic plan. Ignored when
-            ``configure_model`` already made DTensor parameters.
-        sequence_parallel: keep activations between attention and MLP regions sharded on the sequence dim (dim 1);
-            not with ``pp > 1``.
-        tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded
-            copy and fail naming the block if they differ (a head count that was not divided, ...).
+            directory, a Lightning checkpoint file, or a file with a plain ``state_dict`` (loop and optimizer
+            state are ``fit(ckpt_path=...)``'s).
+        cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers: how context parallelism exchanges
+            K/V (``"ring"`` or ``"allgather"``), which batch dim and entries it shards, and which modules and
+            per-position tables get global positions (``None``: found by name); see
+            :class:`~lightning_4d.context_parallel_config.ContextParallelConfig`.
+        pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the pipeline schedule
+            (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``,
+            ``zbv_zero_bubble``, ``dualpipev``), micro-batches per batch (``None``: ``2 * pp``), the block list to
+            cut (``None``: the longest list of blocks of one type), where stages begin (``None``: even) and
+            stages per rank of the interleaved schedules; see :class:`~lightning_4d.pipeline.PipelineConfig`.
+        tp_plan: ``"auto"`` (attention, MLP and vocabulary found by name and shape), ``"none"`` (every tp rank
+            holds the whole module), or a mapping of module FQN globs to ``colwise``/``rowwise``/
+            ``sequence_parallel``/``replicate`` or ``{style, input, output, divide}``, merged over the automatic
+            plan. Ignored when ``configure_model`` already made DTensor parameters.
+        sequence_parallel: keep activations between attention and MLP regions sharded on the sequence dim
+            (dim 1); not with ``pp > 1``.
+        tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded copy.
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
-        activation_checkpointing: ``"none"``, ``"full"`` (every block recomputes its forward in backward),
-            ``"every_n"`` (every ``activation_checkpointing_every``-th block) or ``"selective"`` (blocks keep their
-            matmul and attention outputs and recompute the elementwise work); see
-            :mod:`lightning_4d.activation_checkpointing`.
-        activation_checkpointing_every: the ``n`` of ``"every_n"``.
-        debug: for the first ``debug_steps`` training steps, check that the ranks of a replica receive identical
-            batches, that replicated weights stay bit-identical, and that every rank issues the same collectives
-            (each checked before it runs); the first difference is reported by rank and tensor name.
-        debug_steps: how many training steps ``debug`` checks.
+        activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
+            ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
+        debug, debug_steps: for the first ``debug_steps`` training steps, check that the ranks of a replica
+            receive identical batches, that replicated weights stay bit-identical, and that every rank issues the
+            same collectives; the first difference is reported by rank and tensor name.
         telemetry: add the :class:`~lightning_4d.telemetry.Telemetry` callback (tokens/s, MFU, memory,
             communication time per dimension, pipeline bubble), logged through the Trainer's loggers.
     """
@@ -129,12 +113,10 @@ class FourDStrategy(ModelParallelStrategy):
         telemetry: bool = False,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            _raise_unknown_arguments(unknown)
+        refuse_unknown(FourDStrategy.__init__, unknown)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.timeout = timeout
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-            raise ValueError(f"bucket_mb={bucket_mb!r} must be a positive number of megabytes (default 25).")
+        positive("bucket_mb", bucket_mb, "megabytes (default 25)")
         self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         ParallelDims.check_sizes(dp, pp, cp, tp)
         self.bucket_mb = float(bucket_mb)
@@ -148,9 +130,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
-        self._train_loaders: list[ResumableDataLoader] = []
-        if isinstance(debug_steps, bool) or not isinstance(debug_steps, int) or debug_steps < 1:
-            raise ValueError(f"debug_steps={debug_steps!r} must be a positive number of training steps.")
+        self._train_loaders = TrainLoaders()
+        positive("debug_steps", debug_steps, "training steps", integer=True)
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
         self._desync: Optional[DesyncMonitor] = None
 
@@ -166,7 +147,7 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         assert self.parallel_dims is not None and self.lightning_module is not None
         if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module) \
-                and self.lightning_module.__dict__.get("_lightning_4d_parallel") is None:
+                and parallelized(self.lightning_module) is None:
             # A module the pipeline cannot cut fails here, before any process group exists.
             make_plans(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config)
         compat.setup_distributed(self)
@@ -202,19 +183,12 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if self.lightning_module.trainer.state.stage == RunningStage.TRAINING:
-            dataloader = make_resumable(dataloader)
-            if isinstance(dataloader, ResumableDataLoader):
-                self._train_loaders.append(dataloader)
-        return dataloader
+        training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
+        return self._train_loaders.track(dataloader) if training else dataloader
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # A checkpoint taken after the epoch's last batch resumes at the start of the next epoch.
-        per_epoch = self.lightning_module.trainer.num_training_batches
-        consumed = batch_idx + 1 if per_epoch == float("inf") else (batch_idx + 1) % int(per_epoch)
-        for loader in self._train_loaders:
-            loader.consumed_batches = consumed
+        self._train_loaders.consumed(batch_idx + 1, self.lightning_module.trainer.num_training_batches)
         if self._desync is not None:
             self._desync.on_step_start(self.lightning_module, self.lightning_module.trainer.global_step)
 
@@ -226,7 +200,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
-        first = self.lightning_module.__dict__.get("_lightning_4d_parallel") is None
+        first = parallelized(self.lightning_module) is None
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
                                     activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb)
@@ -364,16 +338,6 @@ class FourDStrategy(ModelParallelStrategy):
         if self.parallel is not None:
             self.parallel.remove()
         super().teardown()
-
-
-def _raise_unknown_arguments(unknown: dict[str, Any]) -> None:
-    known = [name for name in inspect.signature(FourDStrategy.__init__).parameters if name not in ("self", "unknown")]
-    lines = []
-    for name, value in unknown.items():
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"known arguments: {', '.join(known)}."
-        lines.append(f"unknown argument {name}={value!r}: {hint}")
-    raise ValueError("FourDStrategy got " + "; ".join(lines))
 
 
 StrategyRegistry.register(
