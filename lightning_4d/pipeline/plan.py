@@ -144,14 +144,19 @@ class PipelinePlan:
         return (role == "prefix" and first) or (role == "suffix" and last) or (role == "ends" and (first or last))
 
     def held_modules(self, pp_rank: int) -> set[str]:
-        """FQNs of the modules whose parameters ``pp_rank`` holds (blocks of its stages, kept modules outside),
-        and of modules without parameters of their own outside other stages' blocks."""
+        """The largest modules ``pp_rank`` holds whole: the blocks of its stages, and every module outside the
+        block list whose parameters it keeps, all of them (so never a container of the block list)."""
         stages = self.stages_of(pp_rank)
-        mine = {f"{self.path}.{name}" for s in stages for name in self.stage_blocks(s)}
-        others = {f"{self.path}.{name}" for name in self.blocks} - mine
-        stubbed = {fqn for where, role in self.outside if not self.keeps(role, stages) for fqn, _ in where}
-        return {fqn for fqn in self.modules
-                if fqn not in stubbed and not any(fqn == o or fqn.startswith(o + ".") for o in others)}
+        held = {f"{self.path}.{name}" for s in stages for name in self.stage_blocks(s)}
+        whole: dict[str, bool] = {}
+        for where, role in self.outside:
+            for fqn, _ in where:
+                parts = fqn.split(".") if fqn else []
+                for end in range(1, len(parts) + 1):
+                    owner = ".".join(parts[:end])
+                    if not (self.path == owner or self.path.startswith(owner + ".")):
+                        whole[owner] = whole.get(owner, True) and self.keeps(role, stages)
+        return held | {fqn for fqn, kept in whole.items() if kept}
 
     def describe(self) -> str:
         """The plan as printed at start-up: each stage's rank and modules, and the weights tied across stages."""
