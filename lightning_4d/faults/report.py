@@ -13,18 +13,9 @@ import sys
 import time
 import traceback
 
-import torch.distributed as dist
+from lightning_4d._compat import default_store
 
 _KEY = "lightning_4d/first_failure"
-
-
-def _store():
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
-        return None
 
 
 def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
@@ -33,7 +24,7 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
     Rank 0 hosts the store, so it waits (at most ``linger`` seconds) until every rank has reported before
     it exits and takes the store with it.
     """
-    store = _store()
+    store = default_store()
     if store is None:
         return
     try:
