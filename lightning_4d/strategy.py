@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_4d import checkpoint
 from lightning_4d.context_parallel import ContextParallel, check_options as check_context_parallel_options
 from lightning_4d.desync import DesyncMonitor
-from lightning_4d.faults import report_failure
+from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.telemetry import Telemetry
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.parallel_dims import ParallelDims, Size
@@ -101,6 +101,8 @@ class FourDStrategy(ModelParallelStrategy):
         debug_steps: how many training steps ``debug`` checks.
         telemetry: add the :class:`~lightning_4d.telemetry.Telemetry` callback (tokens/s, MFU, memory,
             communication time per dimension, pipeline bubble), logged through the Trainer's loggers.
+        broadcast_buffers: before every training step, broadcast the module's buffers (BatchNorm running
+            statistics, ...) from the first rank of each replica group, as DDP does by default.
     """
 
     strategy_name = "fourd"
@@ -132,6 +134,7 @@ class FourDStrategy(ModelParallelStrategy):
         debug: bool = False,
         debug_steps: int = 2,
         telemetry: bool = False,
+        broadcast_buffers: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -167,6 +170,7 @@ class FourDStrategy(ModelParallelStrategy):
         if isinstance(debug_steps, bool) or not isinstance(debug_steps, int) or debug_steps < 1:
             raise ValueError(f"debug_steps={debug_steps!r} must be a positive number of training steps.")
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
+        self.broadcast_buffers = bool(broadcast_buffers)  # read by lightning_4d.faults.FaultTolerance
         self._desync: Optional[DesyncMonitor] = None
         self._tp_plan: Optional[TensorParallelPlan] = None
         self._tp_check: Optional[TensorParallelSelfCheck] = None
@@ -196,6 +200,7 @@ class FourDStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         if self.telemetry and not any(isinstance(c, Telemetry) for c in trainer.callbacks):
             trainer.callbacks.append(Telemetry())
+        attach_fault_tolerance(self)  # preemption, heartbeats, uneven data, batch shapes, buffers
 
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""
