@@ -28,12 +28,14 @@ from lightning_4d import FourDStrategy, checkpoint
 from lightning_4d.faults import FaultTolerance, Preempted
 from tests.models import Classifier, classification_data
 
+WORLD, RANK = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown clears them
 FAST = dict(heartbeat_interval=0.5, lost_after=3.0, stall_after=6.0)
 
 
 def _trainer(strategy, max_steps, callbacks=(), **options):
-    return pl.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
-                      max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    return pl.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy,
+                      max_steps=max_steps, logger=False, enable_checkpointing=checkpointing, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                       callbacks=list(callbacks), **options)
 
@@ -59,7 +61,7 @@ def liveness(how):
 
 
 def uneven():
-    rank = int(os.environ["RANK"])
+    rank = RANK
     data = classification_data(size=48 if rank == 1 else 64)
     pl.seed_everything(0, verbose=False)
     trainer = _trainer(FourDStrategy(dp=2), 20, use_distributed_sampler=False)
@@ -69,7 +71,7 @@ def uneven():
 def shapes():
     from tests.lm_models import tiny_gpt
 
-    rank = int(os.environ["RANK"])
+    rank = RANK
     tokens = torch.randint(0, 64, (16, 17 if rank == 0 else 13))
     pl.seed_everything(0, verbose=False)
     trainer = _trainer(FourDStrategy(tp=2), 4, use_distributed_sampler=False)
@@ -133,7 +135,7 @@ class SignalAtRandom(Callback):
 
     def __init__(self, rng, where, first_step):
         self.where, self.step = where, first_step + rng.randrange(1, 3)
-        self.delay = random.Random(rng.random() + int(os.environ["RANK"])).uniform(0, 0.02)
+        self.delay = random.Random(rng.random() + RANK).uniform(0, 0.02)
         self.armed, self.timer = True, None
 
     def _fire_soon(self):
@@ -169,7 +171,9 @@ PREEMPT_STEPS = 28
 def _preempt_fit(out, name, ckpt_dir, callbacks, resume):
     pl.seed_everything(7, verbose=False)
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=1, save_last=True)
-    trainer = _trainer(FourDStrategy(dp=2), PREEMPT_STEPS, [StepRecorder(out, name), saver, *callbacks])
+    # The recorder before FaultTolerance, which ends the step that is preempted.
+    trainer = _trainer(FourDStrategy(dp=2), PREEMPT_STEPS, [StepRecorder(out, name), saver, *callbacks,
+                                                            FaultTolerance()])
     trainer.fit(Classifier(), DataLoader(classification_data(), batch_size=8, shuffle=True),
                 ckpt_path="last" if resume else None)
     return trainer

@@ -38,14 +38,15 @@ from torch.distributed.tensor import DTensor
 from lightning_4d._compat import default_store
 from lightning_4d.faults.liveness import (DEFAULT_INTERVAL, DEFAULT_LOST_AFTER, DEFAULT_STALL_AFTER, Heartbeat,
                                           check_options)
+from lightning_4d.faults.report import RaisedOnEveryRank
 from lightning_4d.faults.preemption import EXIT_PREEMPTED, Preempted, SignalFlag, parse_signals
 
 
-class UnevenDataError(RuntimeError):
+class UnevenDataError(RaisedOnEveryRank):
     """Replicas have different numbers of batches: one ran out while others still had data."""
 
 
-class BatchShapeMismatchError(RuntimeError):
+class BatchShapeMismatchError(RaisedOnEveryRank):
     """Ranks that must receive the same batch (tp, cp, pp peers) received batches of different shapes."""
 
 

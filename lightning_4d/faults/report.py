@@ -26,6 +26,10 @@ from lightning_4d.faults.preemption import Preempted
 _KEY = "lightning_4d/first_failure"
 
 
+class RaisedOnEveryRank(RuntimeError):
+    """An error every rank raises together from the same gathered facts (so no rank failed "first")."""
+
+
 def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
     """Record this rank's failure if it is the first; otherwise print the first one (best effort).
 
@@ -35,7 +39,7 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
     """
     store = default_store()
     heartbeat = liveness.current()
-    if isinstance(exception, Preempted):  # every rank leaves on purpose, together, after a complete save
+    if isinstance(exception, (Preempted, RaisedOnEveryRank)):  # every rank leaves together, on purpose
         if heartbeat is not None:
             heartbeat.stop("preempted")
         return

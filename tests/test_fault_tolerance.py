@@ -1,0 +1,118 @@
+"""Issue #16: preemption, lost and stalled ranks, uneven data, mismatched batch shapes, drifting buffers.
+
+Every rank is its own process (``tests.parity.launch``, as a scheduler starts them, no launcher agent), under a
+hard timeout; ``grace`` is long so that the ranks must stop by themselves. Scenarios: tests/fault_worker.py.
+The liveness settings of these runs: heartbeat every 0.5 s, lost after 3 s, stalled after 6 s.
+"""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_4d import checkpoint
+from lightning_4d.faults import EXIT_PREEMPTED, EXIT_RANK_LOST, EXIT_STALLED
+from tests.parity import launch
+
+
+def _run(scenario, out, *args, timeout=150, grace=60):
+    start = time.time()
+    codes, output = launch(["-m", "tests.fault_worker", scenario, str(out), *map(str, args)], 2, timeout=timeout,
+                           grace=grace)
+    assert "TIMEOUT" not in output[:200], output[-4000:]
+    return codes, output, start
+
+
+def _misbehaved_at(output):
+    return float(re.search(r"rank 1 misbehaves \(\w+\) at t=([0-9.]+)", output).group(1))
+
+
+def test_a_killed_rank_is_named_and_every_other_rank_exits(tmp_path):
+    codes, output, _ = _run("kill", tmp_path)
+    took = time.time() - _misbehaved_at(output)
+    print(f"killed rank: all ranks exited {took:.1f} s after the kill")
+    assert codes[1] == -9 and codes[0] > 0, (codes, output[-4000:])
+    assert "rank 0 stopped because rank 1 was lost (no heartbeat" in output, output[-4000:]
+    assert "failed first" not in output  # the survivor is not blamed
+    assert took < 20, took
+
+
+def test_a_stalled_rank_is_named_and_every_rank_exits(tmp_path):
+    codes, output, _ = _run("stall", tmp_path)
+    took = time.time() - _misbehaved_at(output)
+    print(f"stalled rank: all ranks exited {took:.1f} s after the stall began")
+    assert codes == [EXIT_RANK_LOST, EXIT_STALLED], (codes, output[-4000:])
+    for rank in (0, 1):
+        assert f"rank {rank} stops (exit {codes[rank]}): rank 1 stalled: no progress for" in output, output[-4000:]
+    assert "this rank is stalled; where its threads are" in output and "in on_train_batch_start" in output
+    assert took < 6 + 10, took
+
+
+def test_uneven_data_stops_every_rank_together_naming_the_counts(tmp_path):
+    codes, output, _ = _run("uneven", tmp_path)
+    assert codes == [1, 1], (codes, output[-4000:])
+    message = ("UnevenDataError: Uneven data across replicas in epoch 0: ranks [1] have no batch after batch 6"
+               " while ranks [0] have more (batches per rank: rank 0: has more than 6 of 8, rank 1: ran out after"
+               " 6 of 6)")
+    assert output.count(message) >= 2, output[-4000:]
+    assert "Connection" not in output
+
+
+def test_different_batch_shapes_on_tensor_parallel_peers_are_named(tmp_path):
+    codes, output, _ = _run("shapes", tmp_path)
+    assert codes == [1, 1], (codes, output[-4000:])
+    message = ("received batches of different shapes at step 0: ranks [0]: [(4, 16), (4, 16)]; ranks [1]:"
+               " [(4, 12), (4, 12)]")
+    assert output.count(message) >= 2, output[-4000:]
+
+
+def test_buffers_stay_in_sync_as_with_ddp(tmp_path):
+    for kind in ("ddp", "fourd", "fourd-nobroadcast"):
+        codes, output, _ = _run("bn", tmp_path, kind)
+        assert codes == [0, 0], (kind, codes, output[-4000:])
+    ddp = torch.load(tmp_path / "bn-ddp-rank0.pt")
+    fourd = torch.load(tmp_path / "bn-fourd-rank0.pt")
+    drift = torch.load(tmp_path / "bn-fourd-nobroadcast-rank0.pt")
+    assert set(ddp) == set(fourd)
+    for key, value in ddp.items():
+        torch.testing.assert_close(fourd[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    # Without the broadcast rank 0 keeps only its own statistics: the test can tell the difference.
+    assert (drift["net.1.running_mean"] - ddp["net.1.running_mean"]).abs().max() > 1e-3
+
+
+def test_ten_preemptions_at_random_moments_resume_exactly(tmp_path):
+    """10 SIGTERMs to both ranks (alternately mid-step and mid-save), 5 per launch: each launch ends with the
+    preemption status, leaves no ``.partial``, and ``last.ckpt`` holds exactly the step the run stopped at;
+    the run stitched from the 11 pieces equals an uninterrupted one (losses and weights, bit for bit)."""
+    stopped = []
+    for first in (0, 5):
+        codes, output, start = _run("preempt", tmp_path, first, 5, 1600 + first, timeout=280, grace=60)
+        print(f"preemption launch {first // 5}: {time.time() - start:.1f} s")
+        assert codes == [EXIT_PREEMPTED] * 2, (codes, output[-6000:])
+        assert output.count("[lightning-4d] preempted (SIGTERM on ranks") == 5, output[-4000:]
+        assert not list((tmp_path / "ckpt").glob("*.partial")), list((tmp_path / "ckpt").iterdir())
+        for cycle in range(first, first + 5):
+            record = json.loads((tmp_path / f"cycle{cycle}.json").read_text())
+            assert record["preempted_at"] is not None, cycle
+            stopped.append(record)
+        assert checkpoint.read_meta(tmp_path / "ckpt" / "last.ckpt")["global_step"] == stopped[-1]["preempted_at"]
+    codes, output, _ = _run("preempt", tmp_path, -1, 0, 0, timeout=200)
+    assert codes == [0, 0], (codes, output[-4000:])
+    final = json.loads((tmp_path / "final.json").read_text())
+    reference = json.loads((tmp_path / "reference.json").read_text())
+
+    # No lost steps: each piece starts at the step the previous one stopped at (its last.ckpt).
+    stitched, position = {}, 0
+    for record in stopped + [final]:
+        steps = sorted(int(step) for step in record["losses"])
+        assert steps[0] == position + 1, (position, steps)
+        stitched.update({int(step): loss for step, loss in record["losses"].items()})
+        position = record["preempted_at"] if record["preempted_at"] is not None else steps[-1]
+        if record is not final:
+            assert steps[-1] == record["preempted_at"], (steps, record["preempted_at"])
+    assert len(stopped) == 10
+    assert stitched == {int(step): loss for step, loss in reference["losses"].items()}
+    assert final["weights"] == reference["weights"]
