@@ -73,13 +73,14 @@ def test_buffers_stay_in_sync_as_with_ddp(tmp_path):
     for kind in ("ddp", "fourd", "fourd-nobroadcast"):
         codes, output, _ = _run("bn", tmp_path, kind)
         assert codes == [0, 0], (kind, codes, output[-4000:])
-    ddp = torch.load(tmp_path / "bn-ddp-rank0.pt")
-    fourd = torch.load(tmp_path / "bn-fourd-rank0.pt")
-    drift = torch.load(tmp_path / "bn-fourd-nobroadcast-rank0.pt")
-    assert set(ddp) == set(fourd)
-    for key, value in ddp.items():
-        torch.testing.assert_close(fourd[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-    # Without the broadcast rank 0 keeps only its own statistics: the test can tell the difference.
+    for rank in (0, 1):
+        ddp = torch.load(tmp_path / f"bn-ddp-rank{rank}.pt")
+        fourd = torch.load(tmp_path / f"bn-fourd-rank{rank}.pt")
+        assert set(ddp) == set(fourd)
+        for key, value in ddp.items():
+            torch.testing.assert_close(fourd[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")
+    # Without the broadcast rank 1 keeps only its own statistics: the test can tell the difference.
+    drift = torch.load(tmp_path / "bn-fourd-nobroadcast-rank1.pt")
     assert (drift["net.1.running_mean"] - ddp["net.1.running_mean"]).abs().max() > 1e-3
 
 
