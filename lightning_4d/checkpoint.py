@@ -349,6 +349,7 @@ def expected_files(directory: Path) -> Optional[dict[str, Any]]:
 
 
 def describe_problems(directory: Path, problems: list[str]) -> str:
+    """One line for the user: each damaged file with the tensors it holds, and what to do."""
     tensors = _tensors_by_file(directory)
     lines = []
     for problem in problems:

@@ -14,6 +14,7 @@ from lightning_4d.checkpoint import CHECKSUM_FILE, META_FILE, CorruptCheckpointE
 
 
 def main(argv: list[str]) -> int:
+    """The command line; returns the exit status (0 intact, 2 damaged or not a checkpoint)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_4d.verify_checkpoint",
                                      description="Check every file of a lightning-4d checkpoint directory against"
                                                  " the size and checksum it was written with: exit 0 if intact,"

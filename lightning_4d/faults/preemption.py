@@ -24,6 +24,7 @@ class Preempted(SystemExit):
 
 
 def parse_signals(signals: Union[tuple, list]) -> tuple[signal.Signals, ...]:
+    """Signal names or numbers as ``signal.Signals``; one that is not a signal, or cannot be caught, fails."""
     if isinstance(signals, (str, int)):
         signals = (signals,)
     parsed = []
