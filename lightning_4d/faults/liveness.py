@@ -215,6 +215,7 @@ class Heartbeat:
             names = ", ".join(f"rank {rank}" + (" (never started)" if rank in never else "") for rank in lost)
             self._fail(EXIT_RANK_LOST, f"{names} lost: no heartbeat for {self.lost_after:.0f} s (the process died"
                                        " or was killed, or its machine is unreachable)")
+            return
         self._judge_stall(now)
 
     def _judge_stall(self, now: float) -> None:
@@ -240,6 +241,7 @@ class Heartbeat:
                   flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self._fail(EXIT_STALLED, message)
+            return
         self._fail(EXIT_RANK_LOST, message)
 
     def _fail(self, code: int, message: str) -> None:
