@@ -117,3 +117,37 @@ def test_ten_preemptions_at_random_moments_resume_exactly(tmp_path):
     assert len(stopped) == 10
     assert stitched == {int(step): loss for step, loss in reference["losses"].items()}
     assert final["weights"] == reference["weights"]
+
+
+def _torchrun(scenario, out, *args, timeout=150):
+    """The same scenario under torchrun (its agent starts the ranks, and SIGTERMs the rest when one fails)."""
+    import subprocess
+    import sys
+
+    from tests.parity import ROOT, child_env, free_port
+
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), "-m", "tests.fault_worker", scenario,
+                           str(out), *map(str, args)], cwd=ROOT, env=child_env(PYTHONUNBUFFERED="1"),
+                          capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stdout + done.stderr, start
+
+
+@pytest.mark.parametrize("scenario", ["kill", "stall"])
+def test_lost_and_stalled_ranks_under_torchrun(tmp_path, scenario):
+    code, output, _ = _torchrun(scenario, tmp_path)
+    took = time.time() - _misbehaved_at(output)
+    print(f"torchrun, {scenario}: torchrun exited {took:.1f} s after rank 1 misbehaved")
+    assert code != 0, output[-4000:]
+    if scenario == "kill":
+        assert "rank 0 stopped because rank 1 was lost (no heartbeat" in output, output[-4000:]
+    else:
+        assert "rank 0 stops (exit 76): rank 1 stalled" in output and "rank 1 stops (exit 77)" in output, output[-4000:]
+    assert took < 20, took
+
+
+def test_uneven_data_under_torchrun(tmp_path):
+    code, output, _ = _torchrun("uneven", tmp_path)
+    assert code != 0 and output.count("UnevenDataError: Uneven data across replicas in epoch 0: ranks [1]") >= 2, (
+        output[-4000:])
