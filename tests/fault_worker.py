@@ -202,6 +202,21 @@ def preempt(out, first_cycle, cycles, seed):
         raise AssertionError(f"cycle {cycle} was not preempted")
 
 
+class SlowSteps(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.05)
+        if trainer.global_rank == 0:
+            print(f"at step {trainer.global_step}", flush=True)
+
+
+def preempt_by_agent(out):
+    """Trains until the launcher (torchrun's agent, a scheduler) sends SIGTERM."""
+    saver = ModelCheckpoint(dirpath=Path(out) / "ckpt", every_n_train_steps=3, save_last=True)
+    pl.seed_everything(7, verbose=False)
+    trainer = _trainer(FourDStrategy(dp=2), 400, [saver, SlowSteps()])
+    trainer.fit(Classifier(), DataLoader(classification_data(), batch_size=8, shuffle=True))
+
+
 if __name__ == "__main__":
     scenario, out, *rest = sys.argv[1:]
     if scenario in ("kill", "stall"):
@@ -212,5 +227,7 @@ if __name__ == "__main__":
         shapes()
     elif scenario == "bn":
         batchnorm(rest[0], out)
+    elif scenario == "preempt-agent":
+        preempt_by_agent(out)
     elif scenario == "preempt":
         preempt(out, int(rest[0]), int(rest[1]), int(rest[2]))

@@ -151,3 +151,34 @@ def test_uneven_data_under_torchrun(tmp_path):
     code, output, _ = _torchrun("uneven", tmp_path)
     assert code != 0 and output.count("UnevenDataError: Uneven data across replicas in epoch 0: ranks [1]") >= 2, (
         output[-4000:])
+
+
+def test_sigterm_to_torchrun_saves_the_current_step_and_exits_with_the_preemption_status(tmp_path):
+    """The scheduler signals torchrun's agent, which sends SIGTERM to every worker: they finish the step, save
+    last.ckpt complete and exit (with status 75; torchrun reports its own SignalException instead)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.parity import ROOT, child_env, free_port
+
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m",
+                              "tests.fault_worker", "preempt-agent", str(tmp_path)], cwd=ROOT,
+                             env=child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    lines = []
+    try:
+        for line in agent.stdout:
+            lines.append(line)
+            if line.startswith("at step 5"):
+                agent.send_signal(signal.SIGTERM)
+                break
+        output = "".join(lines) + agent.communicate(timeout=120)[0]
+    finally:
+        agent.kill()
+    stopped = re.search(r"preempted \(SIGTERM on ranks \[0, 1\]\): saved step (\d+) complete", output)
+    assert stopped, output[-4000:]
+    assert "Received 15 death signal, shutting down workers" in output  # the agent forwarded it
+    assert checkpoint.read_meta(tmp_path / "ckpt" / "last.ckpt")["global_step"] == int(stopped.group(1))
+    assert not list((tmp_path / "ckpt").glob("*.partial"))
