@@ -182,3 +182,45 @@ def test_sigterm_to_torchrun_saves_the_current_step_and_exits_with_the_preemptio
     assert "Received 15 death signal, shutting down workers" in output  # the agent forwarded it
     assert checkpoint.read_meta(tmp_path / "ckpt" / "last.ckpt")["global_step"] == int(stopped.group(1))
     assert not list((tmp_path / "ckpt").glob("*.partial"))
+
+
+_ONE_PROCESS = """
+import os, signal, sys, time
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+from lightning_4d import FourDStrategy
+from tests.models import Classifier, classification_data
+
+class SignalAtStep2(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2 and sys.argv[1] == "during":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+t = pl.Trainer(accelerator="cpu", devices=1, strategy=FourDStrategy(), max_steps=4, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               default_root_dir=sys.argv[2], callbacks=[SignalAtStep2()])
+t.fit(Classifier(), DataLoader(classification_data(), batch_size=8))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(5)
+print("still alive after SIGTERM")
+"""
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_one_process_preemption_and_sigterm_after_fit(tmp_path, when):
+    """During fit, SIGTERM saves and exits 75; after fit it terminates the process as it did before (the
+    handler is given back, also though Lightning restores the handlers it found when fit began)."""
+    import subprocess
+    import sys
+
+    from tests.parity import ROOT, child_env
+
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS, when, str(tmp_path)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert "still alive" not in done.stdout
+    if when == "during":
+        assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+        assert checkpoint.read_meta(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
+    else:
+        assert done.returncode == -15, (done.returncode, done.stderr[-3000:])

@@ -109,7 +109,11 @@ class FaultTolerance(Callback):
             self._flag.received.clear()  # acted on: not delivered again when the handler is uninstalled
             if self._beat is not None:
                 self._beat.stop("preempted")
-                self._beat = None
+        # Other failures: the strategy's failure report stops the heartbeat once it has claimed or read the first
+        # failure (stopping it here would let a peer think this rank left on purpose and blame itself).
+        self._beat = None
+        # Lightning calls no ``teardown`` hook after an exception: give the signals back here.
+        self._flag.uninstall()
 
     # ------------------------------------------------------------------------------ progress marks
 

@@ -40,13 +40,17 @@ def parse_signals(signals: Union[tuple, list]) -> tuple[signal.Signals, ...]:
 
 class SignalFlag:
     """Our handler on each of ``signals`` while installed. Uninstalled, the previous handlers come back, and a
-    signal that arrived but was never acted on (after the last step) is delivered again to them."""
+    signal that arrived but was never acted on (after the last step) is delivered again to them. If someone
+    puts our handler back afterwards (Lightning restores the handlers it found when ``fit`` began), it passes
+    signals straight on to the original handlers, so a signal after ``fit`` is never swallowed."""
 
     def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
         self.signals = signals
         self.received: list[signal.Signals] = []
         self.received_at: Optional[float] = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._original: dict[signal.Signals, Any] = {}
+        self.active = False
 
     @property
     def requested(self) -> int:
@@ -57,21 +61,32 @@ class SignalFlag:
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Only records: no I/O, no collective (see the module doc).
+        if not self.active:
+            original = self._original.get(signal.Signals(signum), signal.SIG_DFL)
+            if callable(original):
+                original(signum, frame)
+                return
+            signal.signal(signum, original if original is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.received.append(signal.Signals(signum))
         self.received_at = self.received_at or time.time()
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
+        self.active = True
         for signum in self.signals:
             current = signal.getsignal(signum)
             if current == self._handle:
                 continue
             # The first handler we replace is what we give back (Lightning's own, installed on top of it, goes).
             self._previous.setdefault(signum, current)
+            self._original.setdefault(signum, current)
             signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
+        self.active = False
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, previous in self._previous.items():
