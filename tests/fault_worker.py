@@ -202,6 +202,25 @@ def preempt(out, first_cycle, cycles, seed):
         raise AssertionError(f"cycle {cycle} was not preempted")
 
 
+class LogOnRank0Only(Classifier):
+    """The issue's hang: ``self.log(..., sync_dist=True)`` on rank 0 only (an all-reduce rank 1 never issues)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if self.global_rank == 0 and self.global_step == 2:
+            self.log("rank0_only", loss, sync_dist=True)
+        return loss
+
+
+def mismatch():
+    from datetime import timedelta
+
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer(FourDStrategy(dp=2, timeout=timedelta(seconds=20)), 10, [FaultTolerance(**FAST)])
+    trainer.fit(LogOnRank0Only(), DataLoader(classification_data(), batch_size=8))
+
+
 class SlowSteps(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(0.05)
@@ -227,6 +246,8 @@ if __name__ == "__main__":
         shapes()
     elif scenario == "bn":
         batchnorm(rest[0], out)
+    elif scenario == "mismatch":
+        mismatch()
     elif scenario == "preempt-agent":
         preempt_by_agent(out)
     elif scenario == "preempt":

@@ -224,3 +224,16 @@ def test_one_process_preemption_and_sigterm_after_fit(tmp_path, when):
         assert checkpoint.read_meta(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 3
     else:
         assert done.returncode == -15, (done.returncode, done.stderr[-3000:])
+
+
+def test_a_collective_issued_by_one_rank_only_is_found_without_debug(tmp_path):
+    """The issue's silent hang: ``self.log(..., sync_dist=True)`` on rank 0 only. Rank 0 is the rank behind;
+    it prints its stack, which shows the user's ``log`` line, and both ranks exit well before the 20 s
+    collective timeout of this run."""
+    codes, output, start = _run("mismatch", tmp_path)
+    took = time.time() - start
+    assert codes == [EXIT_STALLED, EXIT_RANK_LOST], (codes, output[-4000:])
+    assert "rank 0 stalled: no progress for" in output
+    assert re.search(r'fault_worker.py", line \d+ in training_step', output), output[-4000:]
+    assert "in _sync_ddp" in output  # where it waits: the all-reduce of the log call
+    print(f"one-sided collective: launch to all-exit {took:.1f} s")

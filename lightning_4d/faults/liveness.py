@@ -235,7 +235,8 @@ class Heartbeat:
         where = "; ".join(f"rank {rank} at step {doing[rank]['step']} in {doing[rank]['doing']}" for rank in behind)
         message = (f"{'rank' if len(behind) == 1 else 'ranks'} {', '.join(map(str, behind))} stalled: no progress"
                    f" for {waited:.0f} s ({where}) while the other ranks wait for {'it' if len(behind) == 1 else 'them'}"
-                   " in a collective")
+                   " in a collective (a rank behind is stuck in user code, or in a collective the others never issued,"
+                   " such as a log(sync_dist=True) on one rank only: its stack shows where)")
         if self.rank in behind:
             print(f"[lightning-4d] rank {self.rank}: this rank is stalled; where its threads are:", file=sys.stderr,
                   flush=True)
