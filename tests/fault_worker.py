@@ -165,7 +165,7 @@ class SignalAtRandom(Callback):
             self.armed = False
 
 
-PREEMPT_STEPS = 28
+PREEMPT_STEPS = 40
 
 
 def _preempt_fit(out, name, ckpt_dir, callbacks, resume):

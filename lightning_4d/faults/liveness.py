@@ -110,6 +110,9 @@ class Heartbeat:
 
     def stop(self, finished: str = "finished") -> None:
         """End the thread and tell the peers this rank left on purpose (they will not call it lost)."""
+        global _current
+        if _current is self:
+            _current = None
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from typing import Any, Optional, Union
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again (resume from last.ckpt)
@@ -36,6 +37,16 @@ def parse_signals(signals: Union[tuple, list]) -> tuple[signal.Signals, ...]:
         if parsed[-1] in (signal.SIGKILL, signal.SIGSTOP):
             raise ValueError(f"signals: {parsed[-1].name} cannot be caught.")
     return tuple(parsed)
+
+
+_installed: "weakref.WeakSet[SignalFlag]" = weakref.WeakSet()
+
+
+def release_signals() -> None:
+    """Give back every installed handler (end of the failure report: until then a scheduler's or launcher's
+    SIGTERM only waits, so that the report that names the cause gets printed)."""
+    for flag in list(_installed):
+        flag.uninstall()
 
 
 class SignalFlag:
@@ -76,6 +87,7 @@ class SignalFlag:
         if threading.current_thread() is not threading.main_thread():
             return
         self.active = True
+        _installed.add(self)
         for signum in self.signals:
             current = signal.getsignal(signum)
             if current == self._handle:
@@ -87,6 +99,7 @@ class SignalFlag:
 
     def uninstall(self) -> None:
         self.active = False
+        _installed.discard(self)
         if threading.current_thread() is not threading.main_thread():
             return
         for signum, previous in self._previous.items():

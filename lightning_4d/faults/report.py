@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_4d._compat import default_store
 from lightning_4d.faults import liveness
-from lightning_4d.faults.preemption import Preempted
+from lightning_4d.faults.preemption import Preempted, release_signals
 
 _KEY = "lightning_4d/first_failure"
 
@@ -41,8 +41,16 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
     heartbeat = liveness.current()
     if isinstance(exception, (Preempted, RaisedOnEveryRank)):  # every rank leaves together, on purpose
         if heartbeat is not None:
-            heartbeat.stop("preempted")
+            heartbeat.stop("preempted" if isinstance(exception, Preempted) else type(exception).__name__)
+        release_signals()
         return
+    try:
+        _report(store, heartbeat, rank, exception, world_size, linger)
+    finally:
+        release_signals()
+
+
+def _report(store, heartbeat, rank: int, exception: BaseException, world_size: int, linger: float) -> None:
     if store is None:
         return
     try:
