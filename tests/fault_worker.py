@@ -217,7 +217,7 @@ def mismatch():
     from datetime import timedelta
 
     pl.seed_everything(0, verbose=False)
-    trainer = _trainer(FourDStrategy(dp=2, timeout=timedelta(seconds=20)), 10, [FaultTolerance(**FAST)])
+    trainer = _trainer(FourDStrategy(dp=2, timeout=timedelta(seconds=60)), 10, [FaultTolerance(**FAST)])
     trainer.fit(LogOnRank0Only(), DataLoader(classification_data(), batch_size=8))
 
 

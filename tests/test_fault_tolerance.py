@@ -228,7 +228,7 @@ def test_one_process_preemption_and_sigterm_after_fit(tmp_path, when):
 
 def test_a_collective_issued_by_one_rank_only_is_found_without_debug(tmp_path):
     """The issue's silent hang: ``self.log(..., sync_dist=True)`` on rank 0 only. Rank 0 is the rank behind;
-    it prints its stack, which shows the user's ``log`` line, and both ranks exit well before the 20 s
+    it prints its stack, which shows the user's ``log`` line, and both ranks exit well before the 60 s
     collective timeout of this run."""
     codes, output, start = _run("mismatch", tmp_path)
     took = time.time() - start
