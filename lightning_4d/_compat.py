@@ -8,7 +8,7 @@ instead of a parallel run going wrong somewhere else. Each entry says why no pub
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,10 +53,15 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
     return mesh[dims]._flatten(name)
 
 
-def default_store() -> dist.Store:
-    """The rendezvous store of the default process group: a side channel that works while collectives hang
-    or fail (desync checks, first-failure reports). torch exposes it only privately."""
-    return dist.distributed_c10d._get_default_store()
+def default_store() -> Optional[dist.Store]:
+    """The rendezvous store of the default process group (None without one): a side channel that works while
+    collectives hang or fail (desync checks, first-failure reports, heartbeats). torch keeps it private."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 # Attention kernels that return the log-sum-exp, which ring attention needs to merge blocks exactly

@@ -32,7 +32,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
-from lightning_4d.faults import report_failure
+from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
@@ -78,6 +78,8 @@ class FourDStrategy(ModelParallelStrategy):
             same collectives; the first difference is reported by rank and tensor name.
         telemetry: add the :class:`~lightning_4d.telemetry.Telemetry` callback (tokens/s, MFU, memory,
             communication time per dimension, pipeline bubble), logged through the Trainer's loggers.
+        broadcast_buffers: before every training step, broadcast the module's buffers (BatchNorm running
+            statistics, ...) from the first rank of each replica group, as DDP does by default.
     """
 
     strategy_name = "fourd"
@@ -111,6 +113,7 @@ class FourDStrategy(ModelParallelStrategy):
         debug: bool = False,
         debug_steps: int = 2,
         telemetry: bool = False,
+        broadcast_buffers: bool = True,
         **unknown: Any,
     ) -> None:
         refuse_unknown(FourDStrategy.__init__, unknown)
@@ -133,6 +136,7 @@ class FourDStrategy(ModelParallelStrategy):
         self._train_loaders = TrainLoaders()
         positive("debug_steps", debug_steps, "training steps", integer=True)
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
+        self.broadcast_buffers = bool(broadcast_buffers)  # read by lightning_4d.faults.FaultTolerance
         self._desync: Optional[DesyncMonitor] = None
 
     # ----------------------------------------------------------------------------------------- layout
@@ -162,6 +166,7 @@ class FourDStrategy(ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         if self.telemetry and not any(isinstance(c, Telemetry) for c in trainer.callbacks):
             trainer.callbacks.append(Telemetry())
+        attach_fault_tolerance(self)  # preemption, heartbeats, uneven data, batch shapes, buffers
 
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""

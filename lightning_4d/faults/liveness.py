@@ -1,0 +1,258 @@
+"""Heartbeats in the rendezvous store: a rank that dies, is killed or stalls ends every rank, named.
+
+Each rank runs one daemon thread that every ``interval`` seconds writes a small record to the store
+(``lightning_4d/heartbeat/<rank>``: a beat counter, how far the main thread got, what it was last doing)
+and reads every peer's record back in one ``multi_get``. Judged on each rank from the same records:
+
+* **lost**: a peer's beat counter has not changed for ``lost_after`` seconds (its process is gone: killed,
+  out of memory, crashed in C code), or the store itself is unreachable that long (rank 0, which hosts it,
+  is gone). Every rank that sees it exits with :data:`EXIT_RANK_LOST`.
+* **stalled**: the peers still beat, but for ``stall_after`` seconds no rank's progress changed and some ranks
+  are behind others (the ranks ahead wait in a collective for the ones behind, which are stuck in user code:
+  a ``time.sleep``, a dead lock, a data loader that never returns). The ranks behind are named; they exit with
+  :data:`EXIT_STALLED` after printing their own stack, the others with :data:`EXIT_RANK_LOST`. When every rank
+  is at the same point nothing is judged (a long checkpoint save, a hang inside one collective: the
+  collective ``timeout`` ends those).
+
+Progress is a counter the main thread bumps with :meth:`Heartbeat.mark` (the fault callback does at each
+Lightning hook of a step), so it costs an integer increment on the training thread; the store traffic is
+one ``set`` and one ``multi_get`` per rank per interval, off the training thread.
+
+The thread ends the process with ``os._exit``: the main thread may be blocked in a collective that will
+never return, so no Python-level exception could reach it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+EXIT_RANK_LOST = 76  # another rank died, was killed or stalled
+EXIT_STALLED = 77  # this rank stalled (the others waited for it)
+
+DEFAULT_INTERVAL = 1.0
+DEFAULT_LOST_AFTER = 10.0
+DEFAULT_STALL_AFTER = 120.0
+
+_PREFIX = "lightning_4d/heartbeat/"
+
+
+_current: Optional["Heartbeat"] = None
+
+
+def current() -> Optional["Heartbeat"]:
+    """This process's running heartbeat, if any (the failure report reads who is still alive from it)."""
+    return _current
+
+
+def _key(rank: int) -> str:
+    return f"{_PREFIX}{rank}"
+
+
+def check_options(interval: float, lost_after: float, stall_after: Optional[float]) -> None:
+    """Bad settings fail when the callback is made, before any process group exists."""
+    for name, value in (("heartbeat_interval", interval), ("lost_after", lost_after)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number of seconds.")
+    if lost_after < 2 * interval:
+        raise ValueError(f"lost_after={lost_after} must be at least twice heartbeat_interval={interval}: a rank is"
+                         " only judged lost after it missed more than one beat.")
+    if stall_after is not None and (isinstance(stall_after, bool) or not isinstance(stall_after, (int, float))
+                                    or stall_after < lost_after):
+        raise ValueError(f"stall_after={stall_after!r} must be None (off) or a number of seconds of at least"
+                         f" lost_after={lost_after}.")
+
+
+class Heartbeat:
+    """One rank's heartbeat thread (see the module doc). ``exit`` ends the process (``os._exit`` by default;
+    a test may pass a recorder)."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, interval: float = DEFAULT_INTERVAL,
+                 lost_after: float = DEFAULT_LOST_AFTER, stall_after: Optional[float] = DEFAULT_STALL_AFTER,
+                 exit: Callable[[int], Any] = os._exit) -> None:
+        check_options(interval, lost_after, stall_after)
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.interval, self.lost_after, self.stall_after = float(interval), float(lost_after), stall_after
+        self._exit = exit
+        self.progress = 0
+        self.doing = "starting"
+        self.step = -1
+        self._beat = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._seen: dict[int, tuple[Any, float]] = {}  # peer -> (beat, local time it last changed)
+        self._peers: dict[int, dict[str, Any]] = {}  # peer -> its last record
+        self._job_progress: tuple[Any, float] = (None, time.monotonic())
+        self._store_failing_since: Optional[float] = None
+
+    # ------------------------------------------------------------------------------- main thread
+
+    def mark(self, doing: str, step: int) -> None:
+        """The main thread reached ``doing`` (``"training_step"``, ``"backward"``, ...) of ``step``."""
+        self.progress += 1
+        self.doing, self.step = doing, step
+
+    def start(self) -> "Heartbeat":
+        global _current
+        _current = self
+        self._publish()  # peers see this rank from the first moment
+        self._thread = threading.Thread(target=self._run, name="lightning-4d-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, finished: str = "finished") -> None:
+        """End the thread and tell the peers this rank left on purpose (they will not call it lost)."""
+        global _current
+        if _current is self:
+            _current = None
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+        try:
+            self.store.set(_key(self.rank), json.dumps({"left": finished}))
+        except Exception:  # noqa: BLE001  the store may be gone with rank 0
+            pass
+
+    def alive_peers(self, within: float) -> set[int]:
+        """Ranks whose beat changed within the last ``within`` seconds (as this thread last saw them), and
+        which have not left."""
+        now = time.monotonic()
+        return {rank for rank, (_, since) in self._seen.items()
+                if now - since <= within and "left" not in self._peers.get(rank, {})}
+
+    def find_lost(self, wait: Optional[float] = None) -> list[int]:
+        """Peers whose beat does not change within ``wait`` seconds (default: two intervals and a half) and who
+        did not leave on purpose, read from the store now (on the failure path: a collective just failed).
+        When the store itself is gone, rank 0 (its host) is the lost one."""
+        wait = 2.5 * self.interval if wait is None else wait
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        try:
+            first = dict(zip(peers, self.store.multi_get([_key(rank) for rank in peers])))
+            self._peers.update({rank: json.loads(value) for rank, value in first.items()})  # for the table
+            deadline = time.monotonic() + wait
+            silent = set(peers)
+            while silent and time.monotonic() < deadline:
+                time.sleep(min(0.1, self.interval / 4))
+                now = dict(zip(peers, self.store.multi_get([_key(rank) for rank in peers])))
+                silent = {rank for rank in silent if now[rank] == first[rank] and b"left" not in now[rank]}
+        except Exception:  # noqa: BLE001  the store is gone: its host is
+            return [0] if self.rank != 0 else []
+        return sorted(silent)
+
+    def table(self) -> str:
+        """What every rank was last doing, as this rank last read it (a flight recorder of the job)."""
+        now = time.monotonic()
+        lines = [f"{'rank':>6}  {'step':>6}  {'progress':>8}  {'last beat':>9}  doing"]
+        for rank in range(self.world_size):
+            record = self._peers.get(rank) if rank != self.rank else self._record()
+            if record is None:
+                lines.append(f"{rank:>6}  {'?':>6}  {'?':>8}  {'never':>9}  (no heartbeat seen)")
+                continue
+            if "left" in record:
+                lines.append(f"{rank:>6}  {'':>6}  {'':>8}  {'':>9}  left: {record['left']}")
+                continue
+            age = 0.0 if rank == self.rank else now - self._seen.get(rank, (None, now))[1]
+            lines.append(f"{rank:>6}  {record['step']:>6}  {record['progress']:>8}  {age:>8.1f}s  {record['doing']}")
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------------------- the thread
+
+    def _record(self) -> dict[str, Any]:
+        return {"beat": self._beat, "progress": self.progress, "doing": self.doing, "step": self.step}
+
+    def _publish(self) -> None:
+        self._beat += 1
+        self.store.set(_key(self.rank), json.dumps(self._record()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._publish()
+                records = self._read_peers()
+                self._store_failing_since = None
+            except Exception as error:  # noqa: BLE001  the store host (rank 0) may be gone
+                if self._stop.is_set():
+                    return
+                now = time.monotonic()
+                self._store_failing_since = self._store_failing_since or now
+                if now - self._store_failing_since >= self.lost_after:
+                    self._fail(EXIT_RANK_LOST, f"rank 0 (it hosts the rendezvous store) is lost: the store has"
+                                               f" been unreachable for {now - self._store_failing_since:.1f} s"
+                                               f" ({type(error).__name__}: {error})")
+                continue
+            if self._stop.is_set():
+                return
+            self._judge(records)
+
+    def _read_peers(self) -> dict[int, dict[str, Any]]:
+        peers = [rank for rank in range(self.world_size) if rank != self.rank]
+        present = [rank for rank in peers if rank in self._peers or self.store.check([_key(rank)])]
+        values = self.store.multi_get([_key(rank) for rank in present]) if present else []
+        return {rank: json.loads(value) for rank, value in zip(present, values)}
+
+    def _judge(self, records: dict[int, dict[str, Any]]) -> None:
+        now = time.monotonic()
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            record = records.get(rank)
+            if record is not None:
+                self._peers[rank] = record
+            beat = None if record is None else record.get("beat", "left")
+            last = self._seen.get(rank)
+            if last is None or last[0] != beat:
+                self._seen[rank] = (beat, now)
+        if any("left" in record for record in self._peers.values()):
+            return  # a rank finished or failed on purpose: its own report (or the end of the job) follows
+        lost = sorted(rank for rank, (beat, since) in self._seen.items() if now - since >= self.lost_after)
+        never = [rank for rank in range(self.world_size) if rank != self.rank and rank not in self._peers]
+        if lost:
+            names = ", ".join(f"rank {rank}" + (" (never started)" if rank in never else "") for rank in lost)
+            self._fail(EXIT_RANK_LOST, f"{names} lost: no heartbeat for {self.lost_after:.0f} s (the process died"
+                                       " or was killed, or its machine is unreachable)")
+            return
+        self._judge_stall(now)
+
+    def _judge_stall(self, now: float) -> None:
+        if self.stall_after is None or len(self._peers) < self.world_size - 1:
+            return
+        progress = {rank: record["progress"] for rank, record in self._peers.items()}
+        progress[self.rank] = self.progress
+        snapshot = tuple(sorted(progress.items()))
+        if snapshot != self._job_progress[0]:
+            self._job_progress = (snapshot, now)
+            return
+        waited = now - self._job_progress[1]
+        if waited < self.stall_after or len(set(progress.values())) == 1:
+            return
+        behind = sorted(rank for rank, value in progress.items() if value == min(progress.values()))
+        doing = {rank: (self._record() if rank == self.rank else self._peers[rank]) for rank in behind}
+        where = "; ".join(f"rank {rank} at step {doing[rank]['step']} in {doing[rank]['doing']}" for rank in behind)
+        message = (f"{'rank' if len(behind) == 1 else 'ranks'} {', '.join(map(str, behind))} stalled: no progress"
+                   f" for {waited:.0f} s ({where}) while the other ranks wait for {'it' if len(behind) == 1 else 'them'}"
+                   " in a collective (a rank behind is stuck in user code, or in a collective the others never issued,"
+                   " such as a log(sync_dist=True) on one rank only: its stack shows where)")
+        if self.rank in behind:
+            print(f"[lightning-4d] rank {self.rank}: this rank is stalled; where its threads are:", file=sys.stderr,
+                  flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            self._fail(EXIT_STALLED, message)
+            return
+        self._fail(EXIT_RANK_LOST, message)
+
+    def _fail(self, code: int, message: str) -> None:
+        print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}. Last known state of every rank"
+              f" (as seen by rank {self.rank}):\n{self.table()}", file=sys.stderr, flush=True)
+        self._stop.set()
+        if self.rank == 0:
+            # This process hosts the store: keep it up while the peers read it and reach the same judgement.
+            time.sleep(3 * self.interval)
+        self._exit(code)

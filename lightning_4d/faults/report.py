@@ -1,0 +1,98 @@
+"""One rank fails, every rank stops, and every rank's output names the rank that failed first and why.
+
+When a rank raises (user code, data loading, out of memory), it exits, its peers' next collective fails
+with a bare connection error (gloo) or times out (``timeout`` of the strategy, NCCL). Before leaving, each
+failing rank claims the first-failure slot in the rendezvous store; the winner is the rank whose own code
+raised, since its peers only fail once it has gone. A rank that failed in a collective prints that first
+failure, so the real traceback is what a user reads whichever rank's log they open.
+
+Rank 0 hosts the store, so it stays until the other ranks have reported, but only those that still beat
+(:mod:`lightning_4d.faults.liveness`): a rank that is already gone is not waited for. Each rank also prints
+the heartbeat table: what every rank was last doing (step and hook), as it last saw them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import torch.distributed as dist
+
+from lightning_4d._compat import default_store
+from lightning_4d.faults import liveness
+from lightning_4d.faults.preemption import Preempted, release_signals
+
+_KEY = "lightning_4d/first_failure"
+
+
+class RaisedOnEveryRank(RuntimeError):
+    """An error every rank raises together from the same gathered facts (so no rank failed "first")."""
+
+
+def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
+    """Record this rank's failure if it is the first; otherwise print the first one (best effort).
+
+    Rank 0 hosts the store, so it waits (at most ``linger`` seconds) until every rank that is still alive has
+    reported before it exits and takes the store with it; with heartbeats running, a rank whose heartbeat
+    stopped is not waited for.
+    """
+    store = default_store()
+    heartbeat = liveness.current()
+    if isinstance(exception, (Preempted, RaisedOnEveryRank)):  # every rank leaves together, on purpose
+        if heartbeat is not None:
+            heartbeat.stop("preempted" if isinstance(exception, Preempted) else type(exception).__name__)
+        release_signals()
+        return
+    try:
+        _report(store, heartbeat, rank, exception, world_size, linger)
+    finally:
+        release_signals()
+
+
+def _report(store, heartbeat, rank: int, exception: BaseException, world_size: int, linger: float) -> None:
+    if store is None:
+        return
+    try:
+        # A collective that failed because a peer vanished: find that peer by its heartbeat before blaming this
+        # rank (gloo's "Connection reset by peer" names neither).
+        lost = heartbeat.find_lost() if heartbeat is not None and _is_communication_error(exception) else []
+        if lost:
+            names = ", ".join(f"rank {peer}" for peer in lost)
+            text = (f"{names} {'was' if len(lost) == 1 else 'were'} lost (no heartbeat: the process died or was"
+                    f" killed); rank {rank}'s collective failed with {type(exception).__name__}: {exception}")
+            print(f"[lightning-4d] rank {rank} stopped because {text}", file=sys.stderr, flush=True)
+            store.set(_KEY, f"{text}\n")
+            store.add(_KEY + "/count", 1)
+        elif store.add(_KEY + "/count", 1) == 1:
+            text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
+            store.set(_KEY, f"rank {rank} failed first:\n{text}")
+        elif store.check([_KEY]):
+            first = store.get(_KEY).decode(errors="replace")
+            print(f"[lightning-4d] rank {rank} stopped because {first}", file=sys.stderr, flush=True)
+        store.set(f"{_KEY}/reported/{rank}", "1")
+        if heartbeat is not None:
+            heartbeat.stop(f"failed ({type(exception).__name__})")
+            print(f"[lightning-4d] rank {rank}: last known state of every rank:\n{heartbeat.table()}",
+                  file=sys.stderr, flush=True)
+        deadline = time.monotonic() + linger
+        while rank == 0 and time.monotonic() < deadline and _waiting_for(store, world_size, heartbeat):
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001  the store may be gone with the rank that hosted it
+        return
+
+
+def _is_communication_error(exception: BaseException) -> bool:
+    text = str(exception)
+    return isinstance(exception, dist.DistError) or any(
+        word in text for word in ("gloo", "Connection reset", "Connection closed", "NCCL", "Broken pipe"))
+
+
+def _waiting_for(store, world_size: int, heartbeat) -> bool:
+    """Whether rank 0 should keep the store up: some rank has not reported and may still (it is alive)."""
+    if store.add(_KEY + "/count", 0) >= world_size:
+        return False
+    if heartbeat is None:
+        return True
+    alive = heartbeat.alive_peers(within=3 * heartbeat.interval)
+    return any(not store.check([f"{_KEY}/reported/{rank}"]) for rank in alive)

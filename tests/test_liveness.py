@@ -1,0 +1,80 @@
+"""The heartbeat thread alone, without a Trainer or processes: two ranks' heartbeats share one TCPStore in this
+process, and ``exit`` records what would end the process."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from lightning_4d.faults.liveness import EXIT_RANK_LOST, EXIT_STALLED, Heartbeat
+from tests.parity import free_port
+
+
+def _pair(**options):
+    port = free_port()
+    stores = [dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False) for rank in (0, 1)]
+    exits = {0: [], 1: []}
+    beats = [Heartbeat(stores[rank], rank, 2, exit=exits[rank].append, **options) for rank in (0, 1)]
+    return beats, exits
+
+
+def _wait(condition, limit):
+    deadline = time.monotonic() + limit
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return time.monotonic() - (deadline - limit)
+
+
+def test_a_rank_whose_heartbeat_stops_is_lost_within_the_bound(capfd):
+    beats, exits = _pair(interval=0.2, lost_after=1.0, stall_after=None)
+    for beat in beats:
+        beat.start()
+    time.sleep(0.5)
+    beats[1]._stop.set()  # dies: no more beats, and no "left" record
+    took = _wait(lambda: exits[0], 5)
+    assert exits[0] == [EXIT_RANK_LOST] and not exits[1], exits
+    assert took <= 1.0 + 2 * 0.2 + 0.3, took
+    assert "rank 1 lost: no heartbeat for 1 s" in capfd.readouterr().err
+
+
+def test_a_rank_that_leaves_on_purpose_is_not_lost():
+    beats, exits = _pair(interval=0.2, lost_after=1.0, stall_after=None)
+    for beat in beats:
+        beat.start()
+    time.sleep(0.5)
+    beats[1].stop("finished")
+    time.sleep(1.8)
+    beats[0].stop()
+    assert exits == {0: [], 1: []}
+
+
+def test_the_rank_behind_is_named_stalled_and_the_others_exit_too(capfd):
+    beats, exits = _pair(interval=0.2, lost_after=1.0, stall_after=1.5)
+    for beat in beats:
+        beat.start()
+    beats[0].mark("training_step", 3)
+    beats[0].mark("backward", 3)  # rank 0 waits in backward's all-reduce
+    beats[1].mark("training_step", 3)  # rank 1 never gets there
+    _wait(lambda: exits[0] and exits[1], 6)
+    assert exits == {0: [EXIT_RANK_LOST], 1: [EXIT_STALLED]}, exits
+    err = capfd.readouterr().err
+    assert "rank 1 stalled: no progress for" in err and "rank 1 at step 3 in training_step" in err, err
+    assert "this rank is stalled; where its threads are" in err
+
+
+def test_ranks_at_the_same_point_are_not_judged_stalled():
+    beats, exits = _pair(interval=0.2, lost_after=1.0, stall_after=1.0)
+    for beat in beats:
+        beat.start()
+        beat.mark("saving a checkpoint", 5)  # everyone busy in the same place (a long save)
+    time.sleep(2.5)
+    for beat in beats:
+        beat.stop()
+    assert exits == {0: [], 1: []}
+
+
+def test_bad_settings_fail_before_anything_starts():
+    with pytest.raises(ValueError, match="lost_after=0.5 must be at least twice heartbeat_interval=1"):
+        Heartbeat(None, 0, 2, interval=1, lost_after=0.5)
+    with pytest.raises(ValueError, match="stall_after=1 must be None"):
+        Heartbeat(None, 0, 2, interval=0.2, lost_after=2, stall_after=1)
