@@ -30,7 +30,7 @@ from lightning_4d import FourDStrategy
 from lightning_4d.pipeline import SCHEDULES
 from lightning_4d.pipeline.microbatch import split_batch
 from tests.lm_models import VOCAB, TinyGPT, token_data
-from tests.parity import Case, assert_exact_resume, assert_parity, reference, train_layout
+from tests.parity import Case, assert_exact_resume, assert_parity, reference, run_layout, train_layout
 
 # ------------------------------------------------------------------------- worker-side models and probes
 
@@ -188,8 +188,22 @@ def scratch():
 
 
 @pytest.fixture(scope="module")
-def two():
-    return train_layout(TWO, 2, timeout=400)
+def two_launch():
+    result = run_layout(TWO, 2, timeout=400)
+    assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def two(two_launch):
+    return two_launch.results
+
+
+def test_the_pipeline_plan_is_printed_at_start_up(two_launch):
+    """Rank 0 prints, once per module, which modules each stage holds and on which pipeline rank."""
+    assert "pipeline plan: pp=2, schedule 1f1b, 4 micro-batches, 2 stages, blocks model.layers (4)" in two_launch.output
+    assert "  stage 0 (pp rank 0): model.tok_emb, model.layers.0-1" in two_launch.output, two_launch.output[-3000:]
+    assert "  stage 1 (pp rank 1): model.layers.2-3, model.norm, model.lm_head" in two_launch.output
 
 
 @pytest.fixture(scope="module")
