@@ -4,7 +4,7 @@ A lightning-4d checkpoint is a directory of shards keyed by parameter names of t
 exporting needs no knowledge of the layout it was saved from:
 
     python -m lightning_4d.export CHECKPOINT_DIR model.ckpt
-    python -m lightning_4d.export CHECKPOINT_DIR hf_dir --hf --module examples.gpt.GPT
+    python -m lightning_4d.export CHECKPOINT_DIR hf_dir --hf --module lightning_4d.demos.gpt.GPT
 
 The single file is a Lightning checkpoint (``state_dict``, ``hyper_parameters``, ``epoch``, ...):
 ``module.load_state_dict(torch.load(path)["state_dict"])`` and ``MyModule.load_from_checkpoint(path)``

@@ -1,9 +1,9 @@
 """Layout planner: which ``(dp, pp, cp, tp)`` layouts fit a model on a number of devices, and what they cost.
 
-``python -m lightning_4d.plan --devices 8 --memory 80GiB --module examples.gpt:GPT --seq 2048 --global-batch 16``
-ranks every valid layout by estimated communication per step among those whose estimated peak memory per
-device fits. The estimate is arithmetic only (no devices, no model weights: ``--module`` is built on the meta
-device), so it answers in seconds for any model size.
+``python -m lightning_4d.plan --devices 8 --memory 80GiB --module lightning_4d.demos.gpt:GPT --seq 2048
+--global-batch 16`` ranks every valid layout by estimated communication per step among those whose estimated
+peak memory per device fits. The estimate is arithmetic only (no devices, no model weights: ``--module`` is
+built on the meta device), so it answers in seconds for any model size.
 
 Memory per device, on the pipeline stage that needs most:
 

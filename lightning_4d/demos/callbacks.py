@@ -5,6 +5,9 @@ import lightning as L
 
 
 class PrintLoss(L.Callback):
+    """On global rank 0, print ``train_loss`` at step 1 and every ``every_n_steps`` steps, and ``val_loss`` after each
+    validation."""
+
     def __init__(self, every_n_steps: int = 5) -> None:
         self.every_n_steps = every_n_steps
 
