@@ -113,3 +113,10 @@ def test_fit_help_names_the_short_names():
     text = " ".join(done.stdout.split())
     assert "lightning-4d: 'fourd' (default sizes, dp='auto'), or with sizes 'FourDStrategy' followed by" \
            " --trainer.strategy.dp/pp/cp/tp N" in text
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in CONFIGS.glob("*.yaml")))
+def test_configs_that_stop_by_steps_name_an_epoch_limit(name):
+    """Without max_epochs, Lightning sets -1 and its rich progress bar reads "Epoch 0/-2"."""
+    trainer = _load(name)["trainer"]
+    assert trainer.get("max_epochs", 0) >= 1, name
