@@ -13,19 +13,20 @@ import sys
 from lightning_4d import _quiet
 
 __all__ = ["FourDStrategy", "GradientBuckets", "ParallelDims"]
+_COMMAND_LINES = ("lightning_4d.plan", "lightning_4d.export")
 _HOMES = {"FourDStrategy": "lightning_4d.strategy", "GradientBuckets": "lightning_4d.data_parallel",
           "ParallelDims": "lightning_4d.parallel_dims"}
 
 
 def _running_our_command_line() -> bool:
-    """``python -m lightning_4d.<tool>``: Python imports this package while ``sys.argv[0]`` is still ``-m``."""
+    """``python -m lightning_4d.plan`` or ``.export``: Python imports this package while ``sys.argv[0]`` is ``-m``."""
     if sys.argv[:1] != ["-m"]:
         return False
     argv = list(getattr(sys, "orig_argv", []))
     for i, arg in enumerate(argv):
         if arg.startswith("-m"):
             target = arg[2:] or (argv[i + 1] if i + 1 < len(argv) else "")
-            return target.startswith("lightning_4d.")
+            return target in _COMMAND_LINES
     return False
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from lightning.pytorch.cli import LightningCLI, LightningArgumentParser
 
-import lightning_4d  # noqa: F401  registers the "fourd" strategy name and makes FourDStrategy resolvable
+from lightning_4d import FourDStrategy  # noqa: F401  registers "fourd"; jsonargparse then resolves the class name
 from lightning_4d.demos.data import TextDataModule
 from lightning_4d.demos.gpt import GPT
 
