@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from bench.common import (accelerator, command, layout, processes, quiet_trainer, random_tokens,  # noqa: E402
                           run_worker, write, write_rows)
 from bench.report import table  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+from lightning_4d.demos.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 
 MODEL = dict(vocab_size=256, n_layer=8, n_head=8, n_embd=256, block_size=128)

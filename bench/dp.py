@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from bench.common import (StepTimer, accelerator, command, quiet_trainer, random_tokens,  # noqa: E402
                           rounds_args, write)
 from bench.report import table  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+from lightning_4d.demos.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 
 MODEL = dict(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=128)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from bench.common import (CPU_MALLOC_ENV, accelerator, by_processes, command, layout, layout_parser,  # noqa: E402
                           quiet_trainer, random_tokens, run_layouts, write, write_rows)
 from bench.report import table  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+from lightning_4d.demos.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.plan import Layout, Model, Training, estimate  # noqa: E402
 from lightning_4d.telemetry import PeakMemory  # noqa: E402

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from bench.common import command, quiet_trainer, random_tokens, run_worker, write, write_rows  # noqa: E402
 from bench.report import table  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+from lightning_4d.demos.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.pipeline import SCHEDULES, PipelineConfig  # noqa: E402
 

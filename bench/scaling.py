@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from bench.common import (StepTimer, accelerator, command, layout, layout_parser, processes,  # noqa: E402
                           quiet_trainer, random_tokens, run_layouts, write, write_rows)
 from bench.report import table  # noqa: E402
-from examples.gpt import GPT  # noqa: E402
+from lightning_4d.demos.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 
 MODEL = dict(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=128)

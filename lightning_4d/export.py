@@ -4,7 +4,7 @@ A lightning-4d checkpoint is a directory of shards keyed by parameter names of t
 exporting needs no knowledge of the layout it was saved from:
 
     python -m lightning_4d.export CHECKPOINT_DIR model.ckpt
-    python -m lightning_4d.export CHECKPOINT_DIR hf_dir --hf --module examples.gpt.GPT
+    python -m lightning_4d.export CHECKPOINT_DIR hf_dir --hf --module mypackage.model:MyModule
 
 The single file is a Lightning checkpoint (``state_dict``, ``hyper_parameters``, ``epoch``, ...):
 ``module.load_state_dict(torch.load(path)["state_dict"])`` and ``MyModule.load_from_checkpoint(path)``
@@ -14,21 +14,28 @@ both work. ``--hf`` writes a Hugging Face model directory when the module wraps 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-from torch import nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from lightning_4d._cli import CLASS_SYNTAX, CommandLineError, fail, import_class
 
-from lightning_4d.checkpoint import read_meta
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch and the checkpoint module are imported inside the functions: ``--help`` and argument errors answer
+# before torch is imported.
 
 
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """The whole checkpoint in this process: Lightning's metadata plus the full ``state_dict``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_4d.checkpoint import read_meta
+
     meta = read_meta(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
@@ -39,6 +46,8 @@ def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, output: str | os.PathLike) -> Path:
     """Write the checkpoint as one Lightning checkpoint file (weights and metadata, no optimizer state)."""
+    import torch
+
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     torch.save(read_checkpoint(checkpoint_dir), output)
@@ -57,31 +66,39 @@ def export_hugging_face(checkpoint_dir: str | os.PathLike, module: nn.Module, ou
     return Path(output_dir)
 
 
-def _module_from(class_path: str, hyper_parameters: Optional[dict[str, Any]]) -> nn.Module:
-    module_name, _, class_name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**(hyper_parameters or {}))
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """The ``python -m lightning_4d.export`` command line."""
+def main(argv: Optional[list[str]] = None) -> int:
+    """The ``python -m lightning_4d.export`` command line; returns the exit status (2, with one line on stderr,
+    for a bad argument or a known failure: no checkpoint there, a class that cannot be imported or built)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_4d.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a lightning-4d checkpoint directory")
     parser.add_argument("output", help="the file to write, or the directory with --hf")
     parser.add_argument("--hf", action="store_true", help="write a Hugging Face model directory")
-    parser.add_argument("--module", help="with --hf: the LightningModule class, e.g. mypkg.model.MyModule;"
-                                         " built with the checkpoint's hyper_parameters")
+    parser.add_argument("--module", help=f"with --hf: the LightningModule class, {CLASS_SYNTAX} (e.g."
+                                         " lightning_4d.demos.gpt:GPT); built with the checkpoint's hyper_parameters")
     args = parser.parse_args(argv)
-    if args.hf:
-        if not args.module:
-            parser.error("--hf needs --module, the class of the LightningModule that wraps the model")
-        meta = read_meta(args.checkpoint)
-        path = export_hugging_face(args.checkpoint, _module_from(args.module, meta.get("hyper_parameters")),
-                                   args.output)
-    else:
-        path = export_checkpoint(args.checkpoint, args.output)
+    if args.hf and not args.module:
+        fail(parser, f"--hf needs --module {CLASS_SYNTAX}, the class of the LightningModule that wraps the model.")
+    if args.module and not args.hf:
+        fail(parser, "--module is used only with --hf.")
+    try:
+        if args.hf:
+            cls = import_class(args.module)
+            from lightning_4d.checkpoint import read_meta
+
+            hyper_parameters = read_meta(args.checkpoint).get("hyper_parameters") or {}
+            try:
+                module = cls(**hyper_parameters)
+            except Exception as error:  # the user's constructor: any failure is reported in one line
+                raise CommandLineError(f"--module {args.module}: {cls.__name__}(**hyper_parameters) failed:"
+                                       f" {type(error).__name__}: {error}") from None
+            path = export_hugging_face(args.checkpoint, module, args.output)
+        else:
+            path = export_checkpoint(args.checkpoint, args.output)
+    except (CommandLineError, OSError, ValueError, ImportError) as error:
+        fail(parser, error)
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

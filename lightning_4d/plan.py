@@ -1,9 +1,9 @@
 """Layout planner: which ``(dp, pp, cp, tp)`` layouts fit a model on a number of devices, and what they cost.
 
-``python -m lightning_4d.plan --devices 8 --memory 80GiB --module examples.gpt:GPT --seq 2048 --global-batch 16``
-ranks every valid layout by estimated communication per step among those whose estimated peak memory per
-device fits. The estimate is arithmetic only (no devices, no model weights: ``--module`` is built on the meta
-device), so it answers in seconds for any model size.
+``python -m lightning_4d.plan --devices 8 --memory 80GiB --module lightning_4d.demos.gpt:GPT --seq 2048
+--global-batch 16`` ranks every valid layout by estimated communication per step among those whose estimated
+peak memory per device fits. The estimate is arithmetic only (no devices, no model weights: ``--module`` is
+built on the meta device), so it answers in seconds for any model size.
 
 Memory per device, on the pipeline stage that needs most:
 
@@ -50,6 +50,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
+
+from lightning_4d._cli import CLASS_SYNTAX, fail
 
 # Bytes per element: (parameters, gradients, activations).
 PRECISIONS = {
@@ -608,7 +610,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
     parser.add_argument("--memory", type=parse_bytes, help="memory per device: 80GiB, 80GB, 24GiB (bare: GiB)")
     model = parser.add_argument_group("model: a LightningModule class, or sizes")
-    model.add_argument("--module", help="package.module:Class, built on the meta device to read its sizes")
+    model.add_argument("--module", help=f"{CLASS_SYNTAX}, built on the meta device to read its sizes")
     model.add_argument("--init-args", type=json.loads, default={}, help="JSON keyword arguments for --module")
     model.add_argument("--params", type=_parse_count, help="total parameters (7B, 124M, 7e9)")
     model.add_argument("--layers", type=int)
@@ -656,14 +658,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        model = _model_from_args(args)
+        try:
+            model = _model_from_args(args)
+        except PlanError:
+            raise
+        except Exception as error:  # the user's constructor (--module): any failure is reported in one line
+            if not args.module:
+                raise
+            raise PlanError(f"--module {args.module} with --init-args {json.dumps(args.init_args)} failed:"
+                            f" {type(error).__name__}: {error}") from None
         training = Training(seq_len=args.seq, global_batch=args.global_batch, precision=args.precision,
                             optimizer=args.optimizer, microbatches=args.microbatches,
                             pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
                             fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout)
         estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all)
     except PlanError as error:
-        parser.exit(2, f"{parser.prog}: error: {error}\n")
+        fail(parser, error)
     if args.top:
         estimates = estimates[:args.top]
     if args.json:

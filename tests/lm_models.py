@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from examples.gpt import GPT
+from lightning_4d.demos.gpt import GPT
 
 VOCAB = 64
 SEQ = 16

@@ -2,6 +2,7 @@
 reference is what docs/api_reference.py generates from the docstrings."""
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,13 +28,41 @@ def _snippets(language: str) -> list[tuple[str, str]]:
     return found
 
 
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """What ``pip install .`` puts on a user's machine, from a copy of this checkout, in a folder of its own:
+    the package alone (no ``examples/``, no ``tests/``, no repository root)."""
+    source, target = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("site")
+    shutil.copytree(ROOT / "lightning_4d", source / "lightning_4d",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-compile", "--target", str(target), str(source)], check=True, capture_output=True,
+                   timeout=300)
+    return target
+
+
+def _user_env(site: Path) -> dict[str, str]:
+    """A user's environment: the installed package on the path, nothing of this checkout."""
+    return child_env(PYTHONPATH=str(site))
+
+
+def test_snippets_see_the_installed_package_only(installed, tmp_path):
+    probe = ("import importlib.util, lightning_4d; print(lightning_4d.__file__);"
+             " print(importlib.util.find_spec('examples'), importlib.util.find_spec('tests'))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_user_env(installed),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [str(installed / "lightning_4d" / "__init__.py"), "None None"]
+
+
 @pytest.mark.parametrize(("where", "code"), _snippets("python"), ids=lambda v: v if "#" in str(v) else "")
-def test_python_snippet_runs(where, code, tmp_path):
+def test_python_snippet_runs(where, code, installed, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    env = child_env()
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_user_env(installed),
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{where}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
 
 

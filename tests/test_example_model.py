@@ -8,8 +8,8 @@ import lightning as L
 import pytest
 import torch
 
-from examples.data import TextDataModule, read_stdlib_source
-from examples.gpt import GPT
+from lightning_4d.demos.data import TextDataModule, read_stdlib_source
+from lightning_4d.demos.gpt import GPT
 from tests.parity import child_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from examples.gpt import GPT
+from lightning_4d.demos.gpt import GPT
 from lightning_4d.plan import (
     Layout,
     Model,
@@ -175,7 +175,7 @@ def test_cli_table_json_and_errors(capsys):
     assert main(["--devices", "2", "--vocab", "256", *sizes]) == 0
     table = capsys.readouterr().out
     assert "25.4M parameters" in table and "dp  pp  cp  tp" in table
-    assert main(["--devices", "2", "--module", "examples.gpt:GPT", "--init-args",
+    assert main(["--devices", "2", "--module", "lightning_4d.demos.gpt:GPT", "--init-args",
                  '{"n_layer": 8, "n_embd": 512, "n_head": 8}', "--seq", "128", "--global-batch", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["params"] == sum(p.numel() for p in GPT(n_layer=8, n_embd=512, n_head=8).parameters())

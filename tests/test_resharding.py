@@ -105,7 +105,7 @@ def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(ru
     assert torch.equal(module(tokens), trained(tokens))
 
     done = subprocess.run([sys.executable, "-m", "lightning_4d.export", ckpt("A"), str(tmp_path / "hf"), "--hf",
-                           "--module", "tests.lm_models.HFCausalLM"], cwd=ROOT, capture_output=True, text=True,
+                           "--module", "tests.lm_models:HFCausalLM"], cwd=ROOT, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stderr
     from transformers import LlamaForCausalLM

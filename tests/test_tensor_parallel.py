@@ -57,7 +57,7 @@ def _hf(kind: str, tp: int) -> nn.Module:
 
 
 def _example_gpt() -> nn.Module:
-    from examples.gpt import GPT
+    from lightning_4d.demos.gpt import GPT
 
     return GPT(vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, block_size=16, tie_weights=True).model
 

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-# --- examples/gpt.py structure: model.layers[i].attn.{q,k,v,o}_proj, mlp.{up,down}_proj
+# --- lightning_4d/demos/gpt.py structure: model.layers[i].attn.{q,k,v,o}_proj, mlp.{up,down}_proj
 
 
 class GPTAttention(nn.Module):

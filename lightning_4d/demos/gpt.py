@@ -28,6 +28,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with rotary positions and separate q, k, v, o projections."""
+
     def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
         super().__init__()
         if n_embd % n_head:
@@ -55,6 +57,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The feed-forward block: up-projection, GELU, down-projection."""
+
     def __init__(self, n_embd: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
         self.up_proj = nn.Linear(n_embd, mlp_ratio * n_embd, bias=False)
@@ -67,6 +71,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: attention then MLP, each with a residual connection."""
+
     def __init__(self, n_embd: int, n_head: int, mlp_ratio: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(n_embd, eps=1e-5)
@@ -80,6 +86,8 @@ class Block(nn.Module):
 
 
 class GPTModel(nn.Module):
+    """Token embedding, the blocks, a final norm and the language-model head (optionally tied)."""
+
     def __init__(
         self,
         vocab_size: int = 256,

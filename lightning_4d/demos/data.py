@@ -32,6 +32,7 @@ def read_stdlib_source(max_bytes: int) -> bytes:
 
 
 def read_file(path: str, max_bytes: int) -> bytes:
+    """The first ``max_bytes`` bytes of the file at ``path``."""
     with open(path, "rb") as f:
         return f.read(max_bytes)
 
