@@ -42,16 +42,12 @@ boundaries' activations and gradients over pp.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from lightning_4d._cli import CLASS_SYNTAX, fail
 
 # Bytes per element: (parameters, gradients, activations).
 PRECISIONS = {
@@ -106,7 +102,7 @@ class Model:
     def from_sizes(cls, layers: int, hidden: int, heads: int, vocab: Optional[int] = None,
                    ffn_hidden: Optional[int] = None, kv_heads: Optional[int] = None, tied: bool = False,
                    params: Optional[int] = None, gated_mlp: bool = False) -> Model:
-        """A GPT-style block without biases (``examples/gpt.py``). With ``params`` but no ``vocab``, what the
+        """A GPT-style block without biases (``lightning_4d/demos/gpt.py``). With ``params`` but no ``vocab``, what the
         blocks do not account for is taken to be the embedding and head; with both, they must agree."""
         for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
             _check_positive(name, value)
@@ -535,27 +531,6 @@ def format_table(estimates: Sequence[Estimate]) -> str:
     return "\n".join(lines)
 
 
-_UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """``80GiB``, ``80GB`` (1e9), ``512MiB``; a bare number is GiB."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size: write e.g. 80GiB, 80GB or 512MiB.")
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
-
-
-def _parse_count(text: str) -> int:
-    """``7e9``, ``124M``, ``1.3B``, ``1_000``."""
-    match = re.fullmatch(r"\s*([0-9._]+(?:e[0-9]+)?)\s*([kKmMbBtT]?)\s*", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count: write e.g. 124M, 7B or 7e9.")
-    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[match.group(2).lower()]
-    return int(float(match.group(1).replace("_", "")) * scale)
-
-
 # ------------------------------------------------------------------------------------------ modules
 
 
@@ -602,95 +577,11 @@ def build_module(spec: str, init_args: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_4d.plan",
-        description="Rank the (dp, pp, cp, tp) layouts of a model on N devices by estimated memory per device"
-                    " and communication per step.")
-    parser.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
-    parser.add_argument("--memory", type=parse_bytes, help="memory per device: 80GiB, 80GB, 24GiB (bare: GiB)")
-    model = parser.add_argument_group("model: a LightningModule class, or sizes")
-    model.add_argument("--module", help=f"{CLASS_SYNTAX}, built on the meta device to read its sizes")
-    model.add_argument("--init-args", type=json.loads, default={}, help="JSON keyword arguments for --module")
-    model.add_argument("--params", type=_parse_count, help="total parameters (7B, 124M, 7e9)")
-    model.add_argument("--layers", type=int)
-    model.add_argument("--hidden", type=int)
-    model.add_argument("--heads", type=int)
-    model.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention); default: heads")
-    model.add_argument("--ffn-hidden", type=int, help="MLP inner size; default 4*hidden")
-    model.add_argument("--vocab", type=int)
-    model.add_argument("--tied", action="store_true", help="the head shares the embedding's weight")
-    model.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (gate, up and down projections)")
-    train = parser.add_argument_group("training")
-    train.add_argument("--seq", type=int, required=True, help="sequence length")
-    train.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step, all replicas")
-    train.add_argument("--precision", default="32-true", choices=list(PRECISIONS))
-    train.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
-    train.add_argument("--microbatches", type=int, help="pipeline micro-batches per step (default: 2*pp)")
-    train.add_argument("--pp-schedule", default="1f1b", choices=list(PP_SCHEDULES))
-    train.add_argument("--sequence-parallel", action="store_true")
-    train.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
-                       help="attention materializes its s*s scores (no flash/memory-efficient kernel)")
-    train.add_argument("--fused-norm", action="store_true",
-                       help="the norms are single kernels (nn.LayerNorm) that keep no normalized copy")
-    train.add_argument("--dropout", action="store_true")
-    out = parser.add_argument_group("output")
-    out.add_argument("--all", action="store_true", help="also list valid layouts that do not fit")
-    out.add_argument("--top", type=int, help="print only the best N")
-    out.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
-
-
-def _model_from_args(args: argparse.Namespace) -> Model:
-    sizes = {name: getattr(args, name) for name in ("layers", "hidden", "heads")}
-    if args.module:
-        return Model.from_module(build_module(args.module, args.init_args))
-    missing = [f"--{name}" for name, value in sizes.items() if value is None]
-    if missing:
-        raise PlanError(f"describe the model with --module package.module:Class, or with sizes: missing"
-                        f" {' '.join(missing)}.")
-    return Model.from_sizes(**sizes, vocab=args.vocab, ffn_hidden=args.ffn_hidden, kv_heads=args.kv_heads,
-                            tied=args.tied, params=args.params, gated_mlp=args.gated_mlp)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The ``python -m lightning_4d.plan`` command line; returns the exit status."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        try:
-            model = _model_from_args(args)
-        except PlanError:
-            raise
-        except Exception as error:  # the user's constructor (--module): any failure is reported in one line
-            if not args.module:
-                raise
-            raise PlanError(f"--module {args.module} with --init-args {json.dumps(args.init_args)} failed:"
-                            f" {type(error).__name__}: {error}") from None
-        training = Training(seq_len=args.seq, global_batch=args.global_batch, precision=args.precision,
-                            optimizer=args.optimizer, microbatches=args.microbatches,
-                            pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
-                            fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout)
-        estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all)
-    except PlanError as error:
-        fail(parser, error)
-    if args.top:
-        estimates = estimates[:args.top]
-    if args.json:
-        print(json.dumps({"model": asdict(model), "params": model.params, "training": asdict(training),
-                          "devices": args.devices, "memory_per_device": args.memory,
-                          "layouts": [est.as_dict() for est in estimates]}, indent=2))
-        return 0
-    print(f"model: {model.params / 1e6:,.1f}M parameters, {model.layers} layers, hidden {model.hidden}, heads"
-          f" {model.heads} (kv {model.kv_heads}), ffn {model.ffn_hidden}{' gated' if model.gated_mlp else ''},"
-          f" vocab {model.vocab}"
-          f"{' (tied)' if model.tied else ''}")
-    print(f"step: global batch {training.global_batch} x sequence {training.seq_len}, {training.precision},"
-          f" {training.optimizer}{', sequence parallel' if training.sequence_parallel else ''}")
-    print(f"{args.devices} devices" + (f", {_format_bytes(args.memory)} each" if args.memory else "")
-          + "; memory = state + max(activations + pp grads, buckets); comm = bytes sent per device per step\n")
-    print(format_table(estimates))
-    return 0
+    """The ``python -m lightning_4d.plan`` command line (:mod:`lightning_4d.plan_cli`); returns the exit status."""
+    from lightning_4d.plan_cli import main as run
+
+    return run(argv)
 
 
 if __name__ == "__main__":

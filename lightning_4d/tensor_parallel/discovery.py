@@ -31,7 +31,7 @@ from lightning_4d.tensor_parallel.user_plan import _matches, _parse_user_plan
 
 # (column-wise children, row-wise child); checked by shapes after matching names.
 _ATTENTION_PRESETS = (
-    (("q_proj", "k_proj", "v_proj"), "o_proj"),  # Hugging Face Llama/Mistral/Qwen, examples/gpt.py
+    (("q_proj", "k_proj", "v_proj"), "o_proj"),  # Hugging Face Llama/Mistral/Qwen, lightning_4d/demos/gpt.py
     (("q_proj", "k_proj", "v_proj"), "out_proj"),
     (("wq", "wk", "wv"), "wo"),  # Meta / torchtitan Llama
 )
@@ -40,7 +40,7 @@ _FUSED_ATTENTION_PRESETS = (
     ("qkv", "proj"),  # litgpt
 )
 _MLP_PRESETS = (
-    (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face, examples/gpt.py (up_proj only)
+    (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face, lightning_4d/demos/gpt.py (up_proj only)
     (("w1", "w3"), "w2"),  # Meta / torchtitan
     (("c_fc",), "c_proj"),  # GPT-2, nanoGPT
     (("fc_1", "fc_2"), "proj"),  # litgpt LLaMAMLP
