@@ -110,7 +110,9 @@ CHECKS = {
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),
     "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (
-        compat.sync_ddp_if_available(torch.tensor(1.0)), compat.all_gather_ddp_if_available(torch.tensor(1.0))),
+        # called as FourDStrategy.reduce calls it (torch 2.14 refuses op=None once a process group exists)
+        compat.sync_ddp_if_available(torch.tensor(1.0), reduce_op="mean"),
+        compat.all_gather_ddp_if_available(torch.tensor(1.0))),
 }
 
 
