@@ -236,11 +236,10 @@ def full_model_state(model: nn.Module, pp_group: Optional[dist.ProcessGroup] = N
     over the tensor-parallel ranks and, when ``model`` is one pipeline stage, over ``pp_group``'s stages."""
     state = get_model_state_dict(model)
     state = {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
-    group = pp_group
-    if group is None:
+    if pp_group is None:
         return state
-    stages: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, {key: value.detach().cpu() for key, value in state.items()}, group=group)
+    stages: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(stages, {key: value.detach().cpu() for key, value in state.items()}, group=pp_group)
     device = next(iter(state.values())).device if state else torch.device("cpu")
     merged: dict[str, torch.Tensor] = {}
     for part in stages:

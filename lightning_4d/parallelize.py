@@ -264,13 +264,13 @@ class ParallelModel:
 
     # --------------------------------------------------------------------------------- gradients
 
-    def attach_optimizers(self, optimizers: Sequence[Optimizer], bucket_mb: Optional[float] = None) -> None:
+    def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """One set of gradient buckets per optimizer, over the ``dp x cp`` ranks."""
         for buckets in self._buckets.values():
             buckets.remove()
         group = self.mesh.group("dp_cp")
         self._buckets = {id(optimizer): GradientBuckets([p for g in optimizer.param_groups for p in g["params"]],
-                                                        group, bucket_mb or self.options["bucket_mb"])
+                                                        group, self.options["bucket_mb"])
                          for optimizer in optimizers}
 
     def synchronizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:

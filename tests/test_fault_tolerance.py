@@ -8,7 +8,6 @@ The liveness settings of these runs: heartbeat every 0.5 s, lost after 3 s, stal
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 import torch
