@@ -33,7 +33,10 @@ def test_a_rank_whose_heartbeat_stops_is_lost_within_the_bound(capfd):
     beats[1]._stop.set()  # dies: no more beats, and no "left" record
     took = _wait(lambda: exits[0], 5)
     assert exits[0] == [EXIT_RANK_LOST] and not exits[1], exits
-    assert took <= 1.0 + 2 * 0.2 + 0.3, took
+    # Its last beat was at most one interval before the stop, and the judge looks once per interval: lost
+    # no sooner than lost_after - interval, no later than lost_after + 2 intervals. The upper bound gets 1 s of
+    # slack for thread scheduling on a loaded 2-core CI machine (a run measured 1.75 s against 1.7 s).
+    assert 1.0 - 0.2 - 0.1 <= took <= 1.0 + 2 * 0.2 + 1.0, took
     assert "rank 1 lost: no heartbeat for 1 s" in capfd.readouterr().err
 
 
