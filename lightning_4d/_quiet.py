@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import warnings
+from typing import Optional
 
 LEAF_SPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 # logger name -> patterns (re.search) of messages dropped from it on every rank
@@ -52,13 +53,15 @@ class _DropMessages(logging.Filter):
         return not self.pattern.search(str(record.msg))
 
 
-def install() -> None:
-    """Install the filters above (idempotent)."""
+def install(rank_zero: Optional[bool] = None) -> None:
+    """Install the filters above (idempotent). ``rank_zero``: whether this process is global rank 0; by default
+    what the launcher's environment says (a forked rank, whose environment is its parent's, passes ``False``)."""
     dropped = dict(_DROPPED)
-    if not launched_as_rank_zero():
+    if not (launched_as_rank_zero() if rank_zero is None else rank_zero):
         dropped.update(_DROPPED_OFF_RANK_ZERO)
         warnings.filterwarnings("ignore", message=LEAF_SPEC_WARNING, category=FutureWarning)
     for name, patterns in dropped.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessages) for f in logger.filters):
-            logger.addFilter(_DropMessages(patterns))
+        drop = _DropMessages(patterns)
+        if not any(isinstance(f, _DropMessages) and f.pattern == drop.pattern for f in logger.filters):
+            logger.addFilter(drop)

@@ -33,6 +33,7 @@ from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
+from lightning_4d.launcher import ForkLauncher, check_start_method
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
@@ -80,6 +81,8 @@ class FourDStrategy(ModelParallelStrategy):
             communication time per dimension, pipeline bubble), logged through the Trainer's loggers.
         broadcast_buffers: before every training step, broadcast the module's buffers (BatchNorm running
             statistics, ...) from the first rank of each replica group, as DDP does by default.
+        start_method: how the other ranks of a node start when Lightning launches them: ``"popen"`` runs the
+            script again per rank (as DDP does); ``"fork"`` (CPU) forks them, skipping their start-up.
     """
 
     strategy_name = "fourd"
@@ -114,6 +117,7 @@ class FourDStrategy(ModelParallelStrategy):
         debug_steps: int = 2,
         telemetry: bool = False,
         broadcast_buffers: bool = True,
+        start_method: Literal["popen", "fork"] = "popen",
         **unknown: Any,
     ) -> None:
         refuse_unknown(FourDStrategy.__init__, unknown)
@@ -137,9 +141,19 @@ class FourDStrategy(ModelParallelStrategy):
         positive("debug_steps", debug_steps, "training steps", integer=True)
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
         self.broadcast_buffers = bool(broadcast_buffers)  # read by lightning_4d.faults.FaultTolerance
+        check_start_method(start_method)
+        self.start_method, self._fork_launcher = start_method, None
         self._desync: Optional[DesyncMonitor] = None
 
     # ----------------------------------------------------------------------------------------- layout
+
+    @property
+    @override
+    def launcher(self) -> Any:
+        if self.start_method == "fork" and super().launcher is not None:  # None: ranks were started outside
+            self._fork_launcher = self._fork_launcher or ForkLauncher(self)
+            return self._fork_launcher
+        return super().launcher
 
     @override
     def set_world_ranks(self) -> None:

@@ -56,7 +56,9 @@ def _cheap(config: dict, root: Path, layout: dict | None) -> Path:
                                "init_args": {"every_n_steps": 1, "digits": 8}}])
     if layout is not None:
         trainer["devices"] = 2
-        trainer["strategy"]["init_args"] = layout
+        # the config's launcher is kept: demo.yaml forks its ranks, dp.yaml runs the script again per rank
+        start = {key: value for key, value in trainer["strategy"]["init_args"].items() if key == "start_method"}
+        trainer["strategy"]["init_args"] = {**layout, **start}
     config["model"].update(n_layer=2, n_embd=32, block_size=32)
     config["data"].update(seq_len=32, max_bytes=30_000)
     path = root / "config.yaml"
@@ -74,6 +76,7 @@ def _losses(config: Path) -> list[tuple[int, str, float]]:
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_baseline_gives_the_parallel_loss_at_every_step(name, tmp_path):
+    """Both launchers: demo.yaml forks its ranks (``start_method: fork``), dp.yaml starts them as scripts."""
     parallel = _load(name)
     dp = parallel["trainer"]["strategy"]["init_args"]["dp"]
     assert dp == 2, "the 2-process layout below keeps the config's dp"
