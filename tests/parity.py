@@ -15,6 +15,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -209,22 +210,56 @@ class LaunchResult:
 
 
 def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: float = 240,
-           grace: float = 5) -> tuple[list[int], str]:
+           grace: float = 5, fork: bool = True) -> tuple[list[int], str]:
     """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables).
 
     ``grace`` seconds after the first rank fails the others are killed, and ``timeout`` ends a hang: a launch
-    never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.)
+    never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.) With ``fork``
+    the ranks are forked from one process that imported torch and Lightning once (:mod:`tests.fork_ranks`);
+    without, each is started on its own, as a scheduler starts them.
     """
     port = free_port()
     per_node = world_size // num_nodes
     base = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                      PYTHONUNBUFFERED="1")
-    logs = [tempfile.TemporaryFile() for _ in range(world_size)]
+    ranks = [dict(NODE_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node), RANK=str(rank))
+             for rank in range(world_size)]
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [str(Path(tmp, f"rank{rank}.log")) for rank in range(world_size)]
+        start = time.monotonic()
+        if fork:
+            codes = Path(tmp, "codes.json")
+            spec = Path(tmp, "spec.json")
+            spec.write_text(json.dumps({"argv": argv, "envs": ranks, "logs": logs, "codes": str(codes), "grace": grace}))
+            zygote = subprocess.Popen([sys.executable, "-m", "tests.fork_ranks", str(spec)], cwd=ROOT, env=base,
+                                      start_new_session=True)
+            try:
+                zygote.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(zygote.pid, signal.SIGKILL)  # the ranks share its process group
+                zygote.wait()
+            known = json.loads(codes.read_text()) if codes.exists() else [None] * world_size
+            returncodes = [-signal.SIGKILL if code is None else code for code in known]
+        else:
+            returncodes = _popen_ranks(argv, base, ranks, logs, timeout, grace)
+        timed_out = time.monotonic() - start > timeout
+        order = sorted(range(world_size), key=lambda r: (returncodes[r] == 0, r))
+        chunks = [f"----- rank {rank} (exit {returncodes[rank]}) -----\n"
+                  + (Path(logs[rank]).read_text(errors="replace") if Path(logs[rank]).exists() else "")
+                  for rank in order]
+    if timed_out:
+        chunks.insert(0, f"TIMEOUT after {timeout:.0f} s: killed every rank\n")
+    return returncodes, "\n".join(chunks)
+
+
+def _popen_ranks(argv: list[str], base: dict[str, str], ranks: list[dict[str, str]], logs: list[str],
+                 timeout: float, grace: float) -> list[int]:
+    """Each rank its own ``python`` process; the first failure gives the others ``grace`` seconds."""
     procs = []
-    for rank in range(world_size):
-        rank_env = dict(base, NODE_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node), RANK=str(rank))
-        procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=rank_env, stdout=logs[rank],
-                                      stderr=subprocess.STDOUT))
+    for env, log in zip(ranks, logs):
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=dict(base, **env), stdout=out,
+                                          stderr=subprocess.STDOUT))
     start = time.monotonic()
     failed_at: Optional[float] = None
     while any(p.poll() is None for p in procs):
@@ -239,18 +274,7 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
     for p in procs:
         if p.poll() is None:
             p.kill()
-    returncodes = [p.wait() for p in procs]
-    timed_out = time.monotonic() - start > timeout
-    order = sorted(range(world_size), key=lambda r: (returncodes[r] == 0, r))
-    chunks = []
-    for rank in order:
-        logs[rank].seek(0)
-        chunks.append(f"----- rank {rank} (exit {returncodes[rank]}) -----\n"
-                      + logs[rank].read().decode(errors="replace"))
-        logs[rank].close()
-    if timed_out:
-        chunks.insert(0, f"TIMEOUT after {timeout:.0f} s: killed every rank\n")
-    return returncodes, "\n".join(chunks)
+    return [p.wait() for p in procs]
 
 
 def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), num_nodes: int = 1,

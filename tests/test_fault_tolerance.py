@@ -19,8 +19,9 @@ from tests.parity import launch
 
 def _run(scenario, out, *args, timeout=150, grace=60):
     start = time.time()
+    # every rank started on its own, as a scheduler starts them (not forked from one process)
     codes, output = launch(["-m", "tests.fault_worker", scenario, str(out), *map(str, args)], 2, timeout=timeout,
-                           grace=grace)
+                           grace=grace, fork=False)
     assert "TIMEOUT" not in output[:200], output[-4000:]
     return codes, output, start
 

@@ -1,0 +1,89 @@
+"""Start the ranks of one test launch by forking a process that has already imported torch and Lightning.
+
+``python -m tests.fork_ranks SPEC`` (written by :func:`tests.parity.launch`): SPEC is a JSON file with the
+command every rank runs (``["-m", "module", ...]`` or ``["script.py", ...]``), each rank's environment
+variables and log file, where to write the exit codes, and the ``grace`` seconds after the first failure
+before the other ranks are killed. Importing torch, Lightning and lightning_4d costs ~9 s of CPU per process;
+forked ranks share one import, which on a 2-core machine is most of a short launch. Every rank is still its own
+process with its own pid, environment and output, exactly as when each is started on its own.
+
+Exit codes are written as ranks end (``os.waitstatus_to_exitcode``: negative for a signal), so a launch that
+the caller kills at its timeout still shows which ranks had finished.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+import lightning.pytorch  # noqa: F401  the imports every rank shares
+import torch  # noqa: F401
+
+from lightning_4d import _quiet  # and with it lightning_4d
+
+
+def _run_rank(argv: list[str], env: dict[str, str], log: str) -> int:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    _quiet.install()  # decided again from this rank's environment, as its own import would have
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    argv, grace = spec["argv"], spec["grace"]
+    if argv[0] == "-m":
+        importlib.import_module(argv[1])  # its imports too; it runs again as __main__ in each rank
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks: dict[int, int] = {}  # pid -> rank
+    for rank, (env, log) in enumerate(zip(spec["envs"], spec["logs"])):
+        pid = os.fork()
+        if pid == 0:  # the rank ends as a process of its own would: through the interpreter's normal exit
+            sys.exit(_run_rank(argv, env, log))
+        ranks[pid] = rank
+    codes: list = [None] * len(ranks)
+    failed_at = None
+    while None in codes:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[ranks[pid]] = os.waitstatus_to_exitcode(status)
+            with open(spec["codes"] + ".tmp", "w") as out:
+                json.dump(codes, out)
+            os.replace(spec["codes"] + ".tmp", spec["codes"])
+            if codes[ranks[pid]] != 0 and failed_at is None:
+                failed_at = time.monotonic()
+            continue
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            for other, rank in ranks.items():
+                if codes[rank] is None:
+                    os.kill(other, signal.SIGKILL)
+            failed_at = float("inf")  # killed once; now reap them
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
