@@ -82,6 +82,11 @@ ATTENTION_KERNELS: dict[Any, int] = {
 }
 
 
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward (``torch._C._current_graph_task_id``)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def tensor_version(tensor: torch.Tensor) -> int:
     """A counter that every in-place change of ``tensor`` bumps: a mask checked once stays checked while it is
     unchanged (autograd's own use of it is the only public trace)."""

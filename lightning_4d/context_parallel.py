@@ -121,13 +121,6 @@ def _sliding_windows(module: nn.Module) -> dict[str, int]:
     return windows
 
 
-def _recomputing(module: nn.Module) -> list[str]:
-    """Modules with Hugging Face gradient checkpointing on: in training they re-run attention during backward,
-    after the step, where nothing makes it attend over the whole sequence."""
-    return [fqn or "the module" for fqn, sub in module.named_modules()
-            if getattr(sub, "gradient_checkpointing", False) is True]
-
-
 # ------------------------------------------------------------------------------------------- batches
 
 
@@ -226,6 +219,14 @@ class _AttentionInterception(TorchFunctionMode):
             return self.owner.attention(*args, **kwargs)
         return func(*args, **kwargs)
 
+    def __enter__(self):
+        self.owner._recomputing += compat.in_backward()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        self.owner._recomputing -= compat.in_backward()
+        return super().__exit__(*exc_info)
+
 
 class ContextParallel:
     """The context-parallel side of one module on one rank: batch sharding, positions, attention, checks.
@@ -256,7 +257,6 @@ class ContextParallel:
         self._seq_len = 0
         self._active = False
         self._verified = False
-        self._trained = False
         self._announced = False
         self._hooks = [
             module.get_submodule(fqn).register_forward_pre_hook(self._position_hook(fqn, arg), with_kwargs=True)
@@ -264,6 +264,15 @@ class ContextParallel:
         ]
         self._hooks += [sub.register_forward_pre_hook(self._labels_hook(fqn), with_kwargs=True)
                         for fqn, sub in module.named_modules() if _shifts_labels(sub)]
+        # A module that recomputes its forward during backward (its own activation checkpointing: Hugging
+        # Face's, torch.utils.checkpoint in its code) runs outside any interception: a mode is off while its own
+        # handler runs, and the step's handler is what called backward. Each module's forward, when run in
+        # backward with no interception of a recomputation active, gets a fresh one.
+        self._recomputing = 0  # interceptions entered during backward and still active
+        self._recompute_entered: list[tuple[nn.Module, _AttentionInterception]] = []
+        for sub in module.modules():
+            self._hooks.append(sub.register_forward_pre_hook(self._enter_recomputation))
+            self._hooks.append(sub.register_forward_hook(self._exit_recomputation, always_call=True))
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -304,15 +313,6 @@ class ContextParallel:
             if window < length:
                 raise ValueError(f"{where} has config.sliding_window={window}, shorter than the sequences ({length}"
                                  " tokens): context parallelism supports only full and causal attention.")
-        if self.module.training and not self._trained:
-            recomputing = _recomputing(self.module)
-            if recomputing:
-                raise ValueError(f"Gradient checkpointing is on in {_examples(recomputing, 3)}: it recomputes"
-                                 " attention during backward, outside the step in which context parallelism makes"
-                                 " attention span the whole sequence. Turn it off (activation_checkpointing_disable())"
-                                 " and let the strategy checkpoint the blocks:"
-                                 " FourDStrategy(activation_checkpointing='full'), or use cp=1.")
-            self._trained = True
 
     # -------------------------------------------------------------------------------------- the step
 
@@ -342,6 +342,16 @@ class ContextParallel:
                     " hand-written softmax, or Hugging Face attn_implementation='eager'): use"
                     " torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa'), or cp=1.")
             self._verified = True
+
+    def _enter_recomputation(self, module: nn.Module, args: tuple) -> None:
+        if self._positions is not None and self._recomputing == 0 and compat.in_backward():
+            mode = _AttentionInterception(self)
+            mode.__enter__()
+            self._recompute_entered.append((module, mode))
+
+    def _exit_recomputation(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._recompute_entered and self._recompute_entered[-1][0] is module:
+            self._recompute_entered.pop()[1].__exit__(None, None, None)
 
     def recompute_context(self) -> AbstractContextManager[None]:
         """Entered around a block that recomputes its forward during backward (activation checkpointing):

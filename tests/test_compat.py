@@ -66,6 +66,15 @@ def _tensor_version():
     assert compat.tensor_version(mask) == before + 1
 
 
+def _in_backward():
+    seen = []
+    weight = torch.ones(2, requires_grad=True)
+    out = weight * 2
+    out.register_hook(lambda grad: seen.append(compat.in_backward()))
+    out.sum().backward()
+    assert seen == [True] and not compat.in_backward()
+
+
 def _pytree_and_ops():
     leaves, _ = compat.tree_flatten_with_path({"a": [torch.zeros(1)]})
     assert compat.keystr(leaves[0][0]) == "['a'][0]"
@@ -98,6 +107,7 @@ CHECKS = {
                               compat.efficient_attention_cuda, compat.efficient_attention_cuda_backward)],
     "nn.Module._modules/_parameters/_buffers": _module_registries,
     "Tensor._version": _tensor_version,
+    "torch._C._current_graph_task_id": _in_backward,
     "DataLoader._index_sampler": _index_sampler,
     "torchmetrics Metric._update_count/_forward_cache/_computed": _metric_internals,
     "torch.utils._pytree, torch._ops.OpOverloadPacket._qualified_op_name": _pytree_and_ops,

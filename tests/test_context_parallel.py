@@ -4,7 +4,8 @@ Parity: losses per step, logged train (and val) loss and final weights within 1e
 dp=2 x cp=2 and cp=2 x tp=2 on the example GPT (rotary tables sliced ``cos[:T]``), nanoGPT (learned
 positions from ``arange(T)``) and Hugging Face Llama (rotary ``position_ids``); on the example GPT also with
 sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, position ids taken from the batch,
-all-gather communication, and prediction (which runs on whole sequences). Two runs with position handling
+all-gather communication, and prediction (which runs on whole sequences); Hugging Face Llama with its own
+gradient checkpointing on at cp=2 and pp=2 x cp=2 (attention recomputed in backward is ring attention again). Two runs with position handling
 switched off must differ from one process, so the parity cases can tell.
 
 Process start-up dominates: one launch per world size. The 2-process launch also runs the cases that must
@@ -45,6 +46,8 @@ TWO = [
          **LM),
     Case("cp2_causal_float_mask", module=VARIANT, module_kwargs={"attention": "causal_float"},
          strategy={"cp": 2}, **LM),
+    # the module's own checkpointing (Hugging Face's, non-reentrant) recomputes ring attention in backward
+    Case("cp2_llama_own_checkpointing", module="tests.cp_models:CheckpointedLlama", strategy={"cp": 2}, **LM),
     Case("cp2_batch_positions", module="tests.cp_models:BatchPositionsGPT",
          data="tests.cp_models:token_data_with_positions", max_steps=4,
          strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
@@ -78,9 +81,6 @@ FAILING = {
                                              "shorter than the sequences (16 tokens)"]),
     "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
                   "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),
-    "checkpointing": (Case("checkpointing", module="tests.cp_models:CheckpointedLlama", strategy={"cp": 2}, **LM),
-                      "ValueError", ["Gradient checkpointing is on in model.model, model.model.layers.0, ",
-                                     "FourDStrategy(activation_checkpointing='full')"]),
 }
 FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
         for layout, strategy in (("cp4", {"cp": 4}), ("dp2_cp2", {"dp": 2, "cp": 2}), ("cp2_tp2", {"cp": 2, "tp": 2}))
@@ -88,6 +88,8 @@ FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
     Case("cp2_tp2_sequence_parallel_gpt", module=MODELS["gpt"], strategy={"cp": 2, "tp": 2, "sequence_parallel": True},
          **LM),
     Case("pp2_cp2_gpt", module=MODELS["gpt"], strategy={"pp": 2, "cp": 2}, **LM),
+    Case("pp2_cp2_llama_own_checkpointing", module="tests.cp_models:CheckpointedLlama", strategy={"pp": 2, "cp": 2},
+         **LM),
 ]
 
 
