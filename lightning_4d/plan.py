@@ -26,7 +26,10 @@ Memory per device, on the pipeline stage that needs most:
   Context parallelism divides ``s`` by cp. Stage ``i`` of ``pp`` holds ``min(pp - i, m)`` micro-batches
   under 1F1B (all ``m`` under GPipe), each of ``b = global_batch / dp / m`` samples (``m`` defaults to
   ``2*pp``, as ``FourDStrategy(pp_microbatches=None)``). The last stage adds the final norm, the logits and
-  their fp32 log-softmax.
+  their fp32 log-softmax. With ``activation_checkpointing`` a checkpointed block keeps only its input
+  (``"selective"``: its input and its matmuls' outputs), the stage's checkpointed blocks are all of them
+  (``"full"``, ``"selective"``) or ``layers // n`` (``"every_n"``), and backward adds one block's full
+  activations while it recomputes it.
 * the peak: the previous step's gradients live until ``zero_grad``, which Lightning calls after the forward,
   so the forward's activations meet a full set of gradients; under pipeline parallelism the schedule
   computes fresh gradients inside the forward while those are set aside, so two sets meet the activations.
@@ -42,13 +45,13 @@ boundaries' activations and gradients over pp.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 
+AC_MODES = ("none", "full", "every_n", "selective")  # lightning_4d.activation_checkpointing.MODES
 # Bytes per element: (parameters, gradients, activations).
 PRECISIONS = {
     "32-true": (4, 4, 4),
@@ -205,10 +208,16 @@ class Training:
     fused_attention: bool = True  # flash/memory-efficient SDPA kernels: no s*s score matrix is kept
     fused_norm: bool = False  # one-kernel norms (nn.LayerNorm) keep no normalized copy of their input
     dropout: bool = False
+    activation_checkpointing: str = "none"  # as FourDStrategy(activation_checkpointing=...)
+    activation_checkpointing_every: int = 2
 
     def __post_init__(self) -> None:
         _check_positive("seq_len", self.seq_len)
         _check_positive("global_batch", self.global_batch)
+        _check_positive("activation_checkpointing_every", self.activation_checkpointing_every)
+        if self.activation_checkpointing not in AC_MODES:
+            raise PlanError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of"
+                            f" {', '.join(AC_MODES)}.")
         if self.microbatches is not None:
             _check_positive("microbatches", self.microbatches)
         if self.precision not in PRECISIONS:
@@ -389,20 +398,42 @@ def activation_bytes_per_layer(model: Model, training: Training, layout: Layout)
     return tokens * per_token
 
 
+def kept_bytes_per_layer(model: Model, training: Training, layout: Layout) -> tuple[float, float]:
+    """Bytes a block keeps for backward under the training's activation checkpointing, for one micro-batch:
+    ``(checkpointed block, other block)``. A checkpointed block keeps its input; "selective" keeps its
+    input and its matmuls' outputs (q, k, v, the output projection's, the MLP's up/gate and down)."""
+    full = activation_bytes_per_layer(model, training, layout)
+    e, h, tp = PRECISIONS[training.precision][2], model.hidden, layout.tp
+    outside = 1 / tp if training.sequence_parallel else 1  # a block's input and its row-parallel outputs
+    mode = training.activation_checkpointing
+    if mode == "selective":
+        inside = (1 + 2 * model.kv_heads / model.heads + (2 if model.gated_mlp else 1) * model.ffn_hidden / h) / tp
+        return _tokens(training, layout) * h * e * (3 * outside + inside), full
+    return (_tokens(training, layout) * h * e * outside if mode != "none" else full), full
+
+
+def _checkpointed(training: Training, layers: int) -> int:
+    mode = training.activation_checkpointing
+    return {"none": 0, "full": layers, "selective": layers}.get(mode, layers // training.activation_checkpointing_every)
+
+
 def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
     """Peak memory per device (heaviest pipeline stage) and bytes sent per device per step."""
     pbytes, gbytes, e = PRECISIONS[training.precision]
     obytes = OPTIMIZER_STATES[training.optimizer] * pbytes
     m = _microbatches(training, layout)
     tokens = _tokens(training, layout)
-    per_layer = activation_bytes_per_layer(model, training, layout)
+    kept, per_layer = kept_bytes_per_layer(model, training, layout)
     stage_layers = _stage_layers(model.layers, layout.pp, training.pp_schedule)
     heaviest: Optional[tuple[dict[str, float], float]] = None
     for stage, layers in enumerate(stage_layers):
         params = _stage_params(model, layout, stage, layers)
         # GPipe and looped BFS run every forward first; the others start backward after a warm-up.
         in_flight = m if training.pp_schedule in ("gpipe", "looped_bfs") else min(layout.pp - stage, m)
-        activations = in_flight * layers * per_layer
+        checkpointed = _checkpointed(training, layers)
+        activations = in_flight * (checkpointed * kept + (layers - checkpointed) * per_layer)
+        if checkpointed:  # backward recomputes one checkpointed block at a time, which then keeps everything
+            activations += per_layer
         if stage == layout.pp - 1:
             final_norm = _norm_elements(training) * tokens * model.hidden * e
             activations += final_norm / (layout.tp if training.sequence_parallel else 1)
@@ -511,26 +542,6 @@ def _format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def format_table(estimates: Sequence[Estimate]) -> str:
-    """The ranked layouts as an aligned text table: memory parts, bytes sent per dim, and whether it fits."""
-    header = ["#", "dp", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "memory", "comm/step",
-              "dp", "tp", "cp", "pp", "fits"]
-    rows = []
-    for rank, est in enumerate(estimates, 1):
-        mem, comm = est.memory, est.comm
-        state = mem["params"] + mem["grads"] + mem["optimizer"]
-        fits = {None: "", True: "yes", False: "no"}[est.fits]
-        rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "pp", "cp", "tp")),
-                     _format_bytes(state), _format_bytes(mem["activations"]), _format_bytes(mem["pipeline_grads"]),
-                     _format_bytes(mem["grad_buckets"]),
-                     _format_bytes(mem["total"]), _format_bytes(comm["total"]),
-                     *(_format_bytes(comm[d]) for d in ("dp", "tp", "cp", "pp")), fits])
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------ modules
 
 
@@ -556,22 +567,6 @@ def _find_int(module: Any, names: Sequence[str]) -> Optional[int]:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
-
-
-def build_module(spec: str, init_args: dict[str, Any]) -> Any:
-    """Instantiate ``package.module:Class`` (or ``package.module.Class``) on the meta device."""
-    import torch
-
-    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise PlanError(f"--module {spec!r} is not importable ({error}): write package.module:ClassName.") from None
-    with torch.device("meta"):
-        module = cls(**init_args)
-        if hasattr(module, "configure_model"):
-            module.configure_model()
-    return module
 
 
 # ---------------------------------------------------------------------------------------------- CLI

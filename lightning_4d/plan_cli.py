@@ -7,28 +7,65 @@ class on the meta device only when asked.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_4d._cli import CLASS_SYNTAX, fail
 from lightning_4d.plan import (
+    AC_MODES,
     OPTIMIZER_STATES,
     PP_SCHEDULES,
     PRECISIONS,
+    Estimate,
     Model,
     PlanError,
     Training,
     _format_bytes,
-    build_module,
-    format_table,
     plan,
 )
 
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def format_table(estimates: Sequence[Estimate]) -> str:
+    """The ranked layouts as an aligned text table: memory parts, bytes sent per dim, and whether it fits."""
+    header = ["#", "dp", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "memory", "comm/step",
+              "dp", "tp", "cp", "pp", "fits"]
+    rows = []
+    for rank, est in enumerate(estimates, 1):
+        mem, comm = est.memory, est.comm
+        state = mem["params"] + mem["grads"] + mem["optimizer"]
+        fits = {None: "", True: "yes", False: "no"}[est.fits]
+        rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "pp", "cp", "tp")),
+                     _format_bytes(state), _format_bytes(mem["activations"]), _format_bytes(mem["pipeline_grads"]),
+                     _format_bytes(mem["grad_buckets"]),
+                     _format_bytes(mem["total"]), _format_bytes(comm["total"]),
+                     *(_format_bytes(comm[d]) for d in ("dp", "tp", "cp", "pp")), fits])
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def build_module(spec: str, init_args: dict[str, Any]) -> Any:
+    """Instantiate ``package.module:Class`` (or ``package.module.Class``) on the meta device."""
+    import torch
+
+    module_name, _, attr = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise PlanError(f"--module {spec!r} is not importable ({error}): write package.module:ClassName.") from None
+    with torch.device("meta"):
+        module = cls(**init_args)
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    return module
 
 
 def parse_bytes(text: str) -> float:
@@ -80,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--fused-norm", action="store_true",
                        help="the norms are single kernels (nn.LayerNorm) that keep no normalized copy")
     train.add_argument("--dropout", action="store_true")
+    train.add_argument("--activation-checkpointing", default="none", choices=list(AC_MODES),
+                       help="as FourDStrategy(activation_checkpointing=...): what each block keeps for backward")
+    train.add_argument("--activation-checkpointing-every", type=int, default=2, help="the n of every_n")
     out = parser.add_argument_group("output")
     out.add_argument("--all", action="store_true", help="also list valid layouts that do not fit")
     out.add_argument("--top", type=int, help="print only the best N")
@@ -116,7 +156,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         training = Training(seq_len=args.seq, global_batch=args.global_batch, precision=args.precision,
                             optimizer=args.optimizer, microbatches=args.microbatches,
                             pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
-                            fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout)
+                            fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout,
+                            activation_checkpointing=args.activation_checkpointing,
+                            activation_checkpointing_every=args.activation_checkpointing_every)
         estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all)
     except PlanError as error:
         fail(parser, error)

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_4d.demos.gpt import GPT
 from lightning_4d.plan import (
+    AC_MODES,
     Layout,
     Model,
     PlanError,
@@ -168,6 +169,21 @@ def test_bad_sizes_are_refused_with_the_fix():
         Model.from_sizes(layers=2, hidden=64, heads=8, vocab=10, params=10**9)
     with pytest.raises(PlanError, match=r"global_batch=0 must be a positive integer"):
         Training(seq_len=8, global_batch=0)
+    with pytest.raises(PlanError, match=r"activation_checkpointing='some' is not one of none, full, every_n"):
+        Training(seq_len=8, global_batch=1, activation_checkpointing="some")
+
+
+def test_activation_checkpointing_modes_are_the_strategys_and_lower_the_estimate(capsys):
+    from lightning_4d.activation_checkpointing import MODES
+
+    assert AC_MODES == MODES
+    sizes = ["--devices", "1", "--layers", "8", "--hidden", "512", "--heads", "8", "--vocab", "256", "--seq", "512",
+             "--global-batch", "4", "--json"]
+    memory = {}
+    for mode in MODES:
+        assert main([*sizes, "--activation-checkpointing", mode]) == 0
+        memory[mode] = json.loads(capsys.readouterr().out)["layouts"][0]["memory_bytes"]["activations"]
+    assert memory["full"] < memory["selective"] < memory["none"] and memory["every_n"] < memory["none"], memory
 
 
 def test_cli_table_json_and_errors(capsys):
