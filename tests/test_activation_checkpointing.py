@@ -23,16 +23,14 @@ class CheckpointedBlocks(Callback):
 
 
 PROBE = ["tests.test_activation_checkpointing:CheckpointedBlocks"]
-TWO = [
-    Case("dp2_full", strategy={"dp": 2, "activation_checkpointing": "full"}, callbacks=PROBE, **LM),
-    Case("tp2_selective", strategy={"tp": 2, "activation_checkpointing": "selective"}, callbacks=PROBE, **LM),
-    Case("cp2_full", strategy={"cp": 2, "activation_checkpointing": "full"}, callbacks=PROBE, **LM),
-    Case("cp2_selective", strategy={"cp": 2, "activation_checkpointing": "selective"}, callbacks=PROBE, **LM),
-    Case("pp2_every_2", strategy={"pp": 2, "activation_checkpointing": "every_n"}, callbacks=PROBE, **LM),
-]
-# Rank 0 holds blocks 0-1 of 4 under pp=2 (every_n checkpoints block 1 there); the others hold all 4.
-EXPECTED_BLOCKS = {"dp2_full": [0, 1, 2, 3], "tp2_selective": [0, 1, 2, 3], "cp2_full": [0, 1, 2, 3],
-                   "cp2_selective": [0, 1, 2, 3], "pp2_every_2": [1]}
+MODES_UNDER = ("full", "selective", "every_n")
+TWO = [Case(f"{dim}2_{mode}", strategy={dim: 2, "activation_checkpointing": mode}, callbacks=PROBE, **LM)
+       for dim in ("dp", "tp", "cp", "pp") for mode in MODES_UNDER]
+# Rank 0 holds blocks 0-1 of 4 under pp=2; the others hold all 4. every_n checkpoints every second block
+# counted over the whole model (1 and 3).
+EXPECTED_BLOCKS = {case.name: ([0, 1] if case.name.startswith("pp") else [0, 1, 2, 3])
+                   if not case.name.endswith("every_n") else ([1] if case.name.startswith("pp") else [1, 3])
+                   for case in TWO}
 FAILING = {
     "no_blocks": (Case("no_blocks", module="tests.models:Classifier", data="tests.models:classification_data",
                        strategy={"dp": 2, "activation_checkpointing": "full"}, max_steps=1),

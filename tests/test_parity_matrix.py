@@ -4,7 +4,8 @@ Run alone with ``pytest -m parity_matrix``. Two models: the example GPT (rotary 
 q/k/v/o) and a Hugging Face LlamaForCausalLM from a tiny config (grouped K/V heads, HF rotary embedding
 with position_ids). Losses per step and logged train_loss within 1e-5 relative, final weights within
 1e-5 + 1e-5*|w|, after 4 SGD steps (see tests/lm_models.py for why SGD). The 2x2x2x2 GPT run also checkpoints
-at step 2 and resumes in a new Trainer: the resumed run must equal the uninterrupted one bit for bit.
+at step 2 and resumes in a new Trainer: the resumed run must equal the uninterrupted one bit for bit; and the
+GPT trains there once more with each of activation_checkpointing='full' and 'selective'.
 """
 
 import itertools
@@ -38,9 +39,15 @@ def _cases(world_size: int) -> list[Case]:
     ]
 
 
+# The full 4D layout also trains the GPT with the strategy's activation checkpointing, per block and selective.
+CHECKPOINTED = [Case(f"gpt-dp2pp2cp2tp2-{mode}", data="tests.lm_models:token_data",
+                     strategy={"dp": 2, "pp": 2, "cp": 2, "tp": 2, "activation_checkpointing": mode}, batch_size=8,
+                     max_steps=4, **MODELS["gpt"]) for mode in ("full", "selective")]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
 def test_every_layout_matches_one_process(world_size):
-    cases = _cases(world_size)
+    cases = _cases(world_size) + (CHECKPOINTED if world_size == 16 else [])
     results = train_layout(cases, world_size, timeout=900)
     for case in cases:
         got = results[case.name]
