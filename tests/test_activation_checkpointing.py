@@ -31,6 +31,10 @@ TWO = [Case(f"{dim}2_{mode}", strategy={dim: 2, "activation_checkpointing": mode
 EXPECTED_BLOCKS = {case.name: ([0, 1] if case.name.startswith("pp") else [0, 1, 2, 3])
                    if not case.name.endswith("every_n") else ([1] if case.name.startswith("pp") else [1, 3])
                    for case in TWO}
+# The module's own checkpointing (Hugging Face's gradient checkpointing, non-reentrant) under each dimension;
+# cp=2 and pp=2 x cp=2 are in tests/test_context_parallel.py.
+OWN = [Case(f"{dim}2_hf_own_checkpointing", module="tests.cp_models:CheckpointedLlama", strategy={dim: 2},
+            data="tests.lm_models:token_data", max_steps=4) for dim in ("dp", "tp", "pp")]
 FAILING = {
     "no_blocks": (Case("no_blocks", module="tests.models:Classifier", data="tests.models:classification_data",
                        strategy={"dp": 2, "activation_checkpointing": "full"}, max_steps=1),
@@ -41,13 +45,19 @@ FAILING = {
 
 @pytest.fixture(scope="module")
 def two():
-    return train_layout_with_failures(TWO, [case for case, _, _ in FAILING.values()], 2, timeout=600)
+    return train_layout_with_failures(TWO + OWN, [case for case, _, _ in FAILING.values()], 2, timeout=600)
 
 
 @pytest.mark.parametrize("case", TWO, ids=lambda c: c.name)
 def test_each_mode_matches_one_process(two, case):
     records, _ = two
     assert records[case.name]["extras"]["checkpointed"] == EXPECTED_BLOCKS[case.name]
+    assert_parity(case, reference(case), records[case.name])
+
+
+@pytest.mark.parametrize("case", OWN, ids=lambda c: c.name)
+def test_the_modules_own_checkpointing_matches_one_process(two, case):
+    records, _ = two
     assert_parity(case, reference(case), records[case.name])
 
 
