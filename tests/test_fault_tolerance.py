@@ -236,3 +236,29 @@ def test_a_collective_issued_by_one_rank_only_is_found_without_debug(tmp_path):
     assert re.search(r'fault_worker.py", line \d+ in training_step', output), output[-4000:]
     assert "in _sync_ddp" in output  # where it waits: the all-reduce of the log call
     print(f"one-sided collective: launch to all-exit {took:.1f} s")
+
+
+CROSSED_TIMEOUT = 4.0
+
+
+def test_different_collectives_end_every_rank_within_the_timeout_naming_both(tmp_path):
+    """Without debug=True: rank 0 all-reduces over dp_cp while rank 1 broadcasts over the world. Both ranks are
+    alive and at the same hook, so only the training timeout (4 s here) can end them; every rank exits within
+    it plus the report's few seconds, and each prints the flight-recorder table with both ranks' last
+    collectives, the mismatch spelled out."""
+    codes, output, _ = _run("crossed", tmp_path, CROSSED_TIMEOUT, timeout=120, grace=60)
+    crossed_at = min(float(t) for t in re.findall(r"rank \d crosses at t=([0-9.]+)", output))
+    took = time.time() - crossed_at
+    print(f"crossed collectives: every rank exited {took:.1f} s after the mismatch (timeout {CROSSED_TIMEOUT} s)")
+    assert codes == [1, 1], (codes, output[-6000:])
+    assert took < CROSSED_TIMEOUT + 12, took
+    assert "Timed out waiting 4000ms" in output, output[-6000:]
+    # With dp=2 on two ranks, dp_cp is the world's group: one group with all its names.
+    rank0 = re.compile(r"all_reduce #\d+ on world/dp/dp_cp\[0,1\] \(3,\) waiting \(issued at step 2 in training_step\)")
+    rank1 = re.compile(r"broadcast #\d+ on world/dp/dp_cp\[0,1\] \(3,\) waiting \(issued at step 2 in training_step\)")
+    for rank in (0, 1):
+        section = output.split(f"----- rank {rank} ")[1].split("----- rank ")[0]
+        assert "The ranks' last collectives differ" in section, section[-4000:]
+        table = section.split("last known state of every rank:")[1]
+        rows = {int(line.split()[0]): line for line in table.splitlines()[2:4]}
+        assert rank0.search(rows[0]) and rank1.search(rows[1]), table
