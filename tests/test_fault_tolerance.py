@@ -262,3 +262,29 @@ def test_different_collectives_end_every_rank_within_the_timeout_naming_both(tmp
         table = section.split("last known state of every rank:")[1]
         rows = {int(line.split()[0]): line for line in table.splitlines()[2:4]}
         assert rank0.search(rows[0]) and rank1.search(rows[1]), table
+
+
+def test_resuming_twice_at_epoch_ends_is_exact(tmp_path):
+    """A run resumed at an epoch's end, checkpointed at the next epoch's end and resumed from there, trains on
+    the batches of an uninterrupted run (before the fix the last resume repeated the previous epoch's order:
+    Lightning's epoch counters are one behind after such a restart). One process under FourDStrategy, 4 batches
+    per epoch, checkpoints taken at the last batch of an epoch (ModelCheckpoint every_n_train_steps): A runs
+    steps 1-4 and saves step 4, B resumes it and saves step 8, C resumes that; the stitched losses and C's final
+    weights equal the uninterrupted 12-step run's bit for bit."""
+    from dataclasses import replace
+
+    from tests.parity import Case, assert_exact_resume, train
+
+    case = Case("twice", module="tests.models:Classifier", data="tests.models:classification_data", batch_size=16,
+                max_steps=4, resume_at=4)
+    first = train(case, distributed=True, workdir=str(tmp_path))["extras"]["uninterrupted"]  # A (and no resume)
+    # B: from A's step 4 to step 12, saving at step 8 (every 8 steps), then C: resumed from B's step 8.
+    chained = train(replace(case, name="b", max_steps=12, resume_at=8,
+                            resume_from=str(next((tmp_path / "twice").glob("*step=4.ckpt")))),
+                    distributed=True, workdir=str(tmp_path))
+    second = chained["extras"]["uninterrupted"]  # B, steps 5-12
+    uninterrupted = train(replace(case, name="whole", max_steps=12, resume_at=None), distributed=True)
+    assert second["losses"] == uninterrupted["losses"][4:]  # one resume at an epoch's end was exact already
+    third = chained["losses"][8:]  # C, steps 9-12
+    assert_exact_resume(dict(chained, losses=first["losses"] + second["losses"][:4] + third,
+                             extras={"uninterrupted": uninterrupted}))
