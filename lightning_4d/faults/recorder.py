@@ -223,3 +223,18 @@ def install() -> None:
         current = getattr(module, name, None)
         if current is not None and not hasattr(current, _MARK):
             setattr(module, name, _recorded_functional(name, current))
+
+
+def uninstall() -> None:
+    """Take the wrappers off again (benchmarks compare with and without)."""
+    for name in compat.PROCESS_GROUP_METHODS:
+        current = vars(dist.ProcessGroup).get(name)
+        if current is not None and hasattr(current, _MARK):
+            setattr(dist.ProcessGroup, name, getattr(current, _MARK))
+    if hasattr(vars(dist.Work)["wait"], _MARK):
+        dist.Work.wait = getattr(vars(dist.Work)["wait"], _MARK)
+    module = compat.functional_collectives()
+    for name in compat.FUNCTIONAL_COLLECTIVES:
+        current = getattr(module, name, None)
+        if current is not None and hasattr(current, _MARK):
+            setattr(module, name, getattr(current, _MARK))
