@@ -185,6 +185,8 @@ def _recorded_functional(name: str, original: Any) -> Any:
 
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into a graph: not a call issued now (and no graph break)
+            return original(*args, **kwargs)
         group = kwargs.get("group", args[position] if len(args) > position else None)
         record = RECORDER.add(f"functional {name}", _functional_group(group), args)
         record[_STATE] = "async"
