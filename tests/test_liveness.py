@@ -122,3 +122,19 @@ def test_timeouts_are_checked_when_the_strategy_is_made():
     strategy = FourDStrategy(timeout=30, init_timeout=timedelta(minutes=20))
     assert strategy.collective_timeouts.train == timedelta(seconds=30)
     assert strategy.collective_timeouts.init == timedelta(minutes=20)
+
+
+def test_the_comparison_of_last_collectives_says_what_they_show():
+    from lightning_4d.faults.recorder import compare
+
+    waiting = {"op": "all_reduce", "group": "dp_cp[0,1]", "seq": 12, "shape": "(3,)", "step": 2,
+               "doing": "training_step", "state": "waiting"}
+    other = dict(waiting, op="broadcast", group="world[0,1]", seq=11)
+    done = dict(waiting, seq=11, state="done")
+    assert "The ranks' last collectives differ (rank 0: all_reduce #12 on dp_cp[0,1] (3,) waiting" in compare(
+        {0: waiting, 1: other})
+    assert "rank 1: broadcast #11 on world[0,1]" in compare({0: waiting, 1: other})
+    assert "Ranks [0] wait in all_reduce #12 on dp_cp[0,1] (3,) waiting (issued at step 2 in training_step); ranks [1]" \
+           " are in no collective" in compare({0: waiting, 1: done})
+    assert compare({0: waiting, 1: dict(waiting)}) == " Every rank waits in the same call: a peer is slow or stuck inside it."
+    assert compare({0: done, 1: None}) == ""

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_4d.faults.recorder import RECORDER, describe
+from lightning_4d.faults.recorder import RECORDER, compare, describe
 
 EXIT_RANK_LOST = 76  # another rank died, was killed or stalled
 EXIT_STALLED = 77  # this rank stalled (the others waited for it)
@@ -259,13 +259,15 @@ class Heartbeat:
             print(f"[lightning-4d] rank {self.rank}: this rank is stalled; where its threads are:", file=sys.stderr,
                   flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            self._fail(EXIT_STALLED, message)
+            self._fail(EXIT_STALLED, message, stalled=True)
             return
-        self._fail(EXIT_RANK_LOST, message)
+        self._fail(EXIT_RANK_LOST, message, stalled=True)
 
-    def _fail(self, code: int, message: str) -> None:
-        print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}. Last known state of every rank"
-              f" (as seen by rank {self.rank}):\n{self.table()}", file=sys.stderr, flush=True)
+    def _fail(self, code: int, message: str, stalled: bool = False) -> None:
+        # A stall leaves every rank's last collective current: whether they differ says where it waits.
+        compared = compare(self.collectives()) if stalled else ""
+        print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}.{compared} Last"
+              f" known state of every rank (as seen by rank {self.rank}):\n{self.table()}", file=sys.stderr, flush=True)
         self._stop.set()
         if self.rank == 0:
             # This process hosts the store: keep it up while the peers read it and reach the same judgement.

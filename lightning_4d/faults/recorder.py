@@ -125,6 +125,25 @@ def describe(record: Optional[dict[str, Any]]) -> str:
             f" (issued at step {record['step']} in {record['doing']})")
 
 
+def compare(collectives: dict[int, Optional[dict[str, Any]]]) -> str:
+    """What the ranks' last collectives say: ranks waiting in different calls (they took different code paths),
+    ranks waiting while others are in none (those are behind), or every rank in one call (a peer slow in it)."""
+    waiting = {rank: record for rank, record in collectives.items() if record and record["state"] == "waiting"}
+    elsewhere = sorted(rank for rank in collectives if rank not in waiting)
+    calls = {(record["op"], record["group"], record["seq"]) for record in waiting.values()}
+    if len(calls) > 1:
+        listed = "; ".join(f"rank {rank}: {describe(record)}" for rank, record in collectives.items())
+        return (f" The ranks' last collectives differ ({listed}): they issued different collectives, or the same"
+                " ones in a different order (a rank-dependent branch, a log(sync_dist=True) on some ranks only).")
+    if waiting and elsewhere:
+        return (f" Ranks {sorted(waiting)} wait in {describe(next(iter(waiting.values())))}; ranks {elsewhere} are"
+                " in no collective (their last one completed): they are behind, in user code, or in a collective"
+                " the recorder does not see.")
+    if waiting:
+        return " Every rank waits in the same call: a peer is slow or stuck inside it."
+    return ""
+
+
 def _shape(args: tuple) -> str:
     """The shape of the first tensor among a call's arguments (lists of tensors included), and how many."""
     for value in args:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lightning_4d._compat import default_store
 from lightning_4d.faults import liveness
-from lightning_4d.faults.recorder import RECORDER, describe
+from lightning_4d.faults.recorder import RECORDER, compare, describe
 from lightning_4d.faults.preemption import Preempted, release_signals
 
 _KEY = "lightning_4d/first_failure"
@@ -78,7 +78,7 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
         if _is_communication_error(exception) and not lost:
             mine = "\n".join(f"  {describe(record)}" for record in RECORDER.last(5)) or "  none"
             print(f"[lightning-4d] rank {rank}: a collective failed ({_first_line(exception)})."
-                  f"{_compare(heartbeat.collectives()) if heartbeat is not None else ''} This rank's last"
+                  f"{compare(heartbeat.collectives()) if heartbeat is not None else ''} This rank's last"
                   f" collectives, oldest first:\n{mine}", file=sys.stderr, flush=True)
         if heartbeat is not None:
             heartbeat.stop(f"failed ({type(exception).__name__})")
@@ -100,18 +100,6 @@ def _is_communication_error(exception: BaseException) -> bool:
 def _first_line(exception: BaseException) -> str:
     lines = str(exception).strip().splitlines()
     return f"{type(exception).__name__}: {lines[0] if lines else ''}"
-
-
-def _compare(collectives: dict) -> str:
-    """Whether the ranks' last collectives are one and the same call (a slow or stuck peer) or different calls
-    (ranks took different code paths)."""
-    calls = {rank: (record["op"], record["group"], record["seq"]) if record else None
-             for rank, record in collectives.items()}
-    if len(set(calls.values())) <= 1:
-        return " Every rank's last collective is the same call: a peer is slow or stuck inside it."
-    listed = "; ".join(f"rank {rank}: {describe(record)}" for rank, record in collectives.items())
-    return (f" The ranks' last collectives differ ({listed}): they issued different collectives, or the same ones"
-            " in a different order (a rank-dependent branch, a log(sync_dist=True) on some ranks only).")
 
 
 def _waiting_for(store, world_size: int, heartbeat) -> bool:
