@@ -16,6 +16,9 @@ buffers per replica group when the module has buffers.
   hash of the batch's shapes; a difference raises :class:`BatchShapeMismatchError` on every rank, naming the
   ranks and shapes, instead of a collective aborting on a size mismatch mid-step.
 * **Liveness** (:mod:`.liveness`): a heartbeat thread names a lost or stalled rank and ends every rank.
+* **Collectives** (:mod:`.recorder`, :mod:`.timeouts`): every process-group call is recorded with the step and
+  hook it was issued in, for the failure table; the strategy's ``init_timeout`` holds until the first training
+  step has ended, its (shorter) ``timeout`` from then on.
 * **Buffers**: with ``FourDStrategy(broadcast_buffers=True)`` (the default, as DDP), the module's buffers
   (BatchNorm running statistics, ...) are broadcast from the first rank of each replica group (``dp_cp``)
   before every training step, so replicas never drift apart and the checkpoint holds what every rank holds.
