@@ -41,10 +41,32 @@ def op_qualified_name(packet: OpOverloadPacket) -> str:
 FUNCTIONAL_COLLECTIVE_NAMESPACES = ("_c10d_functional::", "_c10d_functional_autograd::")
 # ProcessGroup methods that start communication, private ones included (gloo/NCCL bindings call them).
 PROCESS_GROUP_METHODS = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
-                         "allgather_into_tensor_coalesced", "_allgather_base", "reduce_scatter",
+                         "allgather_into_tensor_coalesced", "_allgather_base", "all_gather_single",
+                         "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
+                         "reduce_scatter_single_coalesced",
                          "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", "broadcast", "reduce", "gather",
                          "scatter", "alltoall", "alltoall_base", "barrier", "monitored_barrier", "send", "recv",
                          "recv_anysource", "_end_coalescing")
+
+
+# The functional collectives DTensor's redistributions call through their module (the collective recorder wraps
+# them there: they reach the process group in C++, past its Python methods). The module is private.
+FUNCTIONAL_COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
+                          "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_gather_tensor_autograd",
+                          "reduce_scatter_tensor_autograd", "all_to_all_single_autograd", "all_gather_single_autograd",
+                          "reduce_scatter_single_autograd")
+
+
+def functional_collectives() -> Any:
+    import torch.distributed._functional_collectives as functional
+
+    return functional
+
+
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every process group of this process (the collective timeout applies to each); torch lists them only in
+    its private registry."""
+    return list(dist.distributed_c10d._world.pg_map)
 
 
 def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMesh:

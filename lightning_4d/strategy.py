@@ -33,6 +33,7 @@ from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
+from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
@@ -41,8 +42,6 @@ from lightning_4d.resumable_loader import TrainLoaders
 from lightning_4d.telemetry import Telemetry
 from lightning_4d.tensor_parallel import TensorParallelConfig
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
-
 class FourDStrategy(ModelParallelStrategy):
     """Data, tensor/sequence, context and pipeline parallelism for an unchanged LightningModule.
 
@@ -50,7 +49,11 @@ class FourDStrategy(ModelParallelStrategy):
         dp, pp, cp, tp: data-parallel replicas, pipeline stages, context-parallel ranks splitting each sequence,
             tensor-parallel ranks splitting each layer; ``dp="auto"`` takes what the others leave of the world.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
-        timeout: how long a collective may wait before every rank fails instead of hanging.
+        timeout: how long a collective may wait, once the first training step has ended, before the ranks that
+            wait fail instead of hanging (default 2 minutes); each rank then prints what every rank was last
+            doing, collectives included (see ``docs/troubleshooting.md``).
+        init_timeout: the same limit while the run starts (process groups, the first training step) and around
+            every checkpoint save and load (default 10 minutes).
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
         init_from: weights to start from, in whatever layout this run uses: a lightning-4d checkpoint
             directory, a Lightning checkpoint file, or a file with a plain ``state_dict`` (loop and optimizer
@@ -95,6 +98,7 @@ class FourDStrategy(ModelParallelStrategy):
         tp: int = 1,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        init_timeout: timedelta = DEFAULT_INIT_TIMEOUT,
         process_group_backend: Optional[str] = None,
         init_from: Optional[str] = None,
         cp_comm: Literal["ring", "allgather"] = "ring",
@@ -121,8 +125,9 @@ class FourDStrategy(ModelParallelStrategy):
         **unknown: Any,
     ) -> None:
         refuse_unknown(FourDStrategy.__init__, unknown)
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.timeout = timeout
+        self.collective_timeouts = CollectiveTimeouts(init_timeout, timeout)  # read by FaultTolerance
+        super().__init__(process_group_backend=process_group_backend, timeout=self.collective_timeouts.init)
+        self.timeout = self.collective_timeouts.train
         positive("bucket_mb", bucket_mb, "megabytes (default 25)")
         self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
         ParallelDims.check_sizes(dp, pp, cp, tp)
@@ -332,12 +337,14 @@ class FourDStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...) is not supported: it writes with"
                             " torch.distributed.checkpoint, not a CheckpointIO.")
-        checkpoint.save(checkpoint_dict, self.broadcast(str(filepath)), is_writer=self.global_rank == 0)
+        with self.collective_timeouts.long():
+            checkpoint.save(checkpoint_dict, self.broadcast(str(filepath)), is_writer=self.global_rank == 0)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.parallel.load(self.broadcast(str(checkpoint_path)), self.optimizers,
-                                  strict=self.lightning_module.strict_loading)
+        with self.collective_timeouts.long():
+            return self.parallel.load(self.broadcast(str(checkpoint_path)), self.optimizers,
+                                      strict=self.lightning_module.strict_loading)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -5,7 +5,9 @@
 Scenarios: ``kill`` (rank 1 SIGKILLs itself at step 3), ``stall`` (rank 1 sleeps in training_step at step 3),
 ``uneven`` (rank 1's loader has fewer batches), ``shapes`` (tp=2, rank 1's batch has another sequence length),
 ``bn`` (a BatchNorm model under ``ddp`` or ``fourd``/``fourd-nobroadcast``, rank 0 saves its final state),
-``preempt`` (cycles of train / signal at a random moment / resume; see tests/test_fault_tolerance.py).
+``preempt`` (cycles of train / signal at a random moment / resume; see tests/test_fault_tolerance.py),
+``mismatch`` (a log(sync_dist=True) on rank 0 only), ``crossed`` (rank 0 and rank 1 issue different collectives
+at step 2, under a training timeout of ARGS[0] seconds).
 """
 
 import json
@@ -221,6 +223,31 @@ def mismatch():
     trainer.fit(LogOnRank0Only(), DataLoader(classification_data(), batch_size=8))
 
 
+class CrossedCollectives(Classifier):
+    """At step 2 rank 0 all-reduces over the replica group while rank 1 broadcasts over the world: two different
+    collectives, no rank dead or behind, so only the collective timeout ends them."""
+
+    def training_step(self, batch, batch_idx):
+        import torch.distributed as dist
+
+        if self.global_step == 2:
+            print(f"rank {self.global_rank} crosses at t={time.time():.3f}", flush=True)
+            value = torch.ones(3)
+            if self.global_rank == 0:
+                dist.all_reduce(value, group=self.trainer.strategy.group("dp_cp"))
+            else:
+                dist.broadcast(value, src=0)
+        return super().training_step(batch, batch_idx)
+
+
+def crossed(seconds):
+    from datetime import timedelta
+
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer(FourDStrategy(dp=2, timeout=timedelta(seconds=seconds)), 10, [FaultTolerance(**FAST)])
+    trainer.fit(CrossedCollectives(), DataLoader(classification_data(), batch_size=8))
+
+
 class SlowSteps(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(0.05)
@@ -248,6 +275,8 @@ if __name__ == "__main__":
         batchnorm(rest[0], out)
     elif scenario == "mismatch":
         mismatch()
+    elif scenario == "crossed":
+        crossed(float(rest[0]))
     elif scenario == "preempt-agent":
         preempt_by_agent(out)
     elif scenario == "preempt":

@@ -163,7 +163,7 @@ def _setup_environment(module, devices=2, **strategy):
     """Build the Trainer in this process and run the strategy's environment setup, which checks the module
     before creating any process group (the short timeout turns a missing check into a failure, not a hang)."""
     trainer = pl.Trainer(accelerator="cpu", devices=devices, logger=False,
-                         strategy=FourDStrategy(timeout=timedelta(seconds=5), **strategy))
+                         strategy=FourDStrategy(init_timeout=timedelta(seconds=5), **strategy))
     trainer.strategy.connect(module)
     trainer.strategy.setup_environment()
 

@@ -117,6 +117,10 @@ CHECKS = {
         getattr(torch.distributed.ProcessGroup, name) for name in compat.PROCESS_GROUP_METHODS
         if name not in ("allgather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "recv_anysource",
                         "monitored_barrier", "_end_coalescing")],
+    "torch.distributed._functional_collectives functions the collective recorder wraps (with a group argument)":
+        lambda: [__import__("inspect").signature(getattr(compat.functional_collectives(), name)).parameters["group"]
+                 for name in compat.FUNCTIONAL_COLLECTIVES],
+    "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),
     "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (

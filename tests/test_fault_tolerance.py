@@ -237,3 +237,55 @@ def test_a_collective_issued_by_one_rank_only_is_found_without_debug(tmp_path):
     assert re.search(r'fault_worker.py", line \d+ in training_step', output), output[-4000:]
     assert "in _sync_ddp" in output  # where it waits: the all-reduce of the log call
     print(f"one-sided collective: launch to all-exit {took:.1f} s")
+
+
+CROSSED_TIMEOUT = 4.0
+
+
+def test_different_collectives_end_every_rank_within_the_timeout_naming_both(tmp_path):
+    """Without debug=True: rank 0 all-reduces over dp_cp while rank 1 broadcasts over the world. Both ranks are
+    alive and at the same hook, so only the training timeout (4 s here) can end them; every rank exits within
+    it plus the report's few seconds, and each prints the flight-recorder table with both ranks' last
+    collectives, the mismatch spelled out."""
+    codes, output, _ = _run("crossed", tmp_path, CROSSED_TIMEOUT, timeout=120, grace=60)
+    crossed_at = min(float(t) for t in re.findall(r"rank \d crosses at t=([0-9.]+)", output))
+    took = time.time() - crossed_at
+    print(f"crossed collectives: every rank exited {took:.1f} s after the mismatch (timeout {CROSSED_TIMEOUT} s)")
+    assert codes == [1, 1], (codes, output[-6000:])
+    assert took < CROSSED_TIMEOUT + 12, took
+    assert "Timed out waiting 4000ms" in output, output[-6000:]
+    # With dp=2 on two ranks, dp_cp is the world's group: one group with all its names.
+    rank0 = re.compile(r"all_reduce #\d+ on world/dp/dp_cp\[0,1\] \(3,\) waiting \(issued at step 2 in training_step\)")
+    rank1 = re.compile(r"broadcast #\d+ on world/dp/dp_cp\[0,1\] \(3,\) waiting \(issued at step 2 in training_step\)")
+    for rank in (0, 1):
+        section = output.split(f"----- rank {rank} ")[1].split("----- rank ")[0]
+        assert "The ranks' last collectives differ" in section, section[-4000:]
+        table = section.split("last known state of every rank:")[1]
+        rows = {int(line.split()[0]): line for line in table.splitlines()[2:4]}
+        assert rank0.search(rows[0]) and rank1.search(rows[1]), table
+
+
+def test_resuming_twice_at_epoch_ends_is_exact(tmp_path):
+    """A run resumed at an epoch's end, checkpointed at the next epoch's end and resumed from there, trains on
+    the batches of an uninterrupted run (before the fix the last resume repeated the previous epoch's order:
+    Lightning's epoch counters are one behind after such a restart). One process under FourDStrategy, 4 batches
+    per epoch, checkpoints taken at the last batch of an epoch (ModelCheckpoint every_n_train_steps): A runs
+    steps 1-4 and saves step 4, B resumes it and saves step 8, C resumes that; the stitched losses and C's final
+    weights equal the uninterrupted 12-step run's bit for bit."""
+    from dataclasses import replace
+
+    from tests.parity import Case, assert_exact_resume, train
+
+    case = Case("twice", module="tests.models:Classifier", data="tests.models:classification_data", batch_size=16,
+                max_steps=4, resume_at=4)
+    first = train(case, distributed=True, workdir=str(tmp_path))["extras"]["uninterrupted"]  # A (and no resume)
+    # B: from A's step 4 to step 12, saving at step 8 (every 8 steps), then C: resumed from B's step 8.
+    chained = train(replace(case, name="b", max_steps=12, resume_at=8,
+                            resume_from=str(next((tmp_path / "twice").glob("*step=4.ckpt")))),
+                    distributed=True, workdir=str(tmp_path))
+    second = chained["extras"]["uninterrupted"]  # B, steps 5-12
+    uninterrupted = train(replace(case, name="whole", max_steps=12, resume_at=None), distributed=True)
+    assert second["losses"] == uninterrupted["losses"][4:]  # one resume at an epoch's end was exact already
+    third = chained["losses"][8:]  # C, steps 9-12
+    assert_exact_resume(dict(chained, losses=first["losses"] + second["losses"][:4] + third,
+                             extras={"uninterrupted": uninterrupted}))

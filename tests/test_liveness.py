@@ -81,3 +81,60 @@ def test_bad_settings_fail_before_anything_starts():
         Heartbeat(None, 0, 2, interval=1, lost_after=0.5)
     with pytest.raises(ValueError, match="stall_after=1 must be None"):
         Heartbeat(None, 0, 2, interval=0.2, lost_after=2, stall_after=1)
+
+
+def test_the_recorder_names_each_collective_its_group_and_sequence():
+    """In a one-rank gloo group: the ring holds op, group name, per-group sequence number, shape, where, and
+    whether the call completed; the heartbeat's table shows the newest one."""
+    import torch
+
+    from lightning_4d.faults import recorder
+    from lightning_4d.faults.recorder import RECORDER
+
+    port = free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        recorder.install()
+        RECORDER.name_groups({"dp_cp": dist.group.WORLD})
+        RECORDER.where("backward", 7)
+        dist.all_reduce(torch.ones(2, 3))
+        dist.broadcast(torch.ones(4), src=0)
+        first, second = RECORDER.last(2)
+        assert (first["op"], first["group"], first["shape"], first["step"], first["doing"], first["state"]) == (
+            "all_reduce", "world/dp_cp[0]", "(2, 3)", 7, "backward", "done")
+        assert (second["op"], second["seq"]) == ("broadcast", first["seq"] + 1)
+        recorder.install()  # idempotent: one record per call, not two
+        dist.barrier()
+        assert RECORDER.last(1)[0]["seq"] == second["seq"] + 1
+        beat = Heartbeat(dist.distributed_c10d._get_default_store(), 0, 1, exit=lambda code: None)
+        assert f"barrier #{second['seq'] + 1} on world/dp_cp[0] done (issued at step 7 in backward)" in beat.table()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_timeouts_are_checked_when_the_strategy_is_made():
+    from datetime import timedelta
+
+    from lightning_4d import FourDStrategy
+
+    with pytest.raises(ValueError, match="timeout=-1 must be a positive timedelta"):
+        FourDStrategy(timeout=-1)
+    strategy = FourDStrategy(timeout=30, init_timeout=timedelta(minutes=20))
+    assert strategy.collective_timeouts.train == timedelta(seconds=30)
+    assert strategy.collective_timeouts.init == timedelta(minutes=20)
+
+
+def test_the_comparison_of_last_collectives_says_what_they_show():
+    from lightning_4d.faults.recorder import compare
+
+    waiting = {"op": "all_reduce", "group": "dp_cp[0,1]", "seq": 12, "shape": "(3,)", "step": 2,
+               "doing": "training_step", "state": "waiting"}
+    other = dict(waiting, op="broadcast", group="world[0,1]", seq=11)
+    done = dict(waiting, seq=11, state="done")
+    assert "The ranks' last collectives differ (rank 0: all_reduce #12 on dp_cp[0,1] (3,) waiting" in compare(
+        {0: waiting, 1: other})
+    assert "rank 1: broadcast #11 on world[0,1]" in compare({0: waiting, 1: other})
+    assert "Ranks [0] wait in all_reduce #12 on dp_cp[0,1] (3,) waiting (issued at step 2 in training_step); ranks [1]" \
+           " are in no collective" in compare({0: waiting, 1: done})
+    assert compare({0: waiting, 1: dict(waiting)}) == " Every rank waits in the same call: a peer is slow or stuck inside it."
+    assert compare({0: done, 1: None}) == ""

@@ -1,6 +1,7 @@
 """Faults end a run loudly and quickly: a failing rank is named on every rank (:mod:`.report`), lost and
 stalled ranks are found by heartbeats (:mod:`.liveness`), preemption signals end training at a step
-boundary with a complete checkpoint (:mod:`.preemption`)."""
+boundary with a complete checkpoint (:mod:`.preemption`), every rank's collectives are recorded for the failure
+table (:mod:`.recorder`) and a collective waits at most a start-up or a training timeout (:mod:`.timeouts`)."""
 
 from lightning_4d.faults.callback import (BatchShapeMismatchError, FaultTolerance, UnevenDataError, attach,
                                          broadcast_buffers)

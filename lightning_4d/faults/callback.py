@@ -16,6 +16,9 @@ buffers per replica group when the module has buffers.
   hash of the batch's shapes; a difference raises :class:`BatchShapeMismatchError` on every rank, naming the
   ranks and shapes, instead of a collective aborting on a size mismatch mid-step.
 * **Liveness** (:mod:`.liveness`): a heartbeat thread names a lost or stalled rank and ends every rank.
+* **Collectives** (:mod:`.recorder`, :mod:`.timeouts`): every process-group call is recorded with the step and
+  hook it was issued in, for the failure table; the strategy's ``init_timeout`` holds until the first training
+  step has ended, its (shorter) ``timeout`` from then on.
 * **Buffers**: with ``FourDStrategy(broadcast_buffers=True)`` (the default, as DDP), the module's buffers
   (BatchNorm running statistics, ...) are broadcast from the first rank of each replica group (``dp_cp``)
   before every training step, so replicas never drift apart and the checkpoint holds what every rank holds.
@@ -38,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from lightning_4d._compat import default_store
 from lightning_4d.faults.liveness import (DEFAULT_INTERVAL, DEFAULT_LOST_AFTER, DEFAULT_STALL_AFTER, Heartbeat,
                                           check_options)
+from lightning_4d.faults import recorder
 from lightning_4d.faults.report import RaisedOnEveryRank
 from lightning_4d.faults.preemption import EXIT_PREEMPTED, Preempted, SignalFlag, parse_signals
 
@@ -75,10 +79,18 @@ class FaultTolerance(Callback):
         self.check_uneven_data, self.check_batch_shapes = check_uneven_data, check_batch_shapes
         self._flag = SignalFlag(self.signals)
         self._beat: Optional[Heartbeat] = None
+        self._first_step_done = False
 
     # ---------------------------------------------------------------------------- set up, tear down
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        timeouts = getattr(trainer.strategy, "collective_timeouts", None)
+        if timeouts is not None:
+            timeouts.starting()
+        self._first_step_done = False
+        if dist.is_initialized() and trainer.world_size > 1:
+            recorder.install()
+            recorder.RECORDER.name_groups(_named_groups(trainer))
         store = default_store()
         if self.heartbeat and self._beat is None and store is not None and trainer.world_size > 1:
             self._beat = Heartbeat(store, trainer.global_rank, trainer.world_size, self.heartbeat_interval,
@@ -116,6 +128,7 @@ class FaultTolerance(Callback):
     # ------------------------------------------------------------------------------ progress marks
 
     def _mark(self, doing: str, trainer: pl.Trainer) -> None:
+        recorder.RECORDER.where(doing, trainer.global_step)
         if self._beat is not None:
             self._beat.mark(doing, trainer.global_step)
 
@@ -152,6 +165,11 @@ class FaultTolerance(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._mark("end of step agreement", trainer)
+        if not self._first_step_done:
+            self._first_step_done = True
+            timeouts = getattr(trainer.strategy, "collective_timeouts", None)
+            if timeouts is not None:
+                timeouts.training()
         epoch_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         if not dist.is_initialized() or trainer.world_size < 2:
             if self._flag.requested and not epoch_end:
@@ -231,6 +249,15 @@ def _tensor_shapes(batch: Any) -> list[tuple[int, ...]]:
     if isinstance(batch, (list, tuple)):
         return [shape for item in batch for shape in _tensor_shapes(item)]
     return []
+
+
+def _named_groups(trainer: pl.Trainer) -> dict[str, Any]:
+    """The layout's process groups by name, for the collective recorder's table."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is None or getattr(trainer.strategy, "mesh", None) is None:
+        return {}
+    names = ["dp", "pp", "cp", "tp", "dp_cp"] + (["pp_dp_cp"] if dims.pp_enabled else [])
+    return {name: trainer.strategy.group(name) for name in names}
 
 
 def _group(trainer: pl.Trainer, name: str) -> Optional[dist.ProcessGroup]:

@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_4d.faults.recorder import RECORDER, compare, describe
+
 EXIT_RANK_LOST = 76  # another rank died, was killed or stalled
 EXIT_STALLED = 77  # this rank stalled (the others waited for it)
 
@@ -116,8 +118,9 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
-        try:
-            self.store.set(_key(self.rank), json.dumps({"left": finished}))
+        try:  # the last collective stays readable: a peer's failure table shows it
+            self.store.set(_key(self.rank), json.dumps({"left": finished, "step": self.step, "doing": self.doing,
+                                                        "coll": RECORDER.last()}))
         except Exception:  # noqa: BLE001  the store may be gone with rank 0
             pass
 
@@ -148,25 +151,37 @@ class Heartbeat:
         return sorted(silent)
 
     def table(self) -> str:
-        """What every rank was last doing, as this rank last read it (a flight recorder of the job)."""
+        """What every rank was last doing, as this rank last read it: step, hook, and the last collective it
+        issued (:mod:`.recorder`), with its sequence number on its group; ranks whose last collectives differ
+        issued different collectives (a flight recorder of the job)."""
         now = time.monotonic()
-        lines = [f"{'rank':>6}  {'step':>6}  {'progress':>8}  {'last beat':>9}  doing"]
+        lines = [f"{'rank':>6}  {'step':>6}  {'progress':>8}  {'last beat':>9}  {'doing':<24}  last collective"]
         for rank in range(self.world_size):
             record = self._peers.get(rank) if rank != self.rank else self._record()
             if record is None:
                 lines.append(f"{rank:>6}  {'?':>6}  {'?':>8}  {'never':>9}  (no heartbeat seen)")
                 continue
+            collective = describe((record.get("coll") or [None])[-1])
             if "left" in record:
-                lines.append(f"{rank:>6}  {'':>6}  {'':>8}  {'':>9}  left: {record['left']}")
+                doing = f"left: {record['left']}"
+                lines.append(f"{rank:>6}  {record.get('step', ''):>6}  {'':>8}  {'':>9}  {doing:<24}  {collective}")
                 continue
             age = 0.0 if rank == self.rank else now - self._seen.get(rank, (None, now))[1]
-            lines.append(f"{rank:>6}  {record['step']:>6}  {record['progress']:>8}  {age:>8.1f}s  {record['doing']}")
+            lines.append(f"{rank:>6}  {record['step']:>6}  {record['progress']:>8}  {age:>8.1f}s  {record['doing']:<24}"
+                         f"  {collective}")
         return "\n".join(lines)
+
+    def collectives(self) -> dict[int, Optional[dict[str, Any]]]:
+        """Every rank's last collective record, as this rank last read them (None: none seen)."""
+        known = {rank: (record.get("coll") or [None])[-1] for rank, record in self._peers.items()}
+        known[self.rank] = (RECORDER.last() or [None])[-1]
+        return {rank: known.get(rank) for rank in range(self.world_size)}
 
     # ---------------------------------------------------------------------------- the thread
 
     def _record(self) -> dict[str, Any]:
-        return {"beat": self._beat, "progress": self.progress, "doing": self.doing, "step": self.step}
+        return {"beat": self._beat, "progress": self.progress, "doing": self.doing, "step": self.step,
+                "coll": RECORDER.last()}
 
     def _publish(self) -> None:
         self._beat += 1
@@ -244,13 +259,15 @@ class Heartbeat:
             print(f"[lightning-4d] rank {self.rank}: this rank is stalled; where its threads are:", file=sys.stderr,
                   flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            self._fail(EXIT_STALLED, message)
+            self._fail(EXIT_STALLED, message, stalled=True)
             return
-        self._fail(EXIT_RANK_LOST, message)
+        self._fail(EXIT_RANK_LOST, message, stalled=True)
 
-    def _fail(self, code: int, message: str) -> None:
-        print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}. Last known state of every rank"
-              f" (as seen by rank {self.rank}):\n{self.table()}", file=sys.stderr, flush=True)
+    def _fail(self, code: int, message: str, stalled: bool = False) -> None:
+        # A stall leaves every rank's last collective current: whether they differ says where it waits.
+        compared = compare(self.collectives()) if stalled else ""
+        print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}.{compared} Last"
+              f" known state of every rank (as seen by rank {self.rank}):\n{self.table()}", file=sys.stderr, flush=True)
         self._stop.set()
         if self.rank == 0:
             # This process hosts the store: keep it up while the peers read it and reach the same judgement.

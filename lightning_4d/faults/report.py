@@ -8,7 +8,10 @@ failure, so the real traceback is what a user reads whichever rank's log they op
 
 Rank 0 hosts the store, so it stays until the other ranks have reported, but only those that still beat
 (:mod:`lightning_4d.faults.liveness`): a rank that is already gone is not waited for. Each rank also prints
-the heartbeat table: what every rank was last doing (step and hook), as it last saw them.
+the heartbeat table: what every rank was last doing (step, hook and last collective, from
+:mod:`lightning_4d.faults.recorder`), as it last saw them. When a collective failed or timed out and no rank
+is lost, the report says whether the ranks were in the same collective or in different ones, and each rank
+prints its own last few collectives.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 
 from lightning_4d._compat import default_store
 from lightning_4d.faults import liveness
+from lightning_4d.faults.recorder import RECORDER, compare, describe
 from lightning_4d.faults.preemption import Preempted, release_signals
 
 _KEY = "lightning_4d/first_failure"
@@ -71,6 +75,11 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
             first = store.get(_KEY).decode(errors="replace")
             print(f"[lightning-4d] rank {rank} stopped because {first}", file=sys.stderr, flush=True)
         store.set(f"{_KEY}/reported/{rank}", "1")
+        if _is_communication_error(exception) and not lost:
+            mine = "\n".join(f"  {describe(record)}" for record in RECORDER.last(5)) or "  none"
+            print(f"[lightning-4d] rank {rank}: a collective failed ({_first_line(exception)})."
+                  f"{compare(heartbeat.collectives()) if heartbeat is not None else ''} This rank's last"
+                  f" collectives, oldest first:\n{mine}", file=sys.stderr, flush=True)
         if heartbeat is not None:
             heartbeat.stop(f"failed ({type(exception).__name__})")
             print(f"[lightning-4d] rank {rank}: last known state of every rank:\n{heartbeat.table()}",
@@ -86,6 +95,11 @@ def _is_communication_error(exception: BaseException) -> bool:
     text = str(exception)
     return isinstance(exception, dist.DistError) or any(
         word in text for word in ("gloo", "Connection reset", "Connection closed", "NCCL", "Broken pipe"))
+
+
+def _first_line(exception: BaseException) -> str:
+    lines = str(exception).strip().splitlines()
+    return f"{type(exception).__name__}: {lines[0] if lines else ''}"
 
 
 def _waiting_for(store, world_size: int, heartbeat) -> bool:
