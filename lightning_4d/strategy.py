@@ -32,6 +32,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
+from lightning_4d.fsdp import check_reshard_after_forward
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
@@ -48,6 +49,10 @@ class FourDStrategy(ModelParallelStrategy):
     Args:
         dp, pp, cp, tp: data-parallel replicas, pipeline stages, context-parallel ranks splitting each sequence,
             tensor-parallel ranks splitting each layer; ``dp="auto"`` takes what the others leave of the world.
+        dp_shard, reshard_after_forward: ranks that shard each replica's parameters, gradients and optimizer state
+            (FSDP2; with ``dp > 1`` too, HSDP); ``dp_shard="auto"`` takes what the others leave of the world.
+            ``reshard_after_forward``: ``"auto"`` (every block but the last frees its gathered weights after
+            forward), ``True`` or ``False``; see :mod:`lightning_4d.fsdp`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout: how long a collective may wait before every rank fails instead of hanging.
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
@@ -90,6 +95,8 @@ class FourDStrategy(ModelParallelStrategy):
         pp: int = 1,
         cp: int = 1,
         tp: int = 1,
+        dp_shard: Size = 1,
+        reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         bucket_mb: float = DEFAULT_BUCKET_MB,
         timeout: timedelta = DEFAULT_TIMEOUT,
         process_group_backend: Optional[str] = None,
@@ -120,8 +127,10 @@ class FourDStrategy(ModelParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self.timeout = timeout
         positive("bucket_mb", bucket_mb, "megabytes (default 25)")
-        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-        ParallelDims.check_sizes(dp, pp, cp, tp)
+        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
+        ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard)
+        check_reshard_after_forward(reshard_after_forward)
+        self.reshard_after_forward = reshard_after_forward
         self.bucket_mb = float(bucket_mb)
         self.init_from = init_from
         # Typed per-dimension options, each validated on construction (before any process starts).
@@ -183,7 +192,7 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only replicas get different samples; pp, cp and tp peers must see the same batch.
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = self.mesh.submesh("dp")  # every data-parallel rank: replicas and shards
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @override
@@ -208,10 +217,11 @@ class FourDStrategy(ModelParallelStrategy):
         first = parallelized(self.lightning_module) is None
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
-                                    activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb)
+                                    activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb,
+                                    reshard_after_forward=self.reshard_after_forward)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
-        if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled:
+        if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled:
             # Lightning's clipping sees this rank's shards and stage only; the norm must span the whole model.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if self.init_from is not None:
