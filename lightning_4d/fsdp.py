@@ -54,6 +54,13 @@ def block_reshard(position: int, count: int, reshard_after_forward: ReshardAfter
     return bool(reshard_after_forward)
 
 
+def param_dtype_for(precision: str) -> Optional[torch.dtype]:
+    """FSDP's compute dtype for Lightning's ``precision=`` flag: ``bf16-mixed`` gathers and computes in bf16
+    (fp32 master weights and gradient reduction); ``bf16-true``, ``32-true`` and the rest keep the parameters'
+    own dtype, as Lightning made them."""
+    return torch.bfloat16 if precision == "bf16-mixed" else None
+
+
 def mixed_precision_policy(param_dtype: Optional[torch.dtype]) -> MixedPrecisionPolicy:
     """Compute and all-gather in ``param_dtype`` (None: the parameters' own), reduce gradients in fp32."""
     if param_dtype is None:

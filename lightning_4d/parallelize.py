@@ -116,7 +116,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     ``reshard_after_forward`` and ``param_dtype`` (compute dtype of FSDP's mixed precision) only matter with
-    ``dp_shard > 1`` (see :mod:`lightning_4d.fsdp`). Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
+    ``dp_shard > 1`` (see :mod:`lightning_4d.fsdp`).
+
+    Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
     """
     options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,

@@ -32,7 +32,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
-from lightning_4d.fsdp import check_reshard_after_forward
+from lightning_4d.fsdp import check_reshard_after_forward, param_dtype_for
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
@@ -218,7 +218,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
                                     activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb,
-                                    reshard_after_forward=self.reshard_after_forward)
+                                    reshard_after_forward=self.reshard_after_forward,
+                                    param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled:

@@ -12,6 +12,7 @@ class ShardTrace(Callback):
     def __init__(self) -> None:
         self.layout: dict[str, dict] = {}
         self.reduce_scatters: list[int] = []
+        self.dtypes: set[str] = set()  # "all_gather <dtype>", "reduce_scatter <dtype>"
         self.batch_idx = -1
         self._original = None
         self.buckets: list[str] = []
@@ -25,19 +26,28 @@ class ShardTrace(Callback):
         names = {id(p): name for name, p in pl_module.named_parameters()}
         self.buckets = sorted(names[id(p)] for b in trainer.strategy.parallel._buckets.values() for p in b.params)
         original = self._original = dist.reduce_scatter_single
+        gather = self._gather = dist.all_gather_single
         probe = self
 
         def traced(*args, **kwargs):
             probe.reduce_scatters.append(probe.batch_idx)
+            probe.dtypes.add(f"reduce_scatter {kwargs['input'].dtype}")
             return original(*args, **kwargs)
 
+        def traced_gather(*args, **kwargs):
+            probe.dtypes.add(f"all_gather {args[1].dtype}")  # (output, input, group=...)
+            return gather(*args, **kwargs)
+
         dist.reduce_scatter_single = traced
+        dist.all_gather_single = traced_gather
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.batch_idx = batch_idx
 
     def on_fit_end(self, trainer, pl_module):
         dist.reduce_scatter_single = self._original
+        dist.all_gather_single = self._gather
 
     def parity_extras(self, trainer):
-        return {"layout": self.layout, "reduce_scatters": self.reduce_scatters, "buckets": self.buckets}
+        return {"layout": self.layout, "reduce_scatters": self.reduce_scatters, "buckets": self.buckets,
+                "dtypes": sorted(self.dtypes)}

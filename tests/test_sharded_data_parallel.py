@@ -1,10 +1,11 @@
 """Sharded data parallelism (FSDP2 over dp_shard x cp, HSDP over dp_replicate) against one process.
 
 Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, ZeRO-2-like resharding,
-dp_shard='auto' with activation checkpointing, a checkpoint saved at dp_shard=2 and resumed at dp_shard=2 and
-at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2, dp_shard2 x cp2, the dp_shard=2 checkpoint
-resumed at dp_shard=4); one more resume in one process. Every case accumulates two batches per optimizer step
-and clips the gradient norm, except the checkpoint cases, which only clip.
+dp_shard='auto' with activation checkpointing, bf16-mixed, a checkpoint saved at dp_shard=2 and resumed at
+dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2, dp_shard2 x cp2, the
+dp_shard=2 checkpoint resumed at dp_shard=4); one more resume in one process. Every case accumulates two
+batches per optimizer step and clips the gradient norm, except the checkpoint cases (clipping only) and
+bf16-mixed (neither).
 
 Tolerances as in test_data_parallel.py: losses and logged values within 1e-5 relative per step, final weights
 within 1e-5 + 1e-5*|w| (AdamW on the classifier, SGD with momentum on the GPT). Resumed runs are compared with
@@ -14,13 +15,16 @@ buffer moves the weights far outside the bound).
 
 from dataclasses import replace
 
+import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_4d import ParallelDims
 from lightning_4d.fsdp import block_reshard, check_reshard_after_forward
 from lightning_4d.parallelize import make_plans
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.tensor_parallel import TensorParallelConfig
+from tests.lm_models import tiny_gpt
 from tests.parity import Case, after_step, assert_exact_resume, assert_parity, reference, train, train_layout
 
 CLASSIFIER = dict(module="tests.models:Classifier", data="tests.models:classification_data")
@@ -50,6 +54,7 @@ def _two(workdir) -> list[Case]:
         _gpt("shard2_gpt", {"dp_shard": 2}, callbacks=TRACE),
         _gpt("shard2_gpt_zero2", {"dp_shard": 2, "reshard_after_forward": False}),
         _gpt("shard_auto_gpt_checkpointed", {"dp_shard": "auto", "activation_checkpointing": "full"}),
+        replace(_gpt("shard2_bf16_mixed", {"dp_shard": 2}, callbacks=TRACE), trainer={"precision": "bf16-mixed"}),
         _gpt("shard2_saved", {"dp_shard": 2}, resume_at=SAVE),
         _gpt("shard2_to_dp2", {"dp": 2}, resume_from=_ckpt(workdir, "shard2_saved")),
     ]
@@ -97,6 +102,26 @@ def test_a_sharded_checkpoint_resumes_exactly_and_in_other_layouts(runs):
     expected = after_step(reference(cases["shard2_saved"]), SAVE)
     for name in ("shard2_to_dp2", "shard2_to_shard4", "shard2_to_one"):
         assert_parity(replace(cases["shard2_saved"], name=name), expected, records[name])
+
+
+def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(runs):
+    """precision='bf16-mixed' becomes FSDP's MixedPrecisionPolicy; against one process at bf16-mixed with the
+    tolerances of test_mixed_precision.py (losses within 2e-2 relative, every weight's update within 10% of the
+    single-process update in norm)."""
+    cases, records = runs
+    case, got = cases["shard2_bf16_mixed"], records["shard2_bf16_mixed"]
+    assert got["extras"]["dtypes"] == ["all_gather torch.bfloat16", "reduce_scatter torch.float32"]
+    assert records["shard2_gpt"]["extras"]["dtypes"] == ["all_gather torch.float32", "reduce_scatter torch.float32"]
+    expected = reference(case)
+    assert len(got["losses"]) == len(expected["losses"]) == case.max_steps
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+        assert abs(a - b) <= 2e-2 * abs(b), f"loss at step {step}: {a} vs {b}"
+    pl.seed_everything(case.seed, verbose=False)
+    for name, start in tiny_gpt().state_dict().items():
+        assert got["weights"][name].dtype == torch.float32, name  # fp32 master weights
+        update, reference_update = got["weights"][name] - start, expected["weights"][name] - start
+        error = (update - reference_update).norm() / reference_update.norm().clamp_min(1e-12)
+        assert error <= 0.1, f"update of {name} off by {error:.3f} of its norm"
 
 
 def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
@@ -160,8 +185,6 @@ def test_sizes_and_bad_input():
 
 
 def test_sharding_refuses_manual_optimization_and_pipelining_before_any_collective():
-    from tests.lm_models import tiny_gpt
-
     module = tiny_gpt()
     options = dict(pipeline=PipelineConfig(1), tensor=TensorParallelConfig(1))
     module.automatic_optimization = False
