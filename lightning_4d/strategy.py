@@ -159,9 +159,9 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.parallel_dims is not None and self.lightning_module is not None
-        if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module) \
-                and parallelized(self.lightning_module) is None:
-            # A module the pipeline cannot cut fails here, before any process group exists.
+        if (self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled) and parallelized(
+                self.lightning_module) is None and not is_overridden("configure_model", self.lightning_module):
+            # A module the pipeline cannot cut, or that sharding refuses, fails here, before any process group.
             make_plans(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config)
         compat.setup_distributed(self)
         self.mesh = self.parallel_dims.build(self.root_device.type)

@@ -210,3 +210,13 @@ def test_strategy_takes_dp_shard_from_yaml():
         FourDStrategy(reshard_after_forward="always")
     with pytest.raises(ValueError, match=r"dp_shard=-1 is not a valid size"):
         FourDStrategy(dp_shard=-1)
+
+
+def test_strategy_refuses_sharding_with_manual_optimization_before_any_process_group():
+    from tests.test_bad_inputs import _setup_environment
+
+    module = tiny_gpt()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match=r"FourDStrategy\(dp_shard=2\) needs automatic optimization, but"
+                                         r" TinyGPT\.automatic_optimization is False"):
+        _setup_environment(module, dp_shard=2)
