@@ -67,6 +67,7 @@ def _four(workdir) -> list[Case]:
         _gpt("shard2_tp2", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
         _gpt("shard2_cp2", {"dp_shard": 2, "cp": 2}, callbacks=TRACE),
         _gpt("shard2_to_shard4", {"dp_shard": 4}, resume_from=_ckpt(workdir, "shard2_saved")),
+        _gpt("shard4_init_from", {"dp_shard": 4, "init_from": _ckpt(workdir, "shard2_saved")}, max_steps=2),
     ]
 
 
@@ -77,6 +78,8 @@ def runs(tmp_path_factory):
     records.update(train_layout(_four(workdir), 4, timeout=600, workdir=str(workdir)))
     records["shard2_to_one"] = train(_gpt("shard2_to_one", {}, resume_from=_ckpt(workdir, "shard2_saved")),
                                      distributed=True)
+    records["one_init_from"] = train(_gpt("one_init_from", {"init_from": _ckpt(workdir, "shard2_saved")},
+                                          max_steps=2), distributed=True)
     return {case.name: case for case in _two(workdir) + _four(workdir)}, records
 
 
@@ -122,6 +125,15 @@ def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(runs):
         update, reference_update = got["weights"][name] - start, expected["weights"][name] - start
         error = (update - reference_update).norm() / reference_update.norm().clamp_min(1e-12)
         assert error <= 0.1, f"update of {name} off by {error:.3f} of its norm"
+
+
+def test_init_from_a_sharded_checkpoint(runs):
+    """Weights only (fresh optimizer) from the dp_shard=2 checkpoint: dp_shard=4 trains as one process does."""
+    cases, records = runs
+    assert_parity(cases["shard4_init_from"], records["one_init_from"], records["shard4_init_from"])
+    # Both start from the checkpoint's weights, not the module's own: the first batch's loss is not a fresh run's.
+    fresh = reference(cases["shard2_saved"])["losses"][0]
+    assert abs(records["one_init_from"]["losses"][0] - fresh) > 1e-3, (records["one_init_from"]["losses"], fresh)
 
 
 def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
