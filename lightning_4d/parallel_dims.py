@@ -96,14 +96,6 @@ class ParallelDims:
                 f" product is {world_size}."
             )
         if dp * model_parallel != world_size:
-            if world_size % model_parallel:
-                raise ValueError(
-                    f"dp='auto' needs the world size ({world_size}) to be a multiple of pp*cp*tp"
-                    f" = {pp}*{cp}*{tp} = {model_parallel}. Choose pp, cp and tp whose product divides"
-                    f" {world_size} (one of {_divisors(world_size)}), or change the number of devices/nodes."
-                )
-            dp = world_size // model_parallel
-        if dp * model_parallel != world_size:
             raise ValueError(
                 f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * model_parallel} does not equal the world size"
                 f" {world_size} (devices x num_nodes). Set dp='auto', or sizes whose product is {world_size}."
