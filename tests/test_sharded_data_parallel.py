@@ -2,10 +2,10 @@
 
 Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, ZeRO-2-like resharding,
 dp_shard='auto' with activation checkpointing, bf16-mixed, a checkpoint saved at dp_shard=2 and resumed at
-dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2, dp_shard2 x cp2, the
-dp_shard=2 checkpoint resumed at dp_shard=4); one more resume in one process. Every case accumulates two
-batches per optimizer step and clips the gradient norm, except the checkpoint cases (clipping only) and
-bf16-mixed (neither).
+dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2 on the example GPT and on
+Qwen3 with per-head norms, dp_shard2 x cp2, the dp_shard=2 checkpoint resumed at dp_shard=4 and loaded by
+init_from); one more resume in one process. Every case accumulates two batches per optimizer step and clips
+the gradient norm, except the checkpoint cases (clipping only) and bf16-mixed (neither).
 
 Tolerances as in test_data_parallel.py: losses and logged values within 1e-5 relative per step, final weights
 within 1e-5 + 1e-5*|w| (AdamW on the classifier, SGD with momentum on the GPT). Resumed runs are compared with
@@ -65,6 +65,9 @@ def _four(workdir) -> list[Case]:
         Case("shard4", **CLASSIFIER, strategy={"dp_shard": 4}, max_steps=8, trainer=ACCUMULATE_CLIP),
         _gpt("hsdp_2x2", {"dp": 2, "dp_shard": 2}, callbacks=TRACE),
         _gpt("shard2_tp2", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
+        # Qwen3's per-head q/k norms: tensor parallelism sums their gradients with a hook, so they stay out of FSDP.
+        replace(_gpt("shard2_tp2_qwen3", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
+                module="tests.test_tp_strategy:BodyAndHead", module_kwargs={"kind": "qwen3"}),
         _gpt("shard2_cp2", {"dp_shard": 2, "cp": 2}, callbacks=TRACE),
         _gpt("shard2_to_shard4", {"dp_shard": 4}, resume_from=_ckpt(workdir, "shard2_saved")),
         _gpt("shard4_init_from", {"dp_shard": 4, "init_from": _ckpt(workdir, "shard2_saved")}, max_steps=2),
@@ -92,7 +95,7 @@ def test_sharded_classifier_matches_single_process(runs, name):
 
 
 @pytest.mark.parametrize("name", ["shard2_gpt", "shard2_gpt_zero2", "shard_auto_gpt_checkpointed", "hsdp_2x2",
-                                  "shard2_tp2", "shard2_cp2"])
+                                  "shard2_tp2", "shard2_tp2_qwen3", "shard2_cp2"])
 def test_sharded_gpt_matches_single_process(runs, name):
     cases, records = runs
     assert_parity(cases[name], reference(cases[name]), records[name])
@@ -139,7 +142,8 @@ def test_init_from_a_sharded_checkpoint(runs):
 def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
     _, records = runs
     expected_mesh = {"shard2_gpt": ["dp_shard_cp"], "hsdp_2x2": ["dp_replicate", "dp_shard_cp"],
-                     "shard2_cp2": ["dp_shard_cp"], "shard2_tp2": ["dp_shard_cp", "tp"], "shard2": ["dp_shard_cp"]}
+                     "shard2_cp2": ["dp_shard_cp"], "shard2_tp2": ["dp_shard_cp", "tp"], "shard2": ["dp_shard_cp"],
+                     "shard2_tp2_qwen3": ["dp_shard_cp", "tp"]}
     for name, mesh in expected_mesh.items():
         extras = records[name]["extras"]
         layout = extras["layout"]
@@ -147,12 +151,13 @@ def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
         # buckets reduce those and nothing else (they would all-reduce again what FSDP reduced).
         kept = sorted(param for param, entry in layout.items() if "dp_shard_cp" not in entry["mesh"])
         assert extras["buckets"] == kept, (name, extras["buckets"], kept)
-        assert all("norm" in param for param in kept) and (not kept or name == "shard2_tp2"), (name, kept)
+        head_norms = [param for param in layout if ".q_norm." in param or ".k_norm." in param]
+        assert kept == sorted(head_norms) and bool(kept) == (name == "shard2_tp2_qwen3"), (name, kept)
         for param, entry in layout.items():
             if param in kept:
                 continue
             # Under tp, what tensor parallelism leaves whole (norms) is sharded over dp_shard_cp only.
-            allowed = (mesh, ["dp_shard_cp"]) if name == "shard2_tp2" else (mesh,)
+            allowed = (mesh, ["dp_shard_cp"]) if "tp" in mesh else (mesh,)
             assert entry["dtensor"] and entry["mesh"] in allowed, (name, param, entry)
             on_dp = entry["placements"][entry["mesh"].index("dp_shard_cp")]
             assert on_dp == "Shard(dim=0)" or on_dp.startswith("_StridedShard(dim=0"), (name, param, entry)
