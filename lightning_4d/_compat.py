@@ -75,6 +75,17 @@ def flatten_mesh(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> DeviceMe
     return mesh[dims]._flatten(name)
 
 
+def mesh_with_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """A sub-mesh of the root ``mesh`` that names a flattened dim (HSDP's ``(dp_replicate, dp_shard_cp)``). FSDP
+    needs it sliced from the root that the tensor-parallel mesh also comes from; torch warns that slicing a
+    flattened name from the root will be deprecated and offers no other way yet, so the warning is silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+        return mesh[dims]
+
+
 def default_store() -> Optional[dist.Store]:
     """The rendezvous store of the default process group (None without one): a side channel that works while
     collectives hang or fail (desync checks, first-failure reports, heartbeats). torch keeps it private."""

@@ -64,7 +64,9 @@ def clip_grad_norm_(
     for (mesh, placements), tensors in by_layout.items():
         stat = local_stat(tensors)
         for mesh_dim, placement in enumerate(placements):
-            if placement.is_shard():
+            # Split over this mesh dim: Shard, and the strided shard FSDP puts over a tensor-parallel shard (whose
+            # is_shard() is False). Partial placements were made Replicate above.
+            if not placement.is_replicate():
                 dist.all_reduce(stat, op=op, group=mesh.get_group(mesh_dim))
         stats.append(stat)
     total = combine(stats)

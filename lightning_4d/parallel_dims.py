@@ -10,6 +10,11 @@ a real cluster consecutive ranks share a node, so the dims that talk most get th
 
 Gradients are reduced over the joint ``dp_cp`` group: context-parallel ranks see different tokens of the
 same samples, so for the weights they are data parallel too.
+
+Sharded data parallelism splits ``dp`` into ``dp_replicate x dp_shard`` (replicate outer, shard inner, so
+the ranks of one shard group are neighbours): ``dp`` counts every rank that sees other samples, and a rank's
+``dp`` coordinate is ``replicate * dp_shard + shard``. The device mesh has five dims,
+``(pp, dp_replicate, dp_shard, cp, tp)``, with ``dp`` flattened from the two data dims.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_4d import _compat as compat
 
-MESH_DIMS = ("pp", "dp", "cp", "tp")
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # rank order of the coordinates; ``dp`` is dp_replicate x dp_shard
+DEVICE_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
 
 Size = Union[int, Literal["auto"]]
@@ -34,41 +40,76 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the four dims; ``dp * pp * cp * tp == world_size`` always holds once constructed."""
+    """Sizes of the four dims; ``dp * pp * cp * tp == world_size`` always holds once constructed.
+
+    ``dp`` counts every data-parallel rank (each sees other samples); ``dp_shard`` of them shard the
+    parameters, gradients and optimizer state among themselves (FSDP), and the ``dp // dp_shard`` groups
+    of shards are replicas (:attr:`dp_replicate`; HSDP when both exceed 1).
+    """
 
     dp: int
     pp: int
     cp: int
     tp: int
+    dp_shard: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp % self.dp_shard:
+            raise ValueError(f"ParallelDims(dp={self.dp}, dp_shard={self.dp_shard}): dp counts every data-parallel"
+                             f" rank, so it must be a multiple of dp_shard (dp = dp_replicate * dp_shard).")
 
     @classmethod
-    def resolve(cls, world_size: int, dp: Size = "auto", pp: int = 1, cp: int = 1, tp: int = 1) -> ParallelDims:
-        """Turn user sizes into a layout for ``world_size`` processes, or raise a ValueError that says what to change."""
-        cls.check_sizes(dp, pp, cp, tp)
-        model_parallel = pp * cp * tp
+    def resolve(cls, world_size: int, dp: Size = "auto", pp: int = 1, cp: int = 1, tp: int = 1,
+                dp_shard: Size = 1) -> ParallelDims:
+        """Turn user sizes into a layout for ``world_size`` processes, or raise a ValueError that says what to change.
+
+        ``dp`` is the number of replicas (as it always was) and ``dp_shard`` the ranks each replica's state is
+        sharded over; the layout's :attr:`dp` is their product. ``dp_shard="auto"`` fills the world (then
+        ``dp="auto"`` means one replica); otherwise ``dp="auto"`` does.
+        """
+        cls.check_sizes(dp, pp, cp, tp, dp_shard)
+        if dp_shard == "auto":
+            replicas = 1 if dp == "auto" else dp
+            rest = replicas * pp * cp * tp
+            if world_size % rest:
+                raise ValueError(
+                    f"dp_shard='auto' needs the world size ({world_size}) to be a multiple of dp*pp*cp*tp"
+                    f" = {replicas}*{pp}*{cp}*{tp} = {rest}. Choose sizes whose product divides {world_size}"
+                    f" (one of {_divisors(world_size)}), or change the number of devices/nodes."
+                )
+            return cls(dp=replicas * (world_size // rest), pp=pp, cp=cp, tp=tp, dp_shard=world_size // rest)
+        model_parallel = pp * cp * tp * dp_shard
         if dp == "auto":
             if world_size % model_parallel:
+                what = "pp*cp*tp" + ("*dp_shard" if dp_shard > 1 else "")
+                sizes = f"{pp}*{cp}*{tp}" + (f"*{dp_shard}" if dp_shard > 1 else "")
                 raise ValueError(
-                    f"dp='auto' needs the world size ({world_size}) to be a multiple of pp*cp*tp"
-                    f" = {pp}*{cp}*{tp} = {model_parallel}. Choose pp, cp and tp whose product divides"
+                    f"dp='auto' needs the world size ({world_size}) to be a multiple of {what}"
+                    f" = {sizes} = {model_parallel}. Choose sizes whose product divides"
                     f" {world_size} (one of {_divisors(world_size)}), or change the number of devices/nodes."
                 )
             dp = world_size // model_parallel
+        if dp_shard > 1 and dp * model_parallel != world_size:
+            raise ValueError(
+                f"dp*dp_shard*pp*cp*tp = {dp}*{dp_shard}*{pp}*{cp}*{tp} = {dp * model_parallel} does not equal the"
+                f" world size {world_size} (devices x num_nodes). Set dp='auto' or dp_shard='auto', or sizes whose"
+                f" product is {world_size}."
+            )
         if dp * model_parallel != world_size:
             raise ValueError(
                 f"dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {dp * model_parallel} does not equal the world size"
                 f" {world_size} (devices x num_nodes). Set dp='auto', or sizes whose product is {world_size}."
             )
-        return cls(dp=dp, pp=pp, cp=cp, tp=tp)
+        return cls(dp=dp * dp_shard, pp=pp, cp=cp, tp=tp, dp_shard=dp_shard)
 
     @staticmethod
-    def check_sizes(dp: Size, pp: int, cp: int, tp: int) -> None:
-        """Each size is a positive integer (``dp`` may be ``"auto"``); needs no world size yet."""
-        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
-            if name == "dp" and value == "auto":
+    def check_sizes(dp: Size, pp: int, cp: int, tp: int, dp_shard: Size = 1) -> None:
+        """Each size is a positive integer (``dp`` and ``dp_shard`` may be ``"auto"``); needs no world size yet."""
+        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("dp_shard", dp_shard)):
+            if name in ("dp", "dp_shard") and value == "auto":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                hint = " or 'auto'" if name == "dp" else ""
+                hint = " or 'auto'" if name in ("dp", "dp_shard") else ""
                 raise ValueError(f"{name}={value!r} is not a valid size: use a positive integer{hint}.")
 
     @property
@@ -79,7 +120,13 @@ class ParallelDims:
     def shape(self) -> tuple[int, int, int, int]:
         return tuple(getattr(self, name) for name in MESH_DIMS)  # type: ignore[return-value]
 
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the (sharded) state: ``dp // dp_shard``."""
+        return self.dp // self.dp_shard
+
     dp_enabled = property(lambda self: self.dp > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard > 1)
     pp_enabled = property(lambda self: self.pp > 1)
     cp_enabled = property(lambda self: self.cp > 1)
     tp_enabled = property(lambda self: self.tp > 1)
@@ -113,25 +160,39 @@ class ParallelDims:
 
     def layout_table(self) -> str:
         """One line per rank: its coordinates and the members of its groups."""
-        header = ["rank", "dp", "pp", "cp", "tp"] + [f"{g} group" for g in GROUP_NAMES]
+        names = GROUP_NAMES + (("dp_shard_cp",) if self.dp_shard_enabled else ())
+        header = ["rank", "dp", "pp", "cp", "tp"] + [f"{g} group" for g in names]
         members = self._group_of_each_rank()
+        if self.dp_shard_enabled:  # the ranks that shard one copy of the state: same replica, pp and tp
+            members["dp_shard_cp"] = {rank: [r for r in members["dp_cp"][rank]
+                                             if self._replica_index(r) == self._replica_index(rank)]
+                                      for rank in range(self.world_size)}
         rows = []
         for rank in range(self.world_size):
             coords = self.coordinates(rank)
             rows.append([str(rank)] + [str(coords[n]) for n in ("dp", "pp", "cp", "tp")]
-                        + [",".join(map(str, members[g][rank])) for g in GROUP_NAMES])
+                        + [",".join(map(str, members[g][rank])) for g in names])
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
         lines.insert(1, "-+-".join("-" * w for w in widths))
-        title = f"lightning-4d layout: dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
+        dp = f"{self.dp} (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_shard_enabled \
+            else str(self.dp)
+        title = f"lightning-4d layout: dp={dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
         return "\n".join([title, *lines])
+
+    def _replica_index(self, rank: int) -> int:
+        return self.coordinates(rank)["dp"] // self.dp_shard
 
     def build(self, device_type: str) -> ParallelMesh:
         """Every process group of the layout (a collective call: every rank builds every group in one order)."""
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        flat = {"dp_cp": compat.flatten_mesh(mesh, ("dp", "cp"), "dp_cp")}
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DEVICE_MESH_DIMS)
+        flat = {"dp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp"),
+                "dp_cp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")}
+        if self.dp_shard_enabled:
+            flat["dp_shard_cp"] = compat.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         if self.pp_enabled:
-            flat["pp_dp_cp"] = compat.flatten_mesh(mesh, ("pp", "dp", "cp"), "pp_dp_cp")
+            flat["pp_dp_cp"] = compat.flatten_mesh(mesh, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp")
         return ParallelMesh(self, mesh, flat)
 
 
@@ -139,8 +200,9 @@ class ParallelDims:
 class ParallelMesh:
     """The device mesh of a layout and every process group built from it, in one place.
 
-    Groups by name: ``dp``, ``pp``, ``cp``, ``tp`` (one dim each); ``dp_cp``, over which gradients are
-    reduced (context-parallel ranks see other tokens of the same samples); under pipelining ``pp_dp_cp``,
+    Groups by name: ``dp`` (every data-parallel rank), ``pp``, ``cp``, ``tp``, ``dp_replicate``, ``dp_shard``;
+    ``dp_cp``, over which gradients are reduced (context-parallel ranks see other tokens of the same samples);
+    with ``dp_shard > 1`` ``dp_shard_cp``, over which FSDP shards the state; under pipelining ``pp_dp_cp``,
     over which metrics sync (only the last stage updates them); ``replica`` (the ranks of one data-parallel
     replica, which must see the same batch) and ``stage`` (the ranks that hold one pipeline stage), which
     only ``debug=True`` uses: they are built on first request, which every rank makes at the same point.
@@ -154,11 +216,21 @@ class ParallelMesh:
     def group(self, name: str) -> dist.ProcessGroup:
         if name in self.flat:
             return self.flat[name].get_group()
-        if name in MESH_DIMS:
+        if name in DEVICE_MESH_DIMS:
             return self.mesh.get_group(name)
         if name in _SHARED_BY:
             return self._subgroup(name, self.dims.groups(_SHARED_BY[name]))
-        raise KeyError(f"no process group {name!r}; groups: {', '.join((*MESH_DIMS, *self.flat, *_SHARED_BY))}")
+        raise KeyError(f"no process group {name!r}; groups: {', '.join((*DEVICE_MESH_DIMS, *self.flat, *_SHARED_BY))}")
+
+    def submesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of one dim, flattened (``dp``, ``dp_cp``, ...) or not (``tp``, ...)."""
+        return self.flat[name] if name in self.flat else self.mesh[name]
+
+    def sharding_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: ``dp_shard x cp`` (1-D), or ``(dp_replicate, dp_shard x cp)`` for HSDP."""
+        if self.dims.dp_replicate == 1:
+            return self.flat["dp_shard_cp"]
+        return compat.mesh_with_flattened(self.mesh, ("dp_replicate", "dp_shard_cp"))
 
     def _subgroup(self, key: object, ranks_per_group: list[list[int]]) -> Optional[dist.ProcessGroup]:
         """This rank's group among ``ranks_per_group``; collective the first time (every rank creates all)."""
@@ -167,7 +239,7 @@ class ParallelMesh:
         return self._built[key]
 
     def local_rank(self, dim: str) -> int:
-        return self.mesh.get_local_rank(dim)
+        return self.submesh(dim).get_local_rank()
 
     def pipeline_pair(self, first: int, last: int) -> Optional[dist.ProcessGroup]:
         """The group of pipeline ranks ``first`` and ``last`` of this rank's pipeline (None if this rank is

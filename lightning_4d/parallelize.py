@@ -14,12 +14,14 @@ and the per-dimension options, and applies, in this order:
    ring attention while a step runs on sequence shards.
 6. **Activation checkpointing** of the blocks this rank holds, as the earlier steps left them (so a
    recomputed block is sharded, cut and context-parallel like the original).
-7. **Metric sync** over the ranks that hold different data.
-8. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
-   bucketed all-reduce over ``dp x cp``, overlapped with backward.
+7. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root, over
+   ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``), wrapping the blocks as steps 3-6 left them.
+8. **Metric sync** over the ranks that hold different data.
+9. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
+   bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
+   (and HSDP all-reduce) instead, switched on for the last backward before an optimizer step.
 
-Compile and sharded data parallelism wrap the blocks as steps 3-6 leave them, so they take their place
-between steps 6 and 7.
+Compile wraps the blocks as steps 3-6 leave them, so it takes its place between steps 6 and 7.
 
 The :class:`ParallelModel` returned owns everything a training loop needs afterwards: the step (with its
 contexts, the pipeline schedule, the tensor-parallel self-check), batch sharding, backward, gradient sync,
@@ -46,6 +48,7 @@ from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.context_parallel import ContextParallel
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
+from lightning_4d.fsdp import ReshardAfterForward, apply_sharding, gathered, gradient_sync
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
 from lightning_4d.tensor_parallel import (
@@ -75,6 +78,17 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
 
     ``mesh_dims``: the :class:`~lightning_4d.parallel_dims.ParallelDims` of the layout.
     """
+    if mesh_dims.dp_shard_enabled:
+        if not getattr(module, "automatic_optimization", True):
+            raise ValueError(f"FourDStrategy(dp_shard={mesh_dims.dp_shard}) needs automatic optimization, but"
+                             f" {type(module).__name__}.automatic_optimization is False: FSDP reduce-scatters the"
+                             " gradients only around the backward that precedes an optimizer step, which only"
+                             " automatic optimization marks. Use automatic optimization, or dp_shard=1 (dp=N"
+                             " replicates instead).")
+        if mesh_dims.pp_enabled:
+            raise ValueError(f"FourDStrategy(dp_shard={mesh_dims.dp_shard}, pp={mesh_dims.pp}): sharded data"
+                             " parallelism does not compose with pipeline parallelism yet. Use dp (replicas) with"
+                             " pp, or dp_shard with pp=1.")
     if mesh_dims.pp_enabled:
         automatic = getattr(module, "automatic_optimization", True)
         if not automatic:
@@ -97,14 +111,19 @@ def parallelized(module: nn.Module) -> Optional[ParallelModel]:
 def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
                 tensor: TensorParallelConfig, context: ContextParallelConfig,
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
-                bucket_mb: float = DEFAULT_BUCKET_MB) -> ParallelModel:
+                bucket_mb: float = DEFAULT_BUCKET_MB, reshard_after_forward: ReshardAfterForward = "auto",
+                param_dtype: Optional[torch.dtype] = None) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
+
+    ``reshard_after_forward`` and ``param_dtype`` (compute dtype of FSDP's mixed precision) only matter with
+    ``dp_shard > 1`` (see :mod:`lightning_4d.fsdp`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
     """
     options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,
-                   activation_checkpointing=activation_checkpointing)
+                   activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
+                   param_dtype=param_dtype)
     existing = parallelized(module)
     if existing is not None:
         if existing.options != options:
@@ -127,6 +146,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     if activation_checkpointing.enabled:
         parallel.checkpointed_blocks = apply_activation_checkpointing(
             _held_blocks(module, plans.pipeline, pipeline), activation_checkpointing, parallel.recompute_context)
+    if mesh.dims.dp_shard_enabled:
+        parallel.replicated_params = _gradient_hooked(module, parallel.tensor_plan)
+        parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
+                                          reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                                          ignored_params=set(parallel.replicated_params))
     from torchmetrics import Metric
 
     for metric in module.modules():
@@ -147,6 +171,24 @@ def _held_blocks(module: nn.Module, plan: Optional[PipelinePlan], config: Pipeli
         raise ValueError(f"activation_checkpointing checkpoints the module's blocks, but {error} Or use"
                          " activation_checkpointing='none'.") from None
     return list(enumerate(container.children()))
+
+
+def _shard_units(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[nn.Module]:
+    """The blocks FSDP makes one unit each; none (the module is one unit) if it has no block list."""
+    try:
+        return [block for _, block in _held_blocks(module, plan, config)]
+    except ValueError:
+        return []
+
+
+def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> list[nn.Parameter]:
+    """Parameters whose gradients tensor parallelism sums over tp with a hook on the parameter (per-head norms):
+    FSDP would replace the parameter and lose the hook, so they stay out of FSDP, replicated, and the gradient
+    buckets average them over ``dp x cp``."""
+    if plan is None:
+        return []
+    return [param for fqn, region in plan.regions.items() for name in region.head_norms
+            for param in module.get_submodule(fqn).get_submodule(name).parameters()]
 
 
 @torch.no_grad()
@@ -178,6 +220,8 @@ class ParallelModel:
         self._self_check = self_check
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
+        self.sharded: Optional[nn.Module] = None  # the FSDP root unit (the module itself) when dp_shard > 1
+        self.replicated_params: list[nn.Parameter] = []  # kept out of FSDP: reduced by the gradient buckets
         dims = mesh.dims
         # torchmetrics sync over the ranks that saw different data: replicas and cp ranks (each saw its part of
         # every sequence). Under pipelining only the last stage updates metrics, the others keep default states
@@ -228,6 +272,11 @@ class ParallelModel:
                 stack.enter_context(self.context.step_context())
             yield
 
+    def unsharded(self) -> AbstractContextManager[None]:
+        """Every FSDP unit's parameters gathered (tensor-parallel shards stay), for code that runs blocks outside
+        a step: the tensor-parallel self-check."""
+        return gathered(self.sharded) if self.sharded is not None else nullcontext()
+
     def recompute_context(self) -> AbstractContextManager[None]:
         """Around a checkpointed block's recomputation during backward."""
         return self.context.recompute_context() if self.context is not None else nullcontext()
@@ -240,7 +289,7 @@ class ParallelModel:
         check, self._self_check = (self._self_check, None) if training else (None, self._self_check)
         with ExitStack() as stack:
             if check is not None:
-                stack.enter_context(_armed_check(check))
+                stack.enter_context(_armed_check(check, self.unsharded))
             stack.enter_context(self.step_context(predicting))
             if self.pipeline is not None:
                 output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches)
@@ -265,13 +314,17 @@ class ParallelModel:
     # --------------------------------------------------------------------------------- gradients
 
     def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """One set of gradient buckets per optimizer, over the ``dp x cp`` ranks."""
+        """One set of gradient buckets per optimizer, over the ``dp x cp`` ranks; with sharding only for the
+        parameters FSDP does not hold (FSDP reduces its own)."""
         for buckets in self._buckets.values():
             buckets.remove()
         group = self.mesh.group("dp_cp")
-        self._buckets = {id(optimizer): GradientBuckets([p for g in optimizer.param_groups for p in g["params"]],
-                                                        group, self.options["bucket_mb"])
-                         for optimizer in optimizers}
+        kept = {id(p) for p in self.replicated_params}
+        self._buckets = {}
+        for optimizer in optimizers:
+            params = [p for g in optimizer.param_groups for p in g["params"] if self.sharded is None or id(p) in kept]
+            if params:
+                self._buckets[id(optimizer)] = GradientBuckets(params, group, self.options["bucket_mb"])
 
     def synchronizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (training step, zero_grad, backward) with its gradients averaged over the replicas.
@@ -281,16 +334,19 @@ class ParallelModel:
         micro-batch: the buckets then reduce everything after the step, not during backward.
         """
         buckets = self._buckets.get(id(optimizer))
-        if buckets is None:
+        if buckets is None and self.sharded is None:
             return closure
 
         def closure_with_gradient_sync() -> Any:
-            buckets.begin(overlap=self.pipeline is None)
-            self._armed = buckets
-            try:
-                result = closure()
-            finally:
-                self._armed = None
+            with gradient_sync(self.sharded) if self.sharded is not None else nullcontext():
+                if buckets is None:
+                    return closure()
+                buckets.begin(overlap=self.pipeline is None)
+                self._armed = buckets
+                try:
+                    result = closure()
+                finally:
+                    self._armed = None
             buckets.synchronize()
             return result
 
@@ -332,12 +388,16 @@ class ParallelModel:
 
 
 @contextmanager
-def _armed_check(check: TensorParallelSelfCheck) -> Iterator[None]:
-    """Around the first training step after sharding: each sharded block type against an unsharded copy."""
+def _armed_check(check: TensorParallelSelfCheck,
+                 unsharded: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
+    """Around the first training step after sharding: each sharded block type against an unsharded copy (with
+    FSDP's parameters gathered while the blocks run again)."""
     check.arm()
     try:
         yield
     except Exception:
-        check.verify(failed=True)  # names a sharded block that could not run; otherwise the error stands
+        with unsharded():
+            check.verify(failed=True)  # names a sharded block that could not run; otherwise the error stands
         raise
-    check.verify()
+    with unsharded():
+        check.verify()

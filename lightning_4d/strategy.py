@@ -32,6 +32,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
+from lightning_4d.fsdp import check_reshard_after_forward, param_dtype_for
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
@@ -48,6 +49,10 @@ class FourDStrategy(ModelParallelStrategy):
     Args:
         dp, pp, cp, tp: data-parallel replicas, pipeline stages, context-parallel ranks splitting each sequence,
             tensor-parallel ranks splitting each layer; ``dp="auto"`` takes what the others leave of the world.
+        dp_shard, reshard_after_forward: ranks that shard each replica's parameters, gradients and optimizer state
+            (FSDP2; with ``dp > 1`` too, HSDP); ``dp_shard="auto"`` takes what the others leave of the world.
+            ``reshard_after_forward``: ``"auto"`` (every block but the last frees its gathered weights after
+            forward), ``True`` or ``False``; see :mod:`lightning_4d.fsdp`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout: how long a collective may wait, once the first training step has ended, before the ranks that
             wait fail instead of hanging (default 2 minutes); each rank then prints what every rank was last
@@ -96,6 +101,8 @@ class FourDStrategy(ModelParallelStrategy):
         pp: int = 1,
         cp: int = 1,
         tp: int = 1,
+        dp_shard: Size = 1,
+        reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         bucket_mb: float = DEFAULT_BUCKET_MB,
         timeout: timedelta = DEFAULT_TIMEOUT,
         init_timeout: timedelta = DEFAULT_INIT_TIMEOUT,
@@ -129,8 +136,10 @@ class FourDStrategy(ModelParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=self.collective_timeouts.init)
         self.timeout = self.collective_timeouts.train
         positive("bucket_mb", bucket_mb, "megabytes (default 25)")
-        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
-        ParallelDims.check_sizes(dp, pp, cp, tp)
+        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
+        ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard)
+        check_reshard_after_forward(reshard_after_forward)
+        self.reshard_after_forward = reshard_after_forward
         self.bucket_mb = float(bucket_mb)
         self.init_from = init_from
         # Typed per-dimension options, each validated on construction (before any process starts).
@@ -169,9 +178,9 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.parallel_dims is not None and self.lightning_module is not None
-        if self.parallel_dims.pp_enabled and not is_overridden("configure_model", self.lightning_module) \
-                and parallelized(self.lightning_module) is None:
-            # A module the pipeline cannot cut fails here, before any process group exists.
+        if (self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled) and parallelized(
+                self.lightning_module) is None and not is_overridden("configure_model", self.lightning_module):
+            # A module the pipeline cannot cut, or that sharding refuses, fails here, before any process group.
             make_plans(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config)
         compat.setup_distributed(self)
         self.mesh = self.parallel_dims.build(self.root_device.type)
@@ -202,7 +211,7 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only replicas get different samples; pp, cp and tp peers must see the same batch.
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = self.mesh.submesh("dp")  # every data-parallel rank: replicas and shards
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @override
@@ -227,10 +236,12 @@ class FourDStrategy(ModelParallelStrategy):
         first = parallelized(self.lightning_module) is None
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
-                                    activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb)
+                                    activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb,
+                                    reshard_after_forward=self.reshard_after_forward,
+                                    param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
-        if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled:
+        if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled:
             # Lightning's clipping sees this rank's shards and stage only; the norm must span the whole model.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if self.init_from is not None:

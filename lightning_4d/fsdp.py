@@ -1,0 +1,140 @@
+"""Sharded data parallelism: torch's FSDP2 (``fully_shard``) over ``dp_shard x cp``, HSDP over ``dp_replicate``.
+
+Each block of the module's block list becomes one FSDP unit (its parameters all-gathered just before it runs
+and freed after), and the module itself becomes the root unit that holds everything outside the blocks
+(embeddings, head, norms). A module without a block list is one unit. Parameters, gradients and optimizer
+state are DTensors sharded on dim 0 over the ``dp_shard x cp`` ranks (context-parallel ranks hold the same
+weights, so they share the shards); under tensor parallelism the shards are cut again from each tp shard.
+With ``dp_replicate > 1`` the mesh is 2-D and the reduce-scattered gradients are also all-reduced over the
+replicas (HSDP). FSDP averages the gradients over all of these ranks, so nothing else reduces them.
+
+Gradient accumulation: FSDP starts with gradient sync off; :func:`gradient_sync` turns it on around the last
+backward before an optimizer step, so the earlier micro-batches accumulate unsharded gradients locally
+instead of reduce-scattering each.
+
+``reshard_after_forward``: ``"auto"`` frees every block's gathered parameters after its forward (ZeRO-3-like)
+except the last block's, which backward needs first, and keeps the root's (small, used again by the loss and
+first in backward); ``True``/``False`` apply to every block (``False``: ZeRO-2-like, more memory, no second
+all-gather in backward).
+
+Step methods: FSDP runs its root hooks around ``forward``; a LightningModule's ``training_step`` may call its
+submodules without ``forward``, so the step methods the module defines are registered as FSDP forward
+methods too (``torch.distributed.fsdp.register_fsdp_forward_method``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+RESHARD_CHOICES = ("auto", True, False)
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+ReshardAfterForward = Union[bool, str]
+
+
+def check_reshard_after_forward(value: object) -> None:
+    """``reshard_after_forward`` is ``"auto"``, ``True`` or ``False`` (checked before any process starts)."""
+    if value not in RESHARD_CHOICES or (value in (0, 1) and not isinstance(value, bool)):
+        raise ValueError(f"reshard_after_forward={value!r} is not valid: use 'auto' (free each block's gathered"
+                         " weights after its forward, except the last block's), True (every block) or False (keep"
+                         " them until backward: more memory, one all-gather less per block).")
+
+
+def block_reshard(position: int, count: int, reshard_after_forward: ReshardAfterForward) -> bool:
+    """Whether the block at ``position`` of the ``count`` blocks this rank shards frees its weights after forward."""
+    if reshard_after_forward == "auto":
+        return position < count - 1
+    return bool(reshard_after_forward)
+
+
+def param_dtype_for(precision: str) -> Optional[torch.dtype]:
+    """FSDP's compute dtype for Lightning's ``precision=`` flag: ``bf16-mixed`` gathers and computes in bf16
+    (fp32 master weights and gradient reduction); ``bf16-true``, ``32-true`` and the rest keep the parameters'
+    own dtype, as Lightning made them."""
+    return torch.bfloat16 if precision == "bf16-mixed" else None
+
+
+def mixed_precision_policy(param_dtype: Optional[torch.dtype]) -> MixedPrecisionPolicy:
+    """Compute and all-gather in ``param_dtype`` (None: the parameters' own), reduce gradients in fp32."""
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, *,
+                   reshard_after_forward: ReshardAfterForward = "auto",
+                   param_dtype: Optional[torch.dtype] = None,
+                   ignored_params: Optional[set[nn.Parameter]] = None) -> FSDPModule:
+    """Shard ``blocks`` (one FSDP unit each) and then ``module`` (the root unit) over ``mesh``; collective.
+
+    ``ignored_params`` stay as they are (replicated; their gradients are the caller's to reduce). Gradient sync
+    starts off (see :func:`gradient_sync`). Returns the root unit (``module`` itself).
+    """
+    policy = mixed_precision_policy(param_dtype)
+    ignored = ignored_params or None
+    for position, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored,
+                    reshard_after_forward=block_reshard(position, len(blocks), reshard_after_forward))
+    root_reshard = False if reshard_after_forward == "auto" else bool(reshard_after_forward)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshard, ignored_params=ignored)
+    for name in _step_methods(module):
+        register_fsdp_forward_method(module, name)
+    assert isinstance(module, FSDPModule)
+    module.set_requires_gradient_sync(False, recurse=True)
+    return module
+
+
+def _step_methods(module: nn.Module) -> list[str]:
+    """The step methods ``module``'s own class defines (not LightningModule's defaults: registering one of those
+    would make Lightning believe the module overrides it)."""
+    found = []
+    for name in STEP_METHODS:
+        for klass in type(module).__mro__:
+            if name in vars(klass):
+                if not klass.__module__.startswith(("lightning.", "pytorch_lightning.")):
+                    found.append(name)
+                break
+    return found
+
+
+@contextmanager
+def gradient_sync(root: FSDPModule) -> Iterator[None]:
+    """Reduce-scatter (and, under HSDP, all-reduce) the gradients of the backward that runs inside; off again
+    after, so that accumulation micro-batches outside it only accumulate locally."""
+    root.set_requires_gradient_sync(True, recurse=True)
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(False, recurse=True)
+
+
+@contextmanager
+def gathered(root: nn.Module) -> Iterator[None]:
+    """Inside, any submodule of an FSDP unit that runs first gathers its unit's parameters (collective), even when
+    called directly rather than through the unit (the tensor-parallel self-check runs attention and MLP modules
+    alone, and takes their ``state_dict``, which makes FSDP shard them again); everything is sharded after."""
+    units = [module for module in root.modules() if isinstance(module, FSDPModule)]
+    handles = []
+    for unit in units:
+        nested = {id(m) for other in units if other is not unit and _contains(unit, other) for m in other.modules()}
+        for module in unit.modules():
+            if id(module) not in nested:
+                handles.append(module.register_forward_pre_hook(lambda *_, unit=unit: unit.unshard()))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for unit in units:
+            unit.reshard()
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(module is inner for module in outer.modules())

@@ -1,0 +1,239 @@
+"""Sharded data parallelism (FSDP2 over dp_shard x cp, HSDP over dp_replicate) against one process.
+
+Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, ZeRO-2-like resharding,
+dp_shard='auto' with activation checkpointing, bf16-mixed, a checkpoint saved at dp_shard=2 and resumed at
+dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2 on the example GPT and on
+Qwen3 with per-head norms, dp_shard2 x cp2, the dp_shard=2 checkpoint resumed at dp_shard=4 and loaded by
+init_from); one more resume in one process. Every case accumulates two batches per optimizer step and clips
+the gradient norm, except the checkpoint cases (clipping only) and bf16-mixed (neither).
+
+Tolerances as in test_data_parallel.py: losses and logged values within 1e-5 relative per step, final weights
+within 1e-5 + 1e-5*|w| (AdamW on the classifier, SGD with momentum on the GPT). Resumed runs are compared with
+the uninterrupted single-process run after the checkpointed step (optimizer state included: a lost momentum
+buffer moves the weights far outside the bound).
+"""
+
+from dataclasses import replace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_4d import ParallelDims
+from lightning_4d.fsdp import block_reshard, check_reshard_after_forward
+from lightning_4d.parallelize import make_plans
+from lightning_4d.pipeline import PipelineConfig
+from lightning_4d.tensor_parallel import TensorParallelConfig
+from tests.lm_models import tiny_gpt
+from tests.parity import Case, after_step, assert_exact_resume, assert_parity, reference, train, train_layout
+
+CLASSIFIER = dict(module="tests.models:Classifier", data="tests.models:classification_data")
+GPT = dict(module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data", batch_size=8)
+ACCUMULATE_CLIP = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+GPT_ACCUMULATE_CLIP = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+VALIDATE = {"limit_val_batches": 4, "val_check_interval": 4}
+TRACE = ["tests.fsdp_probes:ShardTrace"]
+SAVE = 2
+
+
+def _gpt(name: str, strategy: dict, **fields) -> Case:
+    fields.setdefault("max_steps", 4)
+    # The harness records one loss per batch and resumes by optimizer step: checkpoint cases do not accumulate.
+    trainer = {"gradient_clip_val": 0.5} if "resume_at" in fields or "resume_from" in fields else GPT_ACCUMULATE_CLIP
+    return Case(name, **GPT, strategy=strategy, trainer=trainer, **fields)
+
+
+def _ckpt(workdir, name: str) -> str:
+    return str(workdir / name / f"epoch=0-step={SAVE}.ckpt")
+
+
+def _two(workdir) -> list[Case]:
+    return [
+        Case("shard2", **CLASSIFIER, strategy={"dp_shard": 2}, max_steps=8, callbacks=TRACE,
+             trainer=dict(ACCUMULATE_CLIP, **VALIDATE)),
+        _gpt("shard2_gpt", {"dp_shard": 2}, callbacks=TRACE),
+        _gpt("shard2_gpt_zero2", {"dp_shard": 2, "reshard_after_forward": False}),
+        _gpt("shard_auto_gpt_checkpointed", {"dp_shard": "auto", "activation_checkpointing": "full"}),
+        replace(_gpt("shard2_bf16_mixed", {"dp_shard": 2}, callbacks=TRACE), trainer={"precision": "bf16-mixed"}),
+        _gpt("shard2_saved", {"dp_shard": 2}, resume_at=SAVE),
+        _gpt("shard2_to_dp2", {"dp": 2}, resume_from=_ckpt(workdir, "shard2_saved")),
+    ]
+
+
+def _four(workdir) -> list[Case]:
+    return [
+        Case("shard4", **CLASSIFIER, strategy={"dp_shard": 4}, max_steps=8, trainer=ACCUMULATE_CLIP),
+        _gpt("hsdp_2x2", {"dp": 2, "dp_shard": 2}, callbacks=TRACE),
+        _gpt("shard2_tp2", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
+        # Qwen3's per-head q/k norms: tensor parallelism sums their gradients with a hook, so they stay out of FSDP.
+        replace(_gpt("shard2_tp2_qwen3", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
+                module="tests.test_tp_strategy:BodyAndHead", module_kwargs={"kind": "qwen3"}),
+        _gpt("shard2_cp2", {"dp_shard": 2, "cp": 2}, callbacks=TRACE),
+        _gpt("shard2_to_shard4", {"dp_shard": 4}, resume_from=_ckpt(workdir, "shard2_saved")),
+        _gpt("shard4_init_from", {"dp_shard": 4, "init_from": _ckpt(workdir, "shard2_saved")}, max_steps=2),
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sharded")
+    records = dict(train_layout(_two(workdir), 2, timeout=600, workdir=str(workdir)))
+    records.update(train_layout(_four(workdir), 4, timeout=600, workdir=str(workdir)))
+    records["shard2_to_one"] = train(_gpt("shard2_to_one", {}, resume_from=_ckpt(workdir, "shard2_saved")),
+                                     distributed=True)
+    records["one_init_from"] = train(_gpt("one_init_from", {"init_from": _ckpt(workdir, "shard2_saved")},
+                                          max_steps=2), distributed=True)
+    return {case.name: case for case in _two(workdir) + _four(workdir)}, records
+
+
+@pytest.mark.parametrize("name", ["shard2", "shard4"])
+def test_sharded_classifier_matches_single_process(runs, name):
+    cases, records = runs
+    case = cases[name]
+    epoch_metrics = ("train_acc", "val_loss", "val_acc") if case.trainer.get("limit_val_batches") else ("train_acc",)
+    assert_parity(case, reference(case), records[name], epoch_metrics=epoch_metrics)
+
+
+@pytest.mark.parametrize("name", ["shard2_gpt", "shard2_gpt_zero2", "shard_auto_gpt_checkpointed", "hsdp_2x2",
+                                  "shard2_tp2", "shard2_tp2_qwen3", "shard2_cp2"])
+def test_sharded_gpt_matches_single_process(runs, name):
+    cases, records = runs
+    assert_parity(cases[name], reference(cases[name]), records[name])
+
+
+def test_a_sharded_checkpoint_resumes_exactly_and_in_other_layouts(runs):
+    cases, records = runs
+    assert_exact_resume(records["shard2_saved"])
+    assert_parity(cases["shard2_saved"], reference(cases["shard2_saved"]), records["shard2_saved"])
+    expected = after_step(reference(cases["shard2_saved"]), SAVE)
+    for name in ("shard2_to_dp2", "shard2_to_shard4", "shard2_to_one"):
+        assert_parity(replace(cases["shard2_saved"], name=name), expected, records[name])
+
+
+def test_bf16_mixed_gathers_in_bf16_and_reduces_in_fp32(runs):
+    """precision='bf16-mixed' becomes FSDP's MixedPrecisionPolicy; against one process at bf16-mixed with the
+    tolerances of test_mixed_precision.py (losses within 2e-2 relative, every weight's update within 10% of the
+    single-process update in norm)."""
+    cases, records = runs
+    case, got = cases["shard2_bf16_mixed"], records["shard2_bf16_mixed"]
+    assert got["extras"]["dtypes"] == ["all_gather torch.bfloat16", "reduce_scatter torch.float32"]
+    assert records["shard2_gpt"]["extras"]["dtypes"] == ["all_gather torch.float32", "reduce_scatter torch.float32"]
+    expected = reference(case)
+    assert len(got["losses"]) == len(expected["losses"]) == case.max_steps
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+        assert abs(a - b) <= 2e-2 * abs(b), f"loss at step {step}: {a} vs {b}"
+    pl.seed_everything(case.seed, verbose=False)
+    for name, start in tiny_gpt().state_dict().items():
+        assert got["weights"][name].dtype == torch.float32, name  # fp32 master weights
+        update, reference_update = got["weights"][name] - start, expected["weights"][name] - start
+        error = (update - reference_update).norm() / reference_update.norm().clamp_min(1e-12)
+        assert error <= 0.1, f"update of {name} off by {error:.3f} of its norm"
+
+
+def test_init_from_a_sharded_checkpoint(runs):
+    """Weights only (fresh optimizer) from the dp_shard=2 checkpoint: dp_shard=4 trains as one process does."""
+    cases, records = runs
+    assert_parity(cases["shard4_init_from"], records["one_init_from"], records["shard4_init_from"])
+    # Both start from the checkpoint's weights, not the module's own: the first batch's loss is not a fresh run's.
+    fresh = reference(cases["shard2_saved"])["losses"][0]
+    assert abs(records["one_init_from"]["losses"][0] - fresh) > 1e-3, (records["one_init_from"]["losses"], fresh)
+
+
+def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
+    _, records = runs
+    expected_mesh = {"shard2_gpt": ["dp_shard_cp"], "hsdp_2x2": ["dp_replicate", "dp_shard_cp"],
+                     "shard2_cp2": ["dp_shard_cp"], "shard2_tp2": ["dp_shard_cp", "tp"], "shard2": ["dp_shard_cp"],
+                     "shard2_tp2_qwen3": ["dp_shard_cp", "tp"]}
+    for name, mesh in expected_mesh.items():
+        extras = records[name]["extras"]
+        layout = extras["layout"]
+        # Only per-head norms, whose gradients tensor parallelism sums with a hook, stay out of FSDP; the gradient
+        # buckets reduce those and nothing else (they would all-reduce again what FSDP reduced).
+        kept = sorted(param for param, entry in layout.items() if "dp_shard_cp" not in entry["mesh"])
+        assert extras["buckets"] == kept, (name, extras["buckets"], kept)
+        head_norms = [param for param in layout if ".q_norm." in param or ".k_norm." in param]
+        assert kept == sorted(head_norms) and bool(kept) == (name == "shard2_tp2_qwen3"), (name, kept)
+        for param, entry in layout.items():
+            if param in kept:
+                continue
+            # Under tp, what tensor parallelism leaves whole (norms) is sharded over dp_shard_cp only.
+            allowed = (mesh, ["dp_shard_cp"]) if "tp" in mesh else (mesh,)
+            assert entry["dtensor"] and entry["mesh"] in allowed, (name, param, entry)
+            on_dp = entry["placements"][entry["mesh"].index("dp_shard_cp")]
+            assert on_dp == "Shard(dim=0)" or on_dp.startswith("_StridedShard(dim=0"), (name, param, entry)
+            # Each rank holds its share: half over dp_shard_cp (uneven dim 0 pads at most one row of <= 64
+            # elements per rank), half again over tp; HSDP replicas hold the same half.
+            share = 2 * (2 if "tp" in entry["mesh"] else 1)
+            assert entry["local"] * share <= entry["full"] + share * 64, (name, param, entry)
+
+
+def test_accumulation_reduce_scatters_only_before_optimizer_steps(runs):
+    """With two batches per optimizer step, FSDP reduce-scatters during the second batch's backward only."""
+    for name in ("shard2", "shard2_gpt", "hsdp_2x2"):
+        batches = runs[1][name]["extras"]["reduce_scatters"]
+        assert batches, f"{name}: no reduce-scatter at all"
+        assert all(batch % 2 == 1 for batch in batches), (name, batches)
+        assert set(batches) >= {1, 3}, (name, batches)
+
+
+def test_sizes_and_bad_input():
+    assert ParallelDims.resolve(4, dp_shard=2) == ParallelDims(dp=4, pp=1, cp=1, tp=1, dp_shard=2)  # HSDP 2x2
+    assert ParallelDims.resolve(4, dp=1, dp_shard=2, tp=2).dp_replicate == 1
+    dims = ParallelDims.resolve(8, dp_shard="auto", tp=2)
+    assert (dims.dp, dims.dp_shard, dims.dp_replicate) == (4, 4, 1)
+    assert ParallelDims.resolve(8, dp=2, dp_shard="auto").dp_shard == 4
+    assert ParallelDims.resolve(2, dp=2) == ParallelDims(dp=2, pp=1, cp=1, tp=1)  # dp keeps meaning replicas
+    assert "dp=4 (dp_replicate=2 x dp_shard=2)" in ParallelDims.resolve(4, dp=2, dp_shard=2).layout_table()
+    with pytest.raises(ValueError, match=r"dp_shard=0 is not a valid size: use a positive integer or 'auto'"):
+        ParallelDims.resolve(4, dp_shard=0)
+    with pytest.raises(ValueError, match=r"dp\*dp_shard\*pp\*cp\*tp = 1\*2\*1\*1\*1 = 2 does not equal the world"):
+        ParallelDims.resolve(4, dp=1, dp_shard=2)
+    with pytest.raises(ValueError, match=r"dp_shard='auto' needs the world size \(6\) to be a multiple of"):
+        ParallelDims.resolve(6, dp=4, dp_shard="auto")
+    with pytest.raises(ValueError, match=r"dp='auto' needs the world size \(6\) to be a multiple of pp\*cp\*tp\*dp"):
+        ParallelDims.resolve(6, dp_shard=4)
+    with pytest.raises(ValueError, match="must be a multiple of dp_shard"):
+        ParallelDims(dp=3, pp=1, cp=1, tp=1, dp_shard=2)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=f"reshard_after_forward={bad!r} is not valid"):
+            check_reshard_after_forward(bad)
+    assert [block_reshard(i, 3, "auto") for i in range(3)] == [True, True, False]
+    assert [block_reshard(i, 2, False) for i in range(2)] == [False, False]
+
+
+def test_sharding_refuses_manual_optimization_and_pipelining_before_any_collective():
+    module = tiny_gpt()
+    options = dict(pipeline=PipelineConfig(1), tensor=TensorParallelConfig(1))
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match=r"dp_shard=2\) needs automatic optimization.*automatic_optimization is"):
+        make_plans(module, ParallelDims.resolve(2, dp_shard=2), **options)
+    module.automatic_optimization = True
+    with pytest.raises(ValueError, match=r"dp_shard=2, pp=2\): sharded data parallelism does not compose with"):
+        make_plans(module, ParallelDims.resolve(4, dp_shard=2, pp=2), pipeline=PipelineConfig(2),
+                   tensor=TensorParallelConfig(1))
+
+
+def test_strategy_takes_dp_shard_from_yaml():
+    from jsonargparse import ArgumentParser
+
+    from lightning_4d import FourDStrategy
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(FourDStrategy, "strategy")
+    config = parser.parse_args(["--strategy.dp_shard=auto", "--strategy.reshard_after_forward=false"])
+    strategy = parser.instantiate(config).strategy
+    assert strategy._sizes["dp_shard"] == "auto" and strategy.reshard_after_forward is False
+    with pytest.raises(ValueError, match="reshard_after_forward='always' is not valid"):
+        FourDStrategy(reshard_after_forward="always")
+    with pytest.raises(ValueError, match=r"dp_shard=-1 is not a valid size"):
+        FourDStrategy(dp_shard=-1)
+
+
+def test_strategy_refuses_sharding_with_manual_optimization_before_any_process_group():
+    from tests.test_bad_inputs import _setup_environment
+
+    module = tiny_gpt()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match=r"FourDStrategy\(dp_shard=2\) needs automatic optimization, but"
+                                         r" TinyGPT\.automatic_optimization is False"):
+        _setup_environment(module, dp_shard=2)
