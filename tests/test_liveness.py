@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_4d.faults.liveness import EXIT_RANK_LOST, EXIT_STALLED, Heartbeat
-from tests.parity import free_port
+from tests.parity import free_port, spawn
 
 
 def _pair(**options):
@@ -83,15 +83,17 @@ def test_bad_settings_fail_before_anything_starts():
         Heartbeat(None, 0, 2, interval=0.2, lost_after=2, stall_after=1)
 
 
-def test_the_recorder_names_each_collective_its_group_and_sequence():
-    """In a one-rank gloo group: the ring holds op, group name, per-group sequence number, shape, where, and
-    whether the call completed; the heartbeat's table shows the newest one."""
+def _recorder_worker(rank, world_size, out_dir, port):
+    """The recorder in a fresh one-rank gloo group (the test process may hold a default group already)."""
+    import json
+    import os
+    import traceback
+
     import torch
 
     from lightning_4d.faults import recorder
     from lightning_4d.faults.recorder import RECORDER
 
-    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         recorder.install()
@@ -101,15 +103,28 @@ def test_the_recorder_names_each_collective_its_group_and_sequence():
         dist.broadcast(torch.ones(4), src=0)
         first, second = RECORDER.last(2)
         assert (first["op"], first["group"], first["shape"], first["step"], first["doing"], first["state"]) == (
-            "all_reduce", "world/dp_cp[0]", "(2, 3)", 7, "backward", "done")
-        assert (second["op"], second["seq"]) == ("broadcast", first["seq"] + 1)
+            "all_reduce", "world/dp_cp[0]", "(2, 3)", 7, "backward", "done"), first
+        assert (second["op"], second["seq"]) == ("broadcast", first["seq"] + 1), second
         recorder.install()  # idempotent: one record per call, not two
         dist.barrier()
-        assert RECORDER.last(1)[0]["seq"] == second["seq"] + 1
+        assert RECORDER.last(1)[0]["seq"] == second["seq"] + 1, RECORDER.last(1)
         beat = Heartbeat(dist.distributed_c10d._get_default_store(), 0, 1, exit=lambda code: None)
-        assert f"barrier #{second['seq'] + 1} on world/dp_cp[0] done (issued at step 7 in backward)" in beat.table()
+        line = f"barrier #{second['seq'] + 1} on world/dp_cp[0] done (issued at step 7 in backward)"
+        assert line in beat.table(), beat.table()
+        outcome = {"error": None}
+    except AssertionError:
+        outcome = {"error": traceback.format_exc()}
     finally:
         dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+        json.dump(outcome, out)
+
+
+def test_the_recorder_names_each_collective_its_group_and_sequence():
+    """In a one-rank gloo group: the ring holds op, group name, per-group sequence number, shape, where, and
+    whether the call completed; the heartbeat's table shows the newest one."""
+    (outcome,) = spawn(_recorder_worker, 1, 120, free_port())
+    assert outcome["error"] is None, outcome["error"]
 
 
 def test_timeouts_are_checked_when_the_strategy_is_made():
