@@ -265,6 +265,18 @@ def test_different_collectives_end_every_rank_within_the_timeout_naming_both(tmp
         assert rank0.search(rows[0]) and rank1.search(rows[1]), table
 
 
+def test_different_collectives_under_torchrun(tmp_path):
+    """The same crossed collectives with torchrun's agent starting the ranks: every rank names both calls."""
+    code, output, _ = _torchrun("crossed", tmp_path, CROSSED_TIMEOUT, timeout=120)
+    crossed_at = min(float(t) for t in re.findall(r"rank \d crosses at t=([0-9.]+)", output))
+    took = time.time() - crossed_at
+    print(f"torchrun, crossed collectives: torchrun exited {took:.1f} s after the mismatch")
+    assert code != 0 and output.count("The ranks' last collectives differ") >= 2, output[-6000:]
+    assert re.search(r"all_reduce #\d+ on world/dp/dp_cp\[0,1\] \(3,\) waiting", output), output[-6000:]
+    assert re.search(r"broadcast #\d+ on world/dp/dp_cp\[0,1\] \(3,\) waiting", output), output[-6000:]
+    assert took < CROSSED_TIMEOUT + 15, took
+
+
 def test_resuming_twice_at_epoch_ends_is_exact(tmp_path):
     """A run resumed at an epoch's end, checkpointed at the next epoch's end and resumed from there, trains on
     the batches of an uninterrupted run (before the fix the last resume repeated the previous epoch's order:
