@@ -265,6 +265,22 @@ def test_different_collectives_end_every_rank_within_the_timeout_naming_both(tmp
         assert rank0.search(rows[0]) and rank1.search(rows[1]), table
 
 
+def test_different_batch_shapes_under_torchrun(tmp_path):
+    code, output, _ = _torchrun("shapes", tmp_path)
+    assert code != 0 and output.count("received batches of different shapes at step 0") >= 2, output[-4000:]
+
+
+def test_buffers_stay_in_sync_under_torchrun(tmp_path):
+    for kind in ("ddp", "fourd"):
+        code, output, _ = _torchrun("bn", tmp_path, kind)
+        assert code == 0, (kind, output[-4000:])
+    for rank in (0, 1):
+        ddp = torch.load(tmp_path / f"bn-ddp-rank{rank}.pt")
+        fourd = torch.load(tmp_path / f"bn-fourd-rank{rank}.pt")
+        for key, value in ddp.items():
+            torch.testing.assert_close(fourd[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
 def test_different_collectives_under_torchrun(tmp_path):
     """The same crossed collectives with torchrun's agent starting the ranks: every rank names both calls."""
     code, output, _ = _torchrun("crossed", tmp_path, CROSSED_TIMEOUT, timeout=120)
