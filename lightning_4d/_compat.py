@@ -63,6 +63,12 @@ def functional_collectives() -> Any:
     return functional
 
 
+def in_flight(value: Any) -> bool:
+    """Whether ``value`` is a collective's result not yet waited for (torch's ``AsyncCollectiveTensor``: what
+    a row-wise style's ``to_local`` returns after its async all-reduce; no public name tells it apart)."""
+    return isinstance(value, functional_collectives().AsyncCollectiveTensor)
+
+
 def process_groups() -> list[dist.ProcessGroup]:
     """Every process group of this process (the collective timeout applies to each); torch lists them only in
     its private registry."""
@@ -116,8 +122,17 @@ ATTENTION_KERNELS: dict[Any, int] = {
 
 
 def in_backward() -> bool:
-    """Whether this thread is running an autograd backward (``torch._C._current_graph_task_id``)."""
-    return torch._C._current_graph_task_id() != -1
+    """Whether this thread is running an autograd backward (``torch._C._current_graph_task_id``). False while
+    dynamo traces, which happens in forward (the private call would break the graph)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def graph_breaks() -> dict[str, int]:
+    """Graph breaks dynamo met so far in this process, by reason (torch keeps the count only in a private
+    counter; ``torch._dynamo.explain`` would compile again to find them)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -87,25 +87,31 @@ def _checkpointed_forward(forward: Callable[..., Any], context_fn: Callable[[], 
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is kept for a backward anyway
             return forward(*args, **kwargs)
+        if context_fn is noop_context_fn:  # torch.compile traces a checkpoint whose context_fn it can see
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     return run
 
 
 def apply_activation_checkpointing(blocks: list[tuple[int, nn.Module]], config: ActivationCheckpointConfig,
-                                   recompute_context: Callable[[], AbstractContextManager[None]] = nullcontext
+                                   recompute_context: Optional[Callable[[], AbstractContextManager[None]]] = None
                                    ) -> list[int]:
     """Checkpoint the blocks ``config`` selects among ``blocks`` (position in the whole model, block); returns
-    the positions checkpointed. ``recompute_context`` is entered around each recomputation (context
+    the positions checkpointed. ``recompute_context``, if given, is entered around each recomputation (context
     parallelism's attention interception)."""
     if not config.enabled:
         return []
     contexts = (functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
                 if config.mode == "selective" else noop_context_fn)
 
-    def context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    def with_recompute_context() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
         forward, recompute = contexts()
         return forward, _both(recompute_context(), recompute)
+
+    # torch.compile traces a checkpoint only with torch's own contexts: the composition passes no
+    # recompute_context (None) unless context parallelism needs one.
+    context_fn = contexts if recompute_context is None else with_recompute_context
 
     done = []
     for position, block in blocks:

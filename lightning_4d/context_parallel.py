@@ -206,6 +206,13 @@ def is_causal_mask(mask: Tensor, length: int) -> bool:
     return bool(torch.where(allowed, mask == 0, mask <= torch.finfo(mask.dtype).min).all())
 
 
+@torch.compiler.disable
+def _ring_attention(owner: ContextParallel, *args: Any, **kwargs: Any) -> Any:
+    """The exchange with the other cp ranks cannot be traced: a compiled block runs it eagerly, as one piece
+    (one graph break per attention call instead of several inside it)."""
+    return owner.attention(*args, **kwargs)
+
+
 class _AttentionInterception(TorchFunctionMode):
     """Sends scaled-dot-product attention to the owner; every other function runs as called."""
 
@@ -216,7 +223,7 @@ class _AttentionInterception(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
-            return self.owner.attention(*args, **kwargs)
+            return _ring_attention(self.owner, *args, **kwargs)
         return func(*args, **kwargs)
 
     def __enter__(self):

@@ -12,16 +12,18 @@ and the per-dimension options, and applies, in this order:
 4. **Device**, then **tensor/sequence parallelism**: the modules this rank holds are sharded over ``tp``.
 5. **Context parallelism**: hooks that give position modules global positions and turn attention into
    ring attention while a step runs on sequence shards.
-6. **Activation checkpointing** of the blocks this rank holds, as the earlier steps left them (so a
-   recomputed block is sharded, cut and context-parallel like the original).
-7. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root, over
-   ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``), wrapping the blocks as steps 3-6 left them.
-8. **Metric sync** over the ranks that hold different data.
-9. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
-   bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
-   (and HSDP all-reduce) instead, switched on for the last backward before an optimizer step.
-
-Compile wraps the blocks as steps 3-6 leave them, so it takes its place between steps 6 and 7.
+6. **Compile** (``torch.compile``) of each block this rank holds, as steps 3-5 left them.
+7. **Activation checkpointing** of those blocks (so a recomputed block is sharded, cut, context-parallel and
+   compiled like the original). With compile, torch traces the checkpoint into the compiled block, so step 6
+   comes after this one; except under context parallelism, whose recomputed attention needs its interception
+   (a function mode) that a traced checkpoint cannot enter: there ``full`` and ``every_n`` run eagerly around
+   the compiled block (``selective`` is refused with compile: it would have to be traced).
+8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root, over
+   ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``), wrapping the blocks as steps 3-7 left them.
+9. **Metric sync** over the ranks that hold different data.
+10. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
+    bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
+    (and HSDP all-reduce) instead, switched on for the last backward before an optimizer step.
 
 The :class:`ParallelModel` returned owns everything a training loop needs afterwards: the step (with its
 contexts, the pipeline schedule, the tensor-parallel self-check), batch sharding, backward, gradient sync,
@@ -45,6 +47,7 @@ from torch.optim import Optimizer
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.clipping import clip_grad_norm_
+from lightning_4d.compile import CompileConfig, Compiled, apply_compile, check_compile_with
 from lightning_4d.context_parallel import ContextParallel
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
@@ -111,7 +114,7 @@ def parallelized(module: nn.Module) -> Optional[ParallelModel]:
 def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
                 tensor: TensorParallelConfig, context: ContextParallelConfig,
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
-                bucket_mb: float = DEFAULT_BUCKET_MB, reshard_after_forward: ReshardAfterForward = "auto",
+                compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB, reshard_after_forward: ReshardAfterForward = "auto",
                 param_dtype: Optional[torch.dtype] = None) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
@@ -122,7 +125,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
     """
     options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,
-                   activation_checkpointing=activation_checkpointing, reshard_after_forward=reshard_after_forward,
+                   activation_checkpointing=activation_checkpointing, compile=compile,
+                   reshard_after_forward=reshard_after_forward,
                    param_dtype=param_dtype)
     existing = parallelized(module)
     if existing is not None:
@@ -132,6 +136,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                              " strategy options for fit, validate, test and predict, or a freshly built module.")
         existing.install_hooks()
         return existing
+    check_compile_with(compile, activation_checkpointing, mesh.dims.cp, mesh.dims.tp)
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
     _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
@@ -143,9 +148,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                                            held=held)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
     parallel.install_hooks()
+    # The checkpoint goes inside the compiled block (torch traces it), except under context parallelism (see 7.).
+    compile_outside = not mesh.dims.cp_enabled
+    if compile.enabled and not compile_outside:
+        parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if activation_checkpointing.enabled:
         parallel.checkpointed_blocks = apply_activation_checkpointing(
-            _held_blocks(module, plans.pipeline, pipeline), activation_checkpointing, parallel.recompute_context)
+            _held_blocks(module, plans.pipeline, pipeline), activation_checkpointing,
+            parallel.recompute_context if mesh.dims.cp_enabled else None)
+    if compile.enabled and compile_outside:
+        parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if mesh.dims.dp_shard_enabled:
         parallel.replicated_params = _gradient_hooked(module, parallel.tensor_plan)
         parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
@@ -160,17 +172,23 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     return parallel
 
 
-def _held_blocks(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[tuple[int, nn.Module]]:
-    """The blocks this rank holds, with their position in the whole model's block list."""
+def _held_blocks(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig,
+                 feature: str = "activation_checkpointing") -> list[tuple[int, nn.Module]]:
+    """The blocks this rank holds, with their position in the whole model's block list. ``feature``: the
+    option that needs them, named in the error (with the value that turns it off) when there are none."""
     if plan is not None:
         container = module.get_submodule(plan.path)
         return [(plan.blocks.index(name), block) for name, block in container.named_children()]
     try:
         _, container = find_blocks(module, config.blocks)
     except ValueError as error:
-        raise ValueError(f"activation_checkpointing checkpoints the module's blocks, but {error} Or use"
-                         " activation_checkpointing='none'.") from None
+        off = {"activation_checkpointing": "'none'", "compile": "False"}[feature]
+        raise ValueError(f"{feature} works on the module's blocks, but {error} Or use {feature}={off}.") from None
     return list(enumerate(container.children()))
+
+
+def _blocks_to_compile(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[nn.Module]:
+    return [block for _, block in _held_blocks(module, plan, config, "compile")]
 
 
 def _shard_units(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[nn.Module]:
@@ -217,6 +235,7 @@ class ParallelModel:
         self.tensor_plan = plans.tensor if plans.tensor is not None and plans.tensor.enabled else None
         self.context: Optional[ContextParallel] = None
         self.checkpointed_blocks: list[int] = []  # positions in the whole model's block list
+        self.compiled: Optional[Compiled] = None  # set when compile is on
         self._self_check = self_check
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
+from lightning_4d.compile import CompileConfig, check_compile_with
 from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
@@ -82,6 +83,9 @@ class FourDStrategy(ModelParallelStrategy):
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
         activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
+        compile: ``torch.compile`` each block (``True``, or a dict of ``backend``/``mode``/``fullgraph``/
+            ``options``); graph breaks are reported after the first training step; see
+            :mod:`lightning_4d.compile`.
         debug, debug_steps: for the first ``debug_steps`` training steps, check that the ranks of a replica
             receive identical batches, that replicated weights stay bit-identical, and that every rank issues the
             same collectives; the first difference is reported by rank and tensor name.
@@ -124,6 +128,7 @@ class FourDStrategy(ModelParallelStrategy):
         loss_parallel: bool = True,
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 2,
+        compile: Union[bool, dict] = False,
         debug: bool = False,
         debug_steps: int = 2,
         telemetry: bool = False,
@@ -148,6 +153,9 @@ class FourDStrategy(ModelParallelStrategy):
         self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check)
         self.tp_config.check_with_pipeline(self.pp_config)
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
+        self.compile_config = CompileConfig.build(compile)
+        check_compile_with(self.compile_config, self.ac_config, cp, tp)
+        self._compile_report_due = self.compile_config.enabled
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
@@ -236,7 +244,8 @@ class FourDStrategy(ModelParallelStrategy):
         first = parallelized(self.lightning_module) is None
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
-                                    activation_checkpointing=self.ac_config, bucket_mb=self.bucket_mb,
+                                    activation_checkpointing=self.ac_config, compile=self.compile_config,
+                                    bucket_mb=self.bucket_mb,
                                     reshard_after_forward=self.reshard_after_forward,
                                     param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
         if first and self.global_rank == 0 and self.parallel.describe():
@@ -288,8 +297,12 @@ class FourDStrategy(ModelParallelStrategy):
 
     def _step(self, name: str, args: tuple, kwargs: dict) -> Any:
         trainer = self.lightning_module.trainer
-        return self.parallel.step(name, args, kwargs, predicting=trainer.predicting,
-                                  accumulate_grad_batches=trainer.accumulate_grad_batches)
+        output = self.parallel.step(name, args, kwargs, predicting=trainer.predicting,
+                                    accumulate_grad_batches=trainer.accumulate_grad_batches)
+        if self._compile_report_due and name == "training_step" and self.parallel.compiled is not None:
+            self._compile_report_due = False
+            self.parallel.compiled.report()
+        return output
 
     # --------------------------------------------------------------------------- optimizer steps
 

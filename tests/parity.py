@@ -146,6 +146,10 @@ def _fit(case, distributed, devices, num_nodes, workdir, ckpt_path=None) -> dict
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     pl.seed_everything(case.seed, workers=True, verbose=False)
+    if case.strategy.get("compile"):
+        # Each compiled case starts as a process of its own would: dynamo's caches of the blocks' code do not
+        # tell an earlier case's checkpointing from this one's (see docs/compile.md).
+        torch._dynamo.reset()
     module = _load(case.module)(**case.module_kwargs)
     recorder = Recorder()
     trainer = make_trainer(case, distributed=distributed, devices=devices, num_nodes=num_nodes, recorder=recorder)

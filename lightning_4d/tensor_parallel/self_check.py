@@ -186,6 +186,9 @@ class TensorParallelSelfCheck:
         block.eval()
         try:
             with contextlib.ExitStack() as stack:
+                # A compiled block runs its code eagerly here: the check is about the sharding, and compiling
+                # the block for eval under no_grad would only cost time.
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
                 if self.plan.sequence_parallel:
                     _replication_enter()
                     stack.callback(_replication_exit)
