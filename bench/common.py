@@ -48,6 +48,27 @@ class StepTimer(Callback):
         return statistics.median(self.times)
 
 
+class CpuStepTimer(StepTimer):
+    """Also the CPU time this process spends in each step, and the first step's wall time (start-up, compile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: list[float] = []
+        self.first = 0.0
+        self._cpu_start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self._cpu_start = time.process_time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if trainer.global_step == 1:
+            self.first = time.perf_counter() - self._start
+        if trainer.global_step > self.warmup:
+            self.cpu.append(time.process_time() - self._cpu_start)
+
+
 def accelerator(devices: int) -> str:
     """``BENCH_ACCELERATOR`` (``cpu`` or ``gpu``, which ``python -m bench`` sets for each pass), else ``gpu``
     when there is one GPU per process, else ``cpu`` (gloo)."""

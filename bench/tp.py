@@ -16,7 +16,6 @@ every round), which other work on a shared machine disturbs far less.
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,7 +25,7 @@ from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (StepTimer, accelerator, command, quiet_trainer, random_tokens,  # noqa: E402
+from bench.common import (CpuStepTimer, accelerator, command, quiet_trainer, random_tokens,  # noqa: E402
                           rounds_args, write)
 from bench.report import table  # noqa: E402
 from lightning_4d.demos.gpt import GPT  # noqa: E402
@@ -36,24 +35,6 @@ MODEL = dict(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=128)
 BATCH, SEQ = 8, 128
 HAND = "Lightning ModelParallelStrategy, hand-written plan"
 AUTO = "FourDStrategy(tp=2), automatic plan"
-
-
-class CpuStepTimer(StepTimer):
-    """Also the CPU time this process spends in each step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cpu: list[float] = []
-        self._cpu_start = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._cpu_start = time.process_time()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if trainer.global_step > self.warmup:
-            self.cpu.append(time.process_time() - self._cpu_start)
 
 
 class HandParallelGPT(GPT):
