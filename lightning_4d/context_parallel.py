@@ -319,7 +319,11 @@ class ContextParallel:
         for where, window in self.sliding_windows.items():
             if window < length:
                 raise ValueError(f"{where} has config.sliding_window={window}, shorter than the sequences ({length}"
-                                 " tokens): context parallelism supports only full and causal attention.")
+                                 " tokens). Ring attention computes whole tiles of the sequence with kernels that"
+                                 " take only a causal flag; a window needs a band mask on the tiles at the window's"
+                                 " edge, which it does not implement yet. Train on sequences of at most"
+                                 f" {window} tokens (the window then masks nothing, and the model is the same), or"
+                                 " use cp=1.")
 
     # -------------------------------------------------------------------------------------- the step
 

@@ -98,6 +98,11 @@ def odd_length_data(train: bool = True):
     return token_data(train, seq_len=30)
 
 
+def window_length_data(train: bool = True):
+    """Sequences of SlidingWindowMistral's window (12 tokens): the fix its refusal under cp suggests."""
+    return token_data(train, seq_len=12)
+
+
 class PaddedLlama(HFCausalLM):
     """Hugging Face Llama given a padding mask: the first three tokens of every sequence are padding."""
 

@@ -51,6 +51,9 @@ TWO = [
     Case("cp2_batch_positions", module="tests.cp_models:BatchPositionsGPT",
          data="tests.cp_models:token_data_with_positions", max_steps=4,
          strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
+    # The fix that the sliding-window refusal names: sequences no longer than the window.
+    Case("cp2_sliding_window_at_window_length", module="tests.cp_models:SlidingWindowMistral",
+         data="tests.cp_models:window_length_data", strategy={"cp": 2}, max_steps=4),
 ]
 # Position handling off: these must NOT match one process. Some final weight element differs by more than
 # ten times parity's bound (measured: 7.9e-4 with local rotary tables, 0.11 with local learned positions;
@@ -78,7 +81,9 @@ FAILING = {
     "sliding_window_config": (Case("sliding_window_config", module="tests.cp_models:SlidingWindowMistral",
                                    strategy={"cp": 2}, **LM),
                               "ValueError", ["model (MistralForCausalLM) has config.sliding_window=12",
-                                             "shorter than the sequences (16 tokens)"]),
+                                             "shorter than the sequences (16 tokens)",
+                                             "band mask on the tiles at the window's edge",
+                                             "sequences of at most 12 tokens"]),
     "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
                   "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),
 }
