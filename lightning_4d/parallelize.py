@@ -103,6 +103,8 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):
         tensor_plan = plan_tensor_parallel(module, mesh_dims.tp, **tensor.plan_kwargs())
+        if tensor_plan.enabled and tensor_plan.coverage is not None:
+            tensor_plan.coverage.check(mesh_dims.tp, tensor.strict)
     return Plans(tensor_plan, pipeline_plan)
 
 

@@ -80,6 +80,8 @@ class FourDStrategy(ModelParallelStrategy):
         sequence_parallel: keep activations between attention and MLP regions sharded on the sequence dim
             (dim 1); not with ``pp > 1``.
         tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded copy.
+        tp_strict: raise instead of warning when the plan shards less than 90% of the parameters outside the
+            embedding and head (the printed plan states the share and the largest modules left whole).
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
         activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
@@ -125,6 +127,7 @@ class FourDStrategy(ModelParallelStrategy):
         tp_plan: Union[str, dict, None] = "auto",
         sequence_parallel: bool = False,
         tp_self_check: bool = True,
+        tp_strict: bool = False,
         loss_parallel: bool = True,
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 2,
@@ -150,7 +153,7 @@ class FourDStrategy(ModelParallelStrategy):
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
-        self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check)
+        self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check, tp_strict)
         self.tp_config.check_with_pipeline(self.pp_config)
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.compile_config = CompileConfig.build(compile)

@@ -516,3 +516,19 @@ def test_user_plan_describes_which_module_got_which_style():
     many = nn.ModuleDict(dict(net=nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])))
     text = plan_tensor_parallel(many, 2, {"net.*": "colwise"}).describe()
     assert "'net.*': colwise -> net.0 (Linear), net.1 (Linear), net.2 (Linear), ... (5 modules)" in text, text
+
+
+def test_the_plan_states_its_share_and_warns_below_ninety_percent():
+    from tests.lm_models import tiny_gpt
+    from tests.zoo_models import zoo_lm
+
+    plan = plan_tensor_parallel(tiny_gpt(), 2)
+    assert "sharded   99% of the parameters outside the embedding and head (49,152 of 49,440)" in plan.describe()
+    assert "model.layers.*.attn_norm (x4, 128)" in plan.describe()
+    plan.coverage.check(2, strict=True)  # enough: neither warns nor raises
+    neox = plan_tensor_parallel(zoo_lm("gpt_neox"), 2)
+    assert neox.coverage.share < 0.5
+    with pytest.warns(UserWarning, match="tp=2 shards only 49%.*query_key_value.*tp_strict=True makes this an error"):
+        neox.coverage.check(2, strict=False)
+    with pytest.raises(ValueError, match="tp=2 shards only 49%"):
+        neox.coverage.check(2, strict=True)

@@ -26,6 +26,7 @@ class TensorParallelConfig:
     sequence_parallel: bool = False
     loss_parallel: bool = True
     self_check: bool = True
+    strict: bool = False  # under-sharding (below MIN_SHARDED of the body) raises instead of warning
 
     def __post_init__(self) -> None:
         ParallelDims.check_sizes(1, 1, 1, self.tp)
@@ -33,10 +34,10 @@ class TensorParallelConfig:
         if not (plan is None or plan in ("auto", "none") or isinstance(plan, Mapping)):
             raise ValueError(f"tp_plan={plan!r}: use 'auto', 'none' or a mapping of module globs to styles, e.g."
                              " {'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}.")
-        for name in ("sequence_parallel", "loss_parallel", "self_check"):
+        for name in ("sequence_parallel", "loss_parallel", "self_check", "strict"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                option = "tp_self_check" if name == "self_check" else name
+                option = {"self_check": "tp_self_check", "strict": "tp_strict"}.get(name, name)
                 raise ValueError(f"{option}={value!r} must be true or false.")
 
     @property

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from lightning_4d.tensor_parallel.plan import (
     _SEQUENCE_DIM,
+    Coverage,
     FusedQKVLayout,
     ModuleStyle,
     Region,
@@ -289,10 +290,33 @@ def plan_tensor_parallel(
     head = [s for s in plan.styles.values() if s.role == "head"]
     plan.loss_parallel = loss_parallel and bool(head) and head[0].output is None
     _check_ties(plan, module)
+    plan.coverage = _coverage(plan, modules)
     planned = {*plan.styles, *plan.regions, *plan.attributes, *plan.config_attributes}
     plan.classes = {fqn: type(modules[fqn]).__name__ for fqn in planned}
     plan.sources = {fqn: key for fqn, key in sources.items() if plan.styles[fqn].role == "user"}
     return plan
+
+
+def _coverage(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> Coverage:
+    """The share of the body's parameters in modules the plan shards (column- or row-wise), and the body's
+    largest modules left whole, grouped by FQN pattern (``model.layers.*.attn.qkv``)."""
+    outside = [fqn for fqn, style in plan.styles.items() if style.role in ("embedding", "head")]
+    sharded_modules = [fqn for fqn, style in plan.styles.items() if style.style in ("colwise", "rowwise")]
+    sharded = total = 0
+    whole: dict[str, list[int]] = {}
+    for fqn, m in modules.items():
+        if _under(fqn, outside):
+            continue
+        numel = sum(p.numel() for p in m.parameters(recurse=False))
+        total += numel
+        if _under(fqn, sharded_modules):
+            sharded += numel
+        elif numel:
+            group = whole.setdefault(_pattern(fqn), [0, 0])
+            group[0] += 1
+            group[1] += numel
+    largest = sorted(((pattern, count, numel) for pattern, (count, numel) in whole.items()), key=lambda r: -r[2])
+    return Coverage(sharded, total, tuple(largest))
 
 
 def _regions(

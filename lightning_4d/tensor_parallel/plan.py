@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lightning.fabric.utilities import rank_zero_warn
+
 from lightning_4d import _compat as compat
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
 
@@ -73,6 +75,41 @@ class Region:
     head_norms: tuple[str, ...] = ()
 
 
+# Below this share of the parameters outside the embedding and head, a plan is reported as under-sharding.
+MIN_SHARDED = 0.9
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the module's body (every parameter outside the vocabulary embedding and LM head) the plan
+    shards, and the largest modules it leaves whole on every tp rank."""
+
+    sharded: int
+    total: int
+    replicated: tuple[tuple[str, int, int], ...] = ()  # (FQN pattern, modules, parameters), largest first
+
+    @property
+    def share(self) -> float:
+        return self.sharded / self.total if self.total else 1.0
+
+    def check(self, tp: int, strict: bool) -> None:
+        """Say when the plan shards less than ``MIN_SHARDED`` of the body: a warning on rank 0, or with
+        ``strict`` a ValueError (pure: the same on every rank, before any collective)."""
+        if self.share >= MIN_SHARDED:
+            return
+        message = (f"tp={tp} shards only {self.describe()}. Every tp rank holds and computes those modules whole, so"
+                   " tensor parallelism saves little memory or time on them. Fix: shard them with tp_plan entries"
+                   " (colwise for a projection, rowwise for the one that reads its output), or use a smaller tp")
+        if strict:
+            raise ValueError(message + "; tp_strict=False lets the run go on with this plan.")
+        rank_zero_warn(message + "; tp_strict=True makes this an error.")
+
+    def describe(self) -> str:
+        largest = ", ".join(f"{pattern} (x{count}, {numel:,})" for pattern, count, numel in self.replicated[:3])
+        return (f"{self.share:.0%} of the parameters outside the embedding and head ({self.sharded:,} of"
+                f" {self.total:,})" + (f"; largest left whole on every rank: {largest}" if largest else ""))
+
+
 @dataclass
 class TensorParallelPlan:
     """Everything ``apply_tensor_parallel`` will do, decided without communication."""
@@ -87,6 +124,7 @@ class TensorParallelPlan:
     loss_parallel: bool = False
     classes: dict[str, str] = field(default_factory=dict)  # planned FQN -> class name, to spot pipeline cuts
     sources: dict[str, str] = field(default_factory=dict)  # FQN -> the tp_plan key that gave it its own style
+    coverage: Coverage | None = None  # set by plan_tensor_parallel
 
     @property
     def enabled(self) -> bool:
@@ -186,6 +224,8 @@ class TensorParallelPlan:
                 lines.append(f"  divide    {fqn}: local {', '.join(f'{k}={v}' for k, v in attrs.items())}")
         if self.replicated:
             lines.append(f"  replicate {', '.join(self.replicated)}")
+        if self.coverage is not None:
+            lines.append(f"  sharded   {self.coverage.describe()}")
         return "\n".join(lines)
 
 
