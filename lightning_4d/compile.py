@@ -51,23 +51,23 @@ class CompileConfig:
                          f" ({', '.join(_OPTIONS)}).")
 
 
-def check_compile_with(config: CompileConfig, checkpointing: Any, cp: int, tp: int) -> None:
-    """Refuse what would not run compiled: with activation checkpointing, torch traces the checkpoint into the
-    compiled block, and it cannot hold the state tensor parallelism's hooks keep inside a block (the block would
-    fall back to eager without a word), nor, for ``selective`` under context parallelism, let the ring-attention
-    interception into the recomputation."""
+def eager_reason(config: CompileConfig, checkpointing: Any, cp: int, tp: int) -> Optional[str]:
+    """Why the blocks must stay eager in this layout (None: they compile). With activation checkpointing, torch
+    traces the checkpoint into the compiled block, and there it cannot hold the state tensor parallelism's hooks
+    keep inside a block, nor, for ``selective`` under context parallelism, let the ring-attention interception
+    into the recomputation."""
     if not config.enabled or checkpointing.mode == "none":
-        return
+        return None
     if tp > 1:
-        raise ValueError(f"compile with activation_checkpointing={checkpointing.mode!r} and tp={tp}: the checkpoint is"
-                         " traced into the compiled block, where tensor parallelism's hooks cannot keep their state,"
-                         " so the blocks would run eagerly. Use activation_checkpointing='none' with compile under"
-                         " tp, or compile=False.")
+        return (f"activation_checkpointing={checkpointing.mode!r} with tp={tp}: the checkpoint would be traced into"
+                " the compiled block, where tensor parallelism's hooks cannot keep their state. To compile under tp,"
+                " use activation_checkpointing='none'.")
     if checkpointing.mode == "selective" and cp > 1:
-        raise ValueError(f"compile with activation_checkpointing='selective' and cp={cp}: selective checkpointing"
-                         " runs inside the compiled block, and torch.compile does not let context parallelism's"
-                         " attention interception into a recomputation there. Use activation_checkpointing='full'"
-                         " or 'every_n' (they run around the compiled block), or compile=False.")
+        return (f"activation_checkpointing='selective' with cp={cp}: selective checkpointing is traced into the"
+                " compiled block, where context parallelism's attention interception cannot enter the"
+                " recomputation. To compile under cp, use activation_checkpointing='full' or 'every_n' (they run"
+                " around the compiled block).")
+    return None
 
 
 def _settle(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:

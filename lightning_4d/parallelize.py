@@ -17,7 +17,8 @@ and the per-dimension options, and applies, in this order:
    compiled like the original). With compile, torch traces the checkpoint into the compiled block, so step 6
    comes after this one; except under context parallelism, whose recomputed attention needs its interception
    (a function mode) that a traced checkpoint cannot enter: there ``full`` and ``every_n`` run eagerly around
-   the compiled block (``selective`` is refused with compile: it would have to be traced).
+   the compiled block. Where the traced checkpoint cannot work (tensor parallelism's hooks keep state inside
+   a block; ``selective`` under context parallelism), the blocks stay eager, with a warning naming the fix.
 8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root, over
    ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``), wrapping the blocks as steps 3-7 left them.
 9. **Metric sync** over the ranks that hold different data.
@@ -40,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -47,7 +49,7 @@ from torch.optim import Optimizer
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.clipping import clip_grad_norm_
-from lightning_4d.compile import CompileConfig, Compiled, apply_compile, check_compile_with
+from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
@@ -138,7 +140,6 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                              " strategy options for fit, validate, test and predict, or a freshly built module.")
         existing.install_hooks()
         return existing
-    check_compile_with(compile, activation_checkpointing, mesh.dims.cp, mesh.dims.tp)
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
     _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
@@ -152,6 +153,10 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     parallel.install_hooks()
     # The checkpoint goes inside the compiled block (torch traces it), except under context parallelism (see 7.).
     compile_outside = not mesh.dims.cp_enabled
+    parallel.eager_reason = eager_reason(compile, activation_checkpointing, mesh.dims.cp, mesh.dims.tp)
+    if parallel.eager_reason is not None:
+        rank_zero_warn(f"compile=True, but the blocks run eagerly: {parallel.eager_reason}")
+        compile = CompileConfig()
     if compile.enabled and not compile_outside:
         parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if activation_checkpointing.enabled:
@@ -238,6 +243,7 @@ class ParallelModel:
         self.context: Optional[ContextParallel] = None
         self.checkpointed_blocks: list[int] = []  # positions in the whole model's block list
         self.compiled: Optional[Compiled] = None  # set when compile is on
+        self.eager_reason: Optional[str] = None  # why compile=True left the blocks eager in this layout
         self._self_check = self_check
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None

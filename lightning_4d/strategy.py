@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
-from lightning_4d.compile import CompileConfig, check_compile_with
+from lightning_4d.compile import CompileConfig
 from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
@@ -157,7 +157,6 @@ class FourDStrategy(ModelParallelStrategy):
         self.tp_config.check_with_pipeline(self.pp_config)
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.compile_config = CompileConfig.build(compile)
-        check_compile_with(self.compile_config, self.ac_config, cp, tp)
         self._compile_report_due = self.compile_config.enabled
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None
