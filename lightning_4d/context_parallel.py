@@ -235,6 +235,23 @@ class _AttentionInterception(TorchFunctionMode):
         return super().__exit__(*exc_info)
 
 
+def check_attention_reachable(module: nn.Module, cp: int) -> None:
+    """Refuse, before any collective, attention that context parallelism cannot turn into ring attention.
+
+    ``nn.MultiheadAttention`` computes its attention inside ``F.multi_head_attention_forward``, itself a torch
+    function: the interception handles that call, and a function mode is off while its own handler runs, so the
+    ``scaled_dot_product_attention`` inside it would see only this rank's tokens."""
+    found = [fqn for fqn, sub in module.named_modules() if isinstance(sub, nn.MultiheadAttention)]
+    if found:
+        raise ValueError(
+            f"cp={cp}: {found[0]} is an nn.MultiheadAttention ({len(found)} in {type(module).__name__}). It computes"
+            " attention inside torch.nn.functional.multi_head_attention_forward, whose own"
+            " scaled_dot_product_attention call context parallelism cannot reach, so each rank's attention would"
+            " see only its own tokens. Use an attention module that calls"
+            " torch.nn.functional.scaled_dot_product_attention itself (Hugging Face, litgpt, torchtitan and the"
+            " example GPT do), or cp=1 (dp=N replicates the model instead).")
+
+
 class ContextParallel:
     """The context-parallel side of one module on one rank: batch sharding, positions, attention, checks.
 
@@ -259,6 +276,7 @@ class ContextParallel:
         self.buffers = find_position_buffers(module, buffers)
         self.sliding_windows = _sliding_windows(module)
         self.attention_calls = 0
+        self._sharded_shapes: dict[str, tuple[int, ...]] = {}  # the last sharded batch's entries, whole
         self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
         self._causal_mask: Optional[tuple[Tensor, int]] = None  # the last mask found causal, and its version
         self._seq_len = 0
@@ -309,6 +327,7 @@ class ContextParallel:
             index = on_device.setdefault(tensor.device, positions.to(tensor.device))
             return tensor.index_select(self.seq_dim, index)
 
+        self._sharded_shapes = {path: tuple(tensor.shape) for path, tensor in _tensors(batch).items() if path in selected}
         sharded = _map_tensors(batch, shard)
         self._positions = next(iter(on_device.values()))
         self._seq_len = length
@@ -340,6 +359,10 @@ class ContextParallel:
         try:
             with _AttentionInterception(self):
                 yield
+        except Exception as error:
+            if not self._verified and self.attention_calls == calls:
+                raise ValueError(self._failed_before_attention(error)) from error
+            raise
         finally:
             self._active = False
             for owner, name, original in swapped:
@@ -353,6 +376,15 @@ class ContextParallel:
                     " hand-written softmax, or Hugging Face attn_implementation='eager'): use"
                     " torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa'), or cp=1.")
             self._verified = True
+
+    def _failed_before_attention(self, error: Exception) -> str:
+        shapes = ", ".join(f"{path or 'the batch'!r} {shape}" for path, shape in self._sharded_shapes.items())
+        return (f"Context parallelism (cp={self.size}) split dim {self.seq_dim} of {shapes} as the sequence, and the"
+                f" first step of {type(self.module).__name__} failed before any scaled_dot_product_attention call:"
+                f" {type(error).__name__}: {error}. If that dim is no sequence (the features of a regression, an"
+                " image), context parallelism has nothing to split: use cp=1 (dp=N replicates the model instead). If"
+                " the sequence is another dim, or only some batch entries are sequences, name them with cp_seq_dim"
+                " or cp_batch_keys.")
 
     def _enter_recomputation(self, module: nn.Module, args: tuple) -> None:
         if self._positions is not None and self._recomputing == 0 and compat.in_backward():

@@ -50,7 +50,7 @@ from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
-from lightning_4d.context_parallel import ContextParallel
+from lightning_4d.context_parallel import ContextParallel, check_attention_reachable
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.fsdp import ReshardAfterForward, apply_sharding, gathered, gradient_sync
@@ -101,6 +101,8 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
                              f" {type(module).__name__}.automatic_optimization is False: the pipeline schedule runs"
                              " forward and backward of every micro-batch itself, so manual_backward cannot. Use"
                              " automatic optimization, or pp=1.")
+    if mesh_dims.cp_enabled:
+        check_attention_reachable(module, mesh_dims.cp)
     pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):

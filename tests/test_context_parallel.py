@@ -51,6 +51,8 @@ TWO = [
     Case("cp2_batch_positions", module="tests.cp_models:BatchPositionsGPT",
          data="tests.cp_models:token_data_with_positions", max_steps=4,
          strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
+    # The fix that the nn.MultiheadAttention refusal names: cp=1, dp=2 replicating the model instead.
+    Case("dp2_torch_encoder_instead_of_cp", module="tests.zoo_models:TorchEncoderLM", strategy={"dp": 2}, **LM),
     # The fix that the sliding-window refusal names: sequences no longer than the window.
     Case("cp2_sliding_window_at_window_length", module="tests.cp_models:SlidingWindowMistral",
          data="tests.cp_models:window_length_data", strategy={"cp": 2}, max_steps=4),
@@ -84,6 +86,17 @@ FAILING = {
                                              "shorter than the sequences (16 tokens)",
                                              "band mask on the tiles at the window's edge",
                                              "sequences of at most 12 tokens"]),
+    "multihead_attention": (Case("multihead_attention", module="tests.zoo_models:TorchEncoderLM", strategy={"cp": 2},
+                                 **LM),
+                            "ValueError", ["cp=2: encoder.layers.0.self_attn is an nn.MultiheadAttention (4 in",
+                                           "inside torch.nn.functional.multi_head_attention_forward",
+                                           "or cp=1 (dp=N replicates the model instead)"]),
+    # A regression MLP has no sequence: its 16 features are split as one, and the first linear fails.
+    "no_sequence": (Case("no_sequence", module="tests.models:Classifier", data="tests.models:classification_data",
+                         strategy={"cp": 2}, max_steps=2),
+                    "ValueError", ["split dim 1 of '0' (8, 16) as the sequence",
+                                   "failed before any scaled_dot_product_attention call: RuntimeError: mat1 and mat2",
+                                   "use cp=1", "cp_seq_dim or cp_batch_keys"]),
     "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
                   "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),
 }
