@@ -209,12 +209,14 @@ def _shard_units(module: nn.Module, plan: Optional[PipelinePlan], config: Pipeli
 
 
 def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> list[nn.Parameter]:
-    """Parameters whose gradients tensor parallelism sums over tp with a hook on the parameter (per-head norms):
+    """Parameters whose gradients tensor parallelism sums over tp with a hook on the parameter (per-head norms,
+    key/value projections kept whole when there are fewer key/value heads than tp ranks):
     FSDP would replace the parameter and lose the hook, so they stay out of FSDP, replicated, and the gradient
     buckets average them over ``dp x cp``."""
     if plan is None:
         return []
-    return [param for fqn, region in plan.regions.items() for name in region.head_norms
+    return [param for fqn, region in plan.regions.items()
+            for name in (*region.head_norms, *region.replicated_kv_projections)
             for param in module.get_submodule(fqn).get_submodule(name).parameters()]
 
 

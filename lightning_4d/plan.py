@@ -293,6 +293,8 @@ def layout_problems(model: Model, training: Training, layout: Layout) -> list[st
     problems = []
     for name, size in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn_hidden", model.ffn_hidden),
                        ("vocab", model.vocab)):
+        if name == "kv_heads" and size < layout.tp and layout.tp % size == 0:
+            continue  # fewer key/value heads than ranks: k and v stay whole on every rank (_replicated_kv)
         if size % layout.tp:
             problems.append(f"tp={layout.tp} does not divide {name} ({size})")
     tensor_parallel = TensorParallelConfig(layout.tp, sequence_parallel=training.sequence_parallel)
@@ -360,9 +362,16 @@ def _tokens(training: Training, layout: Layout) -> float:
     return training.seq_len / layout.cp * training.global_batch / layout.dp / _microbatches(training, layout)
 
 
+def _replicated_kv(model: Model, tp: int) -> int:
+    """Per block, the k and v weights tensor parallelism keeps whole on every rank when tp exceeds the
+    key/value heads (each rank then uses one key/value head)."""
+    return 2 * model.hidden * model.kv_heads * (model.hidden // model.heads) if model.kv_heads < tp else 0
+
+
 def _stage_params(model: Model, layout: Layout, stage: int, layers: int) -> float:
     tp, last = layout.tp, layout.pp - 1
-    params = layers * (model.layer_matrix_params / tp + model.layer_vector_params)
+    kv = _replicated_kv(model, tp)
+    params = layers * ((model.layer_matrix_params - kv) / tp + kv + model.layer_vector_params)
     if stage == 0:
         params += model.embedding_params / tp
     if stage == last:

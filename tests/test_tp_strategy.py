@@ -55,8 +55,16 @@ NEOX_PLAN = {"model.gpt_neox.layers.*.attention.query_key_value": "colwise",
 TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_parallel": True}, MODELS)
        + [Case("tp2_configure_model", module="tests.test_tp_strategy:MLPShardedInConfigureModel",
                strategy={"tp": 2}, **LM),
-          Case("tp2_neox_planned_strict", strategy={"tp": 2, "tp_strict": True, "tp_plan": NEOX_PLAN}, **NEOX, **LM)])
-FOUR = _cases("tp4", {"tp": 4}, MODELS_TP4) + _cases("dp2_tp2", {"dp": 2, "tp": 2}, MODELS)
+          Case("tp2_neox_planned_strict", strategy={"tp": 2, "tp_strict": True, "tp_plan": NEOX_PLAN}, **NEOX, **LM),
+          # Gemma's one key/value head: k and v whole on both ranks, q and o sharded.
+          Case("tp2_gemma_one_kv_head", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gemma"},
+               strategy={"tp": 2}, **LM),
+          # GPTBigCode's multi-query c_attn is refused below; the fix keeps its attention whole.
+          Case("tp2_gpt_bigcode_attention_replicated", module="tests.zoo_models:zoo_lm",
+               module_kwargs={"family": "gpt_bigcode"}, strategy={"tp": 2, "tp_plan": {
+                   "model.transformer.h.*.attn": "replicate"}}, **LM)])
+FOUR = (_cases("tp4", {"tp": 4}, MODELS_TP4) + _cases("dp2_tp2", {"dp": 2, "tp": 2}, MODELS)
+        + _cases("tp4", {"tp": 4}, {"llama_kv2": MODELS["llama"]}))  # 2 key/value heads kept whole on 4 ranks
 ALL = {case.name: case for case in TWO + FOUR}
 
 
@@ -92,15 +100,20 @@ FAILING_TWO = {
                     "TensorParallelCheckError", ["self-check failed for transformer.h.0.attn",
                                                  "output differs from its unsharded copy"]),
 }
+FAILING_TWO["kv_heads_fused"] = (
+    _failing("kv_heads_fused", "tests.zoo_models:zoo_lm", {"tp": 2}, {"family": "gpt_bigcode"}),
+    "ValueError", ["model.transformer.h.0.attn (GPTBigCodeAttention) has 1 key/value heads, fewer than tp=2, in the"
+                   " fused projection c_attn", "tp_plan: {'model.transformer.h.*.attn': replicate}"])
 FAILING_TWO["under_sharded"] = (
     _failing("under_sharded", NEOX["module"], {"tp": 2, "tp_strict": True}, NEOX["module_kwargs"]),
     "ValueError", ["tp=2 shards only 49% of the parameters outside the embedding and head",
                    "model.gpt_neox.layers.*.attention.query_key_value (x4, 12,672)", "shard them with tp_plan entries",
                    "tp_strict=False"])
 FAILING_FOUR = {
-    "kv_heads": (_failing("kv_heads", "tests.lm_models:HFCausalLM", {"tp": 4}, {"kind": "llama"}),
-                 "ValueError", ["model.model.layers.0.self_attn (LlamaAttention) has 2 key/value heads, not"
-                                " divisible by tp=4"]),
+    "kv_heads": (_failing("kv_heads", "tests.lm_models:HFCausalLM", {"tp": 4},
+                          {"kind": "llama", "hidden": 48, "heads": 12, "kv_heads": 3}),
+                 "ValueError", ["model.model.layers.0.self_attn (LlamaAttention) has 3 key/value heads, not divisible"
+                                " by tp=4, and tp=4 is no multiple of 3", "or a multiple of 3"]),
 }
 
 

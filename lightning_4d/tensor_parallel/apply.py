@@ -104,6 +104,42 @@ def _sum_over(group: dist.ProcessGroup):
     return hook
 
 
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (each rank's part reaches the input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGroup) -> None:
+    """k and v whole on every rank (fewer key/value heads than ranks): each rank keeps, of their outputs, the
+    key/value head its query heads read; gradients of their weights and of their input are summed over tp."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    head = rank * region.kv_heads // tp
+    for name in region.replicated_kv_projections:
+        projection = attention.get_submodule(name)
+
+        def whole_input(module: nn.Module, args: tuple) -> tuple:
+            x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+            return (_SumGradOver.apply(x, group), *args[1:])
+
+        def own_head(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            return output.narrow(-1, head * region.head_dim, region.head_dim)
+
+        projection.register_forward_pre_hook(whole_input)
+        projection.register_forward_hook(own_head)
+        for param in projection.parameters():
+            param.register_hook(_sum_over(group))
+
+
 def _grad_like_param(param: nn.Parameter) -> None:
     """Give a gradient its parameter's layout, which optimizers and data-parallel buckets rely on: replicated
     parameters used on sharded activations accumulate Partial gradients, and DTensor's embedding backward
@@ -226,6 +262,8 @@ def apply_tensor_parallel(
         for name in region.head_norms:
             for param in owner.get_submodule(name).parameters():
                 param.register_hook(_sum_over(group))
+        if region.kv_replicated:
+            _replicated_kv(owner, region, group)
 
     if plan.sequence_parallel and plan.styles:
         inside = list(plan.styles) + list(plan.regions)

@@ -8,6 +8,7 @@ before any collective.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -52,6 +53,7 @@ _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
+_KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv")  # query heads per key/value head
 
 
 def _head_geometry(module: nn.Module, q_width: int) -> tuple[int, int] | None:
@@ -167,6 +169,18 @@ def _size_attributes(source: Any, region: Region) -> dict[str, int]:
     return attrs
 
 
+def _local_sizes(fqn: str, source: Any, region: Region, tp: int) -> dict[str, int]:
+    """This rank's values of the size attributes of an attention (or of its config): divided by tp, except
+    that with key/value heads replicated each rank uses one of them, read by all its query heads."""
+    attrs = _size_attributes(source, region)
+    if not region.kv_replicated:
+        return _divided(fqn, attrs, tp)
+    kv = {name: 1 for name, value in _int_attrs(source, _KV_HEAD_ATTRS).items() if value == region.kv_heads}
+    groups = {name: region.heads // tp for name, value in _int_attrs(source, _KV_GROUP_ATTRS).items()
+              if value == region.heads // region.kv_heads}
+    return {**_divided(fqn, {n: v for n, v in attrs.items() if n not in kv}, tp), **kv, **groups}
+
+
 def _divided(fqn: str, attrs: dict[str, int], tp: int) -> dict[str, int]:
     for name, value in attrs.items():
         if value % tp:
@@ -223,18 +237,20 @@ def plan_tensor_parallel(
 
     for fqn, region in _regions(modules, replicated, divide):
         m = modules[fqn]
+        if (region.kind == "attention" and region.fused is None and region.heads is not None and region.kv_heads
+                and region.kv_heads < tp_size and tp_size % region.kv_heads == 0 and region.heads % tp_size == 0):
+            region = replace(region, kv_replicated=True)
         _check_region(fqn, m, region, tp_size)
         plan.regions[fqn] = region
         for name in region.inputs:
-            plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
+            if name not in region.replicated_kv_projections:
+                plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
         rowwise_output = f"shard({_SEQUENCE_DIM})" if sequence_parallel else None
         plan.styles[_child(fqn, region.output)] = ModuleStyle("rowwise", output=rowwise_output, role=region.kind)
         if region.kind == "attention" and fqn not in divide:
-            attrs = _divided(fqn, _size_attributes(m, region), tp_size)
+            attrs = _local_sizes(fqn, m, region, tp_size)
             config = getattr(m, "config", None)
-            config_attrs = (
-                _divided(f"{fqn}.config", _size_attributes(config, region), tp_size) if config is not None else {}
-            )
+            config_attrs = _local_sizes(f"{fqn}.config", config, region, tp_size) if config is not None else {}
             if attrs:
                 plan.attributes[fqn] = attrs
             if config_attrs:
@@ -380,7 +396,20 @@ def _suggested_plan(
 def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
     kind = type(module).__name__
     if region.kind == "attention" and region.heads is not None:
-        for what, count in (("attention heads", region.heads), ("key/value heads", region.kv_heads)):
+        if region.kv_heads and region.kv_heads % tp and not region.kv_replicated and region.heads % tp == 0:
+            kv = region.kv_heads
+            if region.fused is not None:
+                why = (f"fewer than tp={tp}, in the fused projection {region.inputs[0]}: they would have to stay whole"
+                       " on every rank while the query rows of the same weight are sharded, which one placement"
+                       " cannot express")
+                fix = f"a tensor-parallel size that divides {kv}"
+            else:
+                why = f"not divisible by tp={tp}, and tp={tp} is no multiple of {kv}"
+                fix = (f"a tensor-parallel size that divides {kv}, or a multiple of {kv} (k and v then stay whole on"
+                       " every rank)")
+            raise ValueError(f"{fqn} ({kind}) has {kv} key/value heads, {why}. Fix: choose {fix}, or keep the"
+                             f" attention unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}.")
+        for what, count in (("attention heads", region.heads),):
             if count % tp:
                 raise ValueError(
                     f"{fqn} ({kind}) has {count} {what}, not divisible by tp={tp}. Fix: choose a tensor-parallel "

@@ -73,6 +73,13 @@ class Region:
     head_dim: int | None = None
     fused: FusedQKVLayout | None = None
     head_norms: tuple[str, ...] = ()
+    # Fewer key/value heads than tp ranks: k and v stay whole on every rank, each rank keeps the one key/value
+    # head its query heads read, and their gradients are summed over tp (Megatron's way).
+    kv_replicated: bool = False
+
+    @property
+    def replicated_kv_projections(self) -> tuple[str, ...]:
+        return self.inputs[1:] if self.kv_replicated else ()
 
 
 # Below this share of the parameters outside the embedding and head, a plan is reported as under-sharding.
@@ -184,6 +191,9 @@ class TensorParallelPlan:
                 continue
             if region.kind == "attention" and region.heads is not None:
                 kv = f", kv heads {region.kv_heads}->{region.kv_heads // tp}" if region.kv_heads != region.heads else ""
+                if region.kv_replicated:
+                    kv = (f", kv heads {region.kv_heads} < tp: {', '.join(region.inputs[1:])} whole on every rank,"
+                          " 1 kv head used per rank")
                 size = f"heads {region.heads}->{region.heads // tp}{kv}, head_dim {region.head_dim}"
             elif region.kind == "attention":
                 size = f"width {region.inner}->{region.inner // tp}"
