@@ -145,7 +145,9 @@ class SlidingWindowMistral(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         input_ids, labels = batch
         logits = self.model(input_ids=input_ids).logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)

@@ -105,8 +105,8 @@ def test_tensor_parallel_user_plan_errors():
         plan_tensor_parallel(tiny_gpt(), 2, {"model.layers.*.attn.q_proj": "diagonal"})
     with pytest.raises(ValueError, match=r"tp_plan key 'model\.layer\.\*\.attn\.q_proj' matches no module\. Close"):
         plan_tensor_parallel(tiny_gpt(), 2, {"model.layer.*.attn.q_proj": "colwise"})
-    with pytest.raises(ValueError, match=r"\(LlamaAttention\) has 2 key/value heads, not divisible by tp=4"):
-        plan_tensor_parallel(HFCausalLM(kind="llama", heads=4, kv_heads=2), 4)
+    with pytest.raises(ValueError, match=r"\(LlamaAttention\) has 3 key/value heads, not divisible by tp=4, and"):
+        plan_tensor_parallel(HFCausalLM(kind="llama", hidden=48, heads=12, kv_heads=3), 4)
 
 
 VOCAB = 64
@@ -122,7 +122,8 @@ def _lit(**overrides) -> nn.Module:
     "model, tp, tp_plan, needles",
     [
         (lambda: M.TinyGPT(VOCAB, dim=32, n_head=4), 8, "auto", ["layers.0.attn", "4 attention heads", "tp=8"]),
-        (lambda: M.MetaLlama(VOCAB, n_heads=4, n_kv_heads=2), 4, "auto", ["layers.0.attention", "2 key/value heads"]),
+        (lambda: M.MetaLlama(VOCAB, dim=48, n_heads=12, n_kv_heads=3), 4, "auto",
+         ["layers.0.attention", "3 key/value heads"]),
         (lambda: M.TinyGPT(65), 2, "auto", ["Vocabulary size 65", "tok_emb", "replicate"]),
         (lambda: _lit(intermediate_size=34), 4, "auto", ["transformer.h.0.mlp", "intermediate size 34"]),
         (lambda: M.TinyGPT(VOCAB, attention=M.CustomHeadsAttention), 2, "auto",

@@ -30,6 +30,7 @@ MODELS = {
     "gpt_vocab_65": lambda: tiny_gpt(vocab_size=65),
     "gpt_2_layers": lambda: tiny_gpt(n_layer=2),
     "llama_2_kv_heads": lambda: HFCausalLM(kind="llama", heads=4, kv_heads=2),
+    "llama_3_kv_heads": lambda: HFCausalLM(kind="llama", hidden=48, heads=12, kv_heads=3),
     "nanogpt": lambda: NanoGPT(),  # fused c_attn, tied embedding and head
 }
 
@@ -61,7 +62,8 @@ TABLE = [
     Row("gpt_vocab_65", (1, 1, 1, 2), False, "vocab"),
     Row("gpt_vocab_65", (2, 1, 2, 1), True),
     Row("llama_2_kv_heads", (1, 1, 1, 2), True),
-    Row("llama_2_kv_heads", (1, 1, 1, 4), False, "kv heads"),
+    Row("llama_2_kv_heads", (1, 1, 1, 4), True),  # fewer key/value heads than tp: kept whole on every rank
+    Row("llama_3_kv_heads", (1, 1, 1, 4), False, "kv heads"),  # 4 is neither a divisor nor a multiple of 3
     Row("llama_2_kv_heads", (1, 1, 2, 2), True, sp=True),
     Row("gpt", (1, 1, 2, 1), True),
     Row("gpt", (1, 1, 2, 1), False, "seq vs 2*cp", seq=10),
