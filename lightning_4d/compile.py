@@ -1,10 +1,12 @@
 """torch.compile of an unchanged module's blocks, as the pipeline cut, tensor and context parallelism left them.
 
 ``FourDStrategy(compile=True)`` compiles each block this rank holds (its ``forward`` is replaced on the instance
-by the compiled one, so parameter names, state dicts and hooks stay as they are), before activation
-checkpointing (which runs eagerly around the compiled block and calls it again to recompute) and before
-sharded data parallelism, so FSDP's own hooks stay outside the compiled code. ``compile={"backend": ...,
-"mode": ...}`` passes options on to ``torch.compile``.
+by the compiled one, so parameter names, state dicts and hooks stay as they are), before sharded data
+parallelism, so FSDP's own hooks stay outside the compiled code. With activation checkpointing torch traces
+the checkpoint into the compiled block; under context parallelism ``full`` and ``every_n`` checkpointing run
+eagerly around it instead (see :mod:`lightning_4d.parallelize`, steps 6 and 7), and where neither works the
+blocks stay eager with a warning (:func:`eager_reason`). ``compile={"backend": ..., "mode": ...}`` passes
+options on to ``torch.compile``.
 
 Under context parallelism the ring exchange inside attention cannot be traced: it runs eagerly, as one piece
 between two compiled graphs, once per attention call. The strategy reports dynamo's graph breaks after the
