@@ -76,6 +76,22 @@ def _checkpoint(payload: dict) -> str:
                   "largest rank writes (MiB)", "all ranks write (MiB)", "largest rank vs one process"], rows)
 
 
+def _activation_checkpointing(payload: dict) -> str:
+    rows = payload["rows"]
+    none = {r["seq"]: r for r in rows if r["mode"] == "none"}
+    return _rows(["seq", "mode", "peak MiB", "of none", "CPU s/step", "of none"],
+                 [[str(r["seq"]), r["mode"], f"{r['peak_mib']:.1f}", f"{r['peak_mib'] / none[r['seq']]['peak_mib']:.2f}",
+                   f"{r['cpu_s']:.3f}", f"{r['cpu_s'] / none[r['seq']]['cpu_s']:.2f}"] for r in rows])
+
+
+def _compile(payload: dict) -> str:
+    return _rows(["layout", "eager step s", "compiled step s", "speed-up (wall)", "eager CPU s", "compiled CPU s",
+                  "speed-up (CPU)", "first compiled step s", "round spread"],
+                 [[r["layout"], f"{r['eager_step_s']:.3f}", f"{r['compiled_step_s']:.3f}", f"{r['speedup']:.2f}x",
+                   f"{r['eager_cpu_s']:.3f}", f"{r['compiled_cpu_s']:.3f}", f"{r['cpu_speedup']:.2f}x",
+                   f"{r['compiled_first_step_s']:.1f}", f"{r['spread']:.0%}"] for r in payload["rows"]])
+
+
 def _log2_x(ax, values) -> None:
     """A base-2 log x axis labelled at exactly ``values`` (process counts, micro-batches, lengths)."""
     ax.set_xscale("log", base=2)
@@ -85,7 +101,7 @@ def _log2_x(ax, values) -> None:
 
 
 TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
-          "checkpoint": _checkpoint}
+          "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile}
 
 
 def table(name: str, payload: dict) -> str:
@@ -165,8 +181,32 @@ def _plot_checkpoint(payload: dict, figure):
     ax.legend(fontsize=7)
 
 
+def _plot_activation_checkpointing(payload: dict, figure):
+    rows = payload["rows"]
+    for index, (key, label) in enumerate((("peak_mib", "peak memory of a step (MiB)"), ("cpu_s", "CPU s per step"))):
+        ax = figure.add_subplot(1, 2, index + 1)
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            mine = [r for r in rows if r["mode"] == mode]
+            ax.plot([r["seq"] for r in mine], [r[key] for r in mine], "o-", label=mode)
+        ax.set(xlabel="sequence length (tokens)", ylabel=label)
+        _log2_x(ax, [r["seq"] for r in rows])
+        ax.legend(fontsize=7)
+
+
+def _plot_compile(payload: dict, figure):
+    ax = figure.add_subplot(1, 1, 1)
+    rows = payload["rows"]
+    at = range(len(rows))
+    ax.bar([i - 0.2 for i in at], [r["eager_cpu_s"] for r in rows], 0.4, label="eager")
+    ax.bar([i + 0.2 for i in at], [r["compiled_cpu_s"] for r in rows], 0.4, label="compile=True")
+    ax.set(xticks=list(at), xticklabels=[r["layout"] for r in rows], ylabel="CPU s per step (rank 0)",
+           title="the example GPT, 2 processes, CPU inductor")
+    ax.legend(fontsize=7)
+
+
 PLOTS = {"pp": (_plot_pp, (9, 4)), "cp": (_plot_cp, (9, 4)), "memory": (_plot_memory, (11, 4)),
-         "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4))}
+         "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4)),
+         "activation_checkpointing": (_plot_activation_checkpointing, (9, 4)), "compile": (_plot_compile, (6, 4))}
 
 
 def plot(name: str, payload: dict, path: Path) -> bool:
