@@ -59,6 +59,9 @@ TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_p
           # Gemma's one key/value head: k and v whole on both ranks, q and o sharded.
           Case("tp2_gemma_one_kv_head", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gemma"},
                strategy={"tp": 2}, **LM),
+          # OPT's decoder layer holds fc1/fc2 beside self_attn: both are regions (95% of the body sharded).
+          Case("tp2_opt_mlp_beside_attention", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
+               strategy={"tp": 2, "tp_strict": True}, **LM),
           # GPTBigCode's multi-query c_attn is refused below; the fix keeps its attention whole.
           Case("tp2_gpt_bigcode_attention_replicated", module="tests.zoo_models:zoo_lm",
                module_kwargs={"family": "gpt_bigcode"}, strategy={"tp": 2, "tp_plan": {
@@ -104,6 +107,11 @@ FAILING_TWO["kv_heads_fused"] = (
     _failing("kv_heads_fused", "tests.zoo_models:zoo_lm", {"tp": 2}, {"family": "gpt_bigcode"}),
     "ValueError", ["model.transformer.h.0.attn (GPTBigCodeAttention) has 1 key/value heads, fewer than tp=2, in the"
                    " fused projection c_attn", "tp_plan: {'model.transformer.h.*.attn': replicate}"])
+FAILING_TWO["opt_sequence_parallel"] = (  # the fix, sequence_parallel=False, is tp2_opt_mlp_beside_attention
+    _failing("opt_sequence_parallel", "tests.zoo_models:zoo_lm", {"tp": 2, "sequence_parallel": True},
+             {"family": "opt"}),
+    "ValueError", ["sequence_parallel=True: model.model.decoder.layers.0 (OPTDecoderLayer) holds its MLP's linears"
+                   " fc1 and fc2 beside its other modules", "Use sequence_parallel=False"])
 FAILING_TWO["under_sharded"] = (
     _failing("under_sharded", NEOX["module"], {"tp": 2, "tp_strict": True}, NEOX["module_kwargs"]),
     "ValueError", ["tp=2 shards only 49% of the parameters outside the embedding and head",

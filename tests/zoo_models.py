@@ -42,8 +42,9 @@ def _hf_config(family: str):
                                           max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
                                           use_parallel_residual=True, rotary_pct=0.5, **common)
     if family == "opt":
+        # 32 positions (34 rows with OPT's offset of 2): fewer than the vocabulary, as in every real OPT.
         return transformers.OPTConfig(hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS,
-                                      num_attention_heads=HEADS, max_position_embeddings=64,
+                                      num_attention_heads=HEADS, max_position_embeddings=32,
                                       word_embed_proj_dim=HIDDEN, dropout=0.0, attention_dropout=0.0,
                                       layerdrop=0.0, **common)
     if family == "bloom":

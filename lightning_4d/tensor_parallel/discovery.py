@@ -88,6 +88,10 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
         if present and out in linears:
             width, inner = linears[present[0]]
             if all(linears[n] == (width, inner) for n in present) and linears[out] == (inner, width):
+                beside = [name for name, child in module.named_children()
+                          if name not in (*present, out) and any(True for _ in child.parameters())]
+                if beside:  # e.g. OPT's decoder layer: fc1/fc2 next to self_attn and the norms
+                    return Region("mlp", present, out, width, inner, loose=True)
                 _head_norms(fqn, module, (*present, out), None)
                 return Region("mlp", present, out, width, inner)
     return _generic_mlp(module, linears)
@@ -237,6 +241,11 @@ def plan_tensor_parallel(
 
     for fqn, region in _regions(modules, replicated, divide):
         m = modules[fqn]
+        if region.loose and sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True: {fqn} ({type(m).__name__}) holds its MLP's linears {region.inputs[0]} and"
+                f" {region.output} beside its other modules, so there is no MLP module whose input sequence"
+                " parallelism could gather. Use sequence_parallel=False (tensor parallelism still shards the MLP).")
         if (region.kind == "attention" and region.fused is None and region.heads is not None and region.kv_heads
                 and region.kv_heads < tp_size and tp_size % region.kv_heads == 0 and region.heads % tp_size == 0):
             region = replace(region, kv_replicated=True)
@@ -346,7 +355,8 @@ def _regions(
         region = _find_region(fqn, m, divide)
         if region is None or any(_under(_child(fqn, n), replicated) for n in (*region.inputs, region.output)):
             continue
-        found.append(fqn)
+        if not region.loose:  # a loose MLP's neighbours (the layer's attention) are regions of their own
+            found.append(fqn)
         yield fqn, region
 
 

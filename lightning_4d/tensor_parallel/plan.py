@@ -76,6 +76,9 @@ class Region:
     # Fewer key/value heads than tp ranks: k and v stay whole on every rank, each rank keeps the one key/value
     # head its query heads read, and their gradients are summed over tp (Megatron's way).
     kv_replicated: bool = False
+    # An MLP whose linears are direct children of a larger module (OPT's decoder layer holds fc1/fc2 beside its
+    # attention): the region is only those linears, and the modules beside them are planned on their own.
+    loose: bool = False
 
     @property
     def replicated_kv_projections(self) -> tuple[str, ...]:
