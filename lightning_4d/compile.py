@@ -88,6 +88,7 @@ class Compiled:
 
     blocks: int
     breaks_before: dict[str, int]
+    reported: bool = False
 
     def breaks(self) -> dict[str, int]:
         """Graph breaks since the blocks were compiled, by reason."""
@@ -96,6 +97,7 @@ class Compiled:
 
     def report(self) -> None:
         """Say on rank 0 how many blocks compiled and where dynamo broke their graphs."""
+        self.reported = True
         breaks = self.breaks()
         if not breaks:
             rank_zero_info(f"compile: {self.blocks} blocks compiled per rank, without graph breaks.")

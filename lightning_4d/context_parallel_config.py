@@ -20,7 +20,13 @@ _EXAMPLES = {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.w
 @dataclass(frozen=True)
 class ContextParallelConfig:
     """The ``cp`` size and ``cp_*`` options of ``FourDStrategy``, validated on construction. The name lists
-    (``None``: found automatically) are kept as tuples."""
+    (``None``: found automatically) are kept as tuples.
+
+    comm: how keys and values travel: ``"ring"`` (blocks passed round the group) or ``"allgather"``.
+    seq_dim: the sequence dim of the batch's tensors. batch_keys: the batch entries to shard (dict keys, tuple
+    indices as strings, dotted for nesting; ``None``: every tensor as long on ``seq_dim`` as the first one).
+    position_modules: FQN globs of modules whose position input must see global positions. buffers: FQN globs
+    of per-position tables that code slices by length. See ``docs/context_parallel.md``."""
 
     cp: int = 1
     comm: str = "ring"

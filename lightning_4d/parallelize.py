@@ -27,7 +27,7 @@ and the per-dimension options, and applies, in this order:
     (and HSDP all-reduce) instead, switched on for the last backward before an optimizer step.
 
 The :class:`ParallelModel` returned owns everything a training loop needs afterwards: the step (with its
-contexts, the pipeline schedule, the tensor-parallel self-check), batch sharding, backward, gradient sync,
+contexts, the pipeline schedule, the tensor-parallel self-check, the compile report), batch sharding, backward, gradient sync,
 clipping over the whole model, state dicts and checkpoints, and removal of its hooks. It is attached to the
 module, so parallelizing the same module again (``validate`` after ``fit``, a second Trainer) returns it.
 """
@@ -328,6 +328,8 @@ class ParallelModel:
                 output = getattr(self.module, name)(*args, **kwargs)
         if training and self.context is not None:
             output = self.context.global_loss(output)
+        if training and self.compiled is not None and not self.compiled.reported:
+            self.compiled.report()  # after the first training step, once dynamo has met every graph break
         return output
 
     def backward(self, run_backward: Callable[[], None]) -> None:

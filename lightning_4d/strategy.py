@@ -44,59 +44,57 @@ from lightning_4d.resumable_loader import TrainLoaders
 from lightning_4d.telemetry import Telemetry
 from lightning_4d.tensor_parallel import TensorParallelConfig
 
+def _step_method(name: str, precision_context: str) -> Callable[..., Any]:
+    def step(self: FourDStrategy, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        with getattr(self.precision_plugin, precision_context)():
+            return self.parallel.step(name, args, kwargs, predicting=trainer.predicting,
+                                      accumulate_grad_batches=trainer.accumulate_grad_batches)
+    step.__name__ = step.__qualname__ = name
+    return step
+
+
 class FourDStrategy(ModelParallelStrategy):
     """Data, tensor/sequence, context and pipeline parallelism for an unchanged LightningModule.
 
     Args:
         dp, pp, cp, tp: data-parallel replicas, pipeline stages, context-parallel ranks splitting each sequence,
             tensor-parallel ranks splitting each layer; ``dp="auto"`` takes what the others leave of the world.
-        dp_shard, reshard_after_forward: ranks that shard each replica's parameters, gradients and optimizer state
-            (FSDP2; with ``dp > 1`` too, HSDP); ``dp_shard="auto"`` takes what the others leave of the world.
-            ``reshard_after_forward``: ``"auto"`` (every block but the last frees its gathered weights after
-            forward), ``True`` or ``False``; see :mod:`lightning_4d.fsdp`.
+        dp_shard, reshard_after_forward: ranks that shard each replica's parameters, gradients and optimizer
+            state (FSDP2; HSDP with ``dp > 1``; ``"auto"`` fills the world), and whether a block frees its
+            gathered weights after forward (``"auto"``: all but the last); see :mod:`lightning_4d.fsdp`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
-        timeout: how long a collective may wait, once the first training step has ended, before the ranks that
-            wait fail instead of hanging (default 2 minutes); each rank then prints what every rank was last
-            doing, collectives included (see ``docs/troubleshooting.md``).
-        init_timeout: the same limit while the run starts (process groups, the first training step) and around
-            every checkpoint save and load (default 10 minutes).
+        timeout, init_timeout: how long a collective may wait before the waiting ranks fail and print what
+            every rank was last doing: once training runs (2 minutes), and while the run starts and around
+            checkpoint saves and loads (10 minutes); see ``docs/troubleshooting.md``.
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
-        init_from: weights to start from, in whatever layout this run uses: a lightning-4d checkpoint
-            directory, a Lightning checkpoint file, or a file with a plain ``state_dict`` (loop and optimizer
-            state are ``fit(ckpt_path=...)``'s).
-        cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers: how context parallelism exchanges
-            K/V (``"ring"`` or ``"allgather"``), which batch dim and entries it shards, and which modules and
-            per-position tables get global positions (``None``: found by name); see
-            :class:`~lightning_4d.context_parallel_config.ContextParallelConfig`.
-        pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the pipeline schedule
-            (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``,
-            ``zbv_zero_bubble``, ``dualpipev``), micro-batches per batch (``None``: ``2 * pp``), the block list to
-            cut (``None``: the longest list of blocks of one type), where stages begin (``None``: even) and
-            stages per rank of the interleaved schedules; see :class:`~lightning_4d.pipeline.PipelineConfig`.
-        tp_plan: ``"auto"`` (attention, MLP and vocabulary found by name and shape), ``"none"`` (every tp rank
-            holds the whole module), or a mapping of module FQN globs to ``colwise``/``rowwise``/
-            ``sequence_parallel``/``replicate`` or ``{style, input, output, divide}``, merged over the automatic
-            plan. Ignored when ``configure_model`` already made DTensor parameters.
-        sequence_parallel: keep activations between attention and MLP regions sharded on the sequence dim
-            (dim 1); not with ``pp > 1``.
-        tp_self_check: on the first training batch, compare one sharded block of each type with an unsharded copy.
-        tp_strict: raise instead of warning when the plan shards less than 90% of the parameters outside the
-            embedding and head (the printed plan states the share and the largest modules left whole).
+        init_from: weights to start from, in any layout: a lightning-4d checkpoint directory, a Lightning
+            checkpoint file, or a file with a plain ``state_dict``.
+        cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers: see
+            :class:`~lightning_4d.context_parallel_config.ContextParallelConfig` (``None``: found by name).
+        pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the schedule (``gpipe``,
+            ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``,
+            ``dualpipev``), micro-batches (``None``: ``2 * pp``), the block list to cut, where stages begin and
+            stages per rank; see :class:`~lightning_4d.pipeline.PipelineConfig`.
+        tp_plan: ``"auto"`` (attention, MLP and vocabulary found by name and shape), ``"none"``, or a mapping of
+            module FQN globs to ``colwise``/``rowwise``/``sequence_parallel``/``replicate`` or ``{style, input,
+            output, divide}``, merged over the automatic plan; ignored if ``configure_model`` made DTensors.
+        sequence_parallel: keep activations between attention and MLP sharded on the sequence (not with pp).
+        tp_self_check: on the first training batch, compare one sharded block of each type with a whole copy.
+        tp_strict: raise instead of warning when the plan shards under 90% of the parameters outside the
+            embedding and head.
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
         activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
         compile: ``torch.compile`` each block (``True``, or a dict of ``backend``/``mode``/``fullgraph``/
-            ``options``); graph breaks are reported after the first training step; see
-            :mod:`lightning_4d.compile`.
-        debug, debug_steps: for the first ``debug_steps`` training steps, check that the ranks of a replica
-            receive identical batches, that replicated weights stay bit-identical, and that every rank issues the
-            same collectives; the first difference is reported by rank and tensor name.
+            ``options``); see :mod:`lightning_4d.compile`.
+        debug, debug_steps: for the first ``debug_steps`` steps, check that a replica's ranks get identical
+            batches, keep replicated weights bit-identical and issue the same collectives.
         telemetry: add the :class:`~lightning_4d.telemetry.Telemetry` callback (tokens/s, MFU, memory,
-            communication time per dimension, pipeline bubble), logged through the Trainer's loggers.
-        broadcast_buffers: before every training step, broadcast the module's buffers (BatchNorm running
-            statistics, ...) from the first rank of each replica group, as DDP does by default.
-        start_method: how the other ranks of a node start when Lightning launches them: ``"popen"`` runs the
-            script again per rank (as DDP does); ``"fork"`` (CPU) forks them, skipping their start-up.
+            communication time per dimension, pipeline bubble).
+        broadcast_buffers: broadcast buffers (BatchNorm statistics, ...) within each replica group before every
+            training step, as DDP does.
+        start_method: ``"popen"`` runs the script again per rank (as DDP does); ``"fork"`` (CPU) forks them.
     """
 
     strategy_name = "fourd"
@@ -147,9 +145,7 @@ class FourDStrategy(ModelParallelStrategy):
         self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
         ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard)
         check_reshard_after_forward(reshard_after_forward)
-        self.reshard_after_forward = reshard_after_forward
-        self.bucket_mb = float(bucket_mb)
-        self.init_from = init_from
+        self.reshard_after_forward, self.bucket_mb, self.init_from = reshard_after_forward, float(bucket_mb), init_from
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
@@ -157,9 +153,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.tp_config.check_with_pipeline(self.pp_config)
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.compile_config = CompileConfig.build(compile)
-        self._compile_report_due = self.compile_config.enabled
         self.parallel_dims: Optional[ParallelDims] = None
-        self.mesh: Optional[ParallelMesh] = None
+        self.mesh: Optional[ParallelMesh] = None  # every process group by name: ``mesh.group("dp")``
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
         self._train_loaders = TrainLoaders()
         positive("debug_steps", debug_steps, "training steps", integer=True)
@@ -168,8 +163,6 @@ class FourDStrategy(ModelParallelStrategy):
         check_start_method(start_method)
         self.start_method, self._fork_launcher = start_method, None
         self._desync: Optional[DesyncMonitor] = None
-
-    # ----------------------------------------------------------------------------------------- layout
 
     @property
     @override
@@ -211,12 +204,6 @@ class FourDStrategy(ModelParallelStrategy):
         assert self.parallel_dims is not None
         return self.parallel_dims.layout_table()
 
-    def group(self, name: str) -> dist.ProcessGroup:
-        """A process group of the layout by name (``dp``, ``pp``, ``cp``, ``tp``, ``dp_cp``, ...; see
-        :class:`~lightning_4d.parallel_dims.ParallelMesh`)."""
-        assert self.mesh is not None
-        return self.mesh.group(name)
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -235,8 +222,6 @@ class FourDStrategy(ModelParallelStrategy):
         if self._desync is not None:
             self._desync.on_step_start(self.lightning_module, self.lightning_module.trainer.global_step)
 
-    # ------------------------------------------------------------------------------------------ setup
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.mesh is not None
@@ -254,7 +239,8 @@ class FourDStrategy(ModelParallelStrategy):
             rank_zero_info(self.parallel.describe())
         if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled:
             # Lightning's clipping sees this rank's shards and stage only; the norm must span the whole model.
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+            self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.parallel.clip_grad_norm_(
+                list(self.precision_plugin.main_params(optimizer)), float(clip_val))
         if self.init_from is not None:
             self.parallel.load_weights(self.init_from, strict=self.lightning_module.strict_loading)
             self.init_from = None  # once: a later validate/test/predict keeps the trained weights
@@ -262,11 +248,6 @@ class FourDStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self.parallel.attach_optimizers(self.optimizers)
         self.setup_precision_plugin()
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self.parallel.clip_grad_norm_(list(self.precision_plugin.main_params(optimizer)), float(clip_val))
-
-    # ------------------------------------------------------------------------------- step methods
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -277,36 +258,11 @@ class FourDStrategy(ModelParallelStrategy):
         # Prediction outputs are per token or per sequence, so prediction runs on whole sequences.
         return batch if trainer.predicting else self.parallel.shard_batch(batch)
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.train_step_context():
-            return self._step("training_step", args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._step("validation_step", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._step("test_step", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._step("predict_step", args, kwargs)
-
-    def _step(self, name: str, args: tuple, kwargs: dict) -> Any:
-        trainer = self.lightning_module.trainer
-        output = self.parallel.step(name, args, kwargs, predicting=trainer.predicting,
-                                    accumulate_grad_batches=trainer.accumulate_grad_batches)
-        if self._compile_report_due and name == "training_step" and self.parallel.compiled is not None:
-            self._compile_report_due = False
-            self.parallel.compiled.report()
-        return output
-
-    # --------------------------------------------------------------------------- optimizer steps
+    # The module's step methods, run by the ParallelModel inside the precision plugin's context.
+    training_step = _step_method("training_step", "train_step_context")
+    validation_step = _step_method("validation_step", "val_step_context")
+    test_step = _step_method("test_step", "test_step_context")
+    predict_step = _step_method("predict_step", "predict_step_context")
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
@@ -322,8 +278,6 @@ class FourDStrategy(ModelParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    # --------------------------------------------------------------------------------- collectives
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
@@ -347,8 +301,6 @@ class FourDStrategy(ModelParallelStrategy):
 
     def _replica_group(self) -> Optional[dist.ProcessGroup]:
         return self.mesh.group("dp") if self.mesh is not None else None
-
-    # --------------------------------------------------------------------------------- checkpoints
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -376,8 +328,6 @@ class FourDStrategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.global_rank == 0:
             checkpoint.remove(filepath)
-
-    # ------------------------------------------------------------------------------------ teardown
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -316,14 +316,14 @@ class Telemetry(Callback):
             sizes = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_cp": dims.dp * dims.cp}
             for dim in reversed(_DIM_PRECEDENCE):  # the first dim of the precedence wins a shared member set
                 if sizes[dim] > 1:
-                    group = strategy.group(dim)
+                    group = strategy.mesh.group(dim)
                     self._watch.dim_ranks[tuple(dist.get_process_group_ranks(group))] = dim
             # A dim that lost its member set (dp_cp when only dp or only cp splits) gets no label of its own.
             winners = set(self._watch.dim_ranks.values())
             self._labels = [d for d in _DIM_PRECEDENCE if d in winners]
             for dim in _DIM_PRECEDENCE:
                 if sizes[dim] > 1:
-                    group = strategy.group(dim)
+                    group = strategy.mesh.group(dim)
                     labels_by_name[group.group_name] = self._watch.label(group)
             self._replicas = dims.dp * dims.cp
         else:
@@ -355,7 +355,7 @@ class Telemetry(Callback):
         dims = getattr(strategy, "parallel_dims", None)
         if dims is not None and dims.pp == 1:
             return sum(local.values())
-        group = strategy.group("pp") if dims is not None else None
+        group = strategy.mesh.group("pp") if dims is not None else None
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, local, group=group)
         merged = {name: size for sizes in everyone for name, size in sizes.items()}

@@ -234,7 +234,7 @@ class CrossedCollectives(Classifier):
             print(f"rank {self.global_rank} crosses at t={time.time():.3f}", flush=True)
             value = torch.ones(3)
             if self.global_rank == 0:
-                dist.all_reduce(value, group=self.trainer.strategy.group("dp_cp"))
+                dist.all_reduce(value, group=self.trainer.strategy.mesh.group("dp_cp"))
             else:
                 dist.broadcast(value, src=0)
         return super().training_step(batch, batch_idx)

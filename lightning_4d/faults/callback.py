@@ -44,6 +44,7 @@ from lightning_4d.faults.liveness import (DEFAULT_INTERVAL, DEFAULT_LOST_AFTER, 
 from lightning_4d.faults import recorder
 from lightning_4d.faults.report import RaisedOnEveryRank
 from lightning_4d.faults.preemption import EXIT_PREEMPTED, Preempted, SignalFlag, parse_signals
+from lightning_4d.parallel_dims import ParallelMesh
 
 
 class UnevenDataError(RaisedOnEveryRank):
@@ -257,14 +258,14 @@ def _named_groups(trainer: pl.Trainer) -> dict[str, Any]:
     if dims is None or getattr(trainer.strategy, "mesh", None) is None:
         return {}
     names = ["dp", "pp", "cp", "tp", "dp_cp"] + (["pp_dp_cp"] if dims.pp_enabled else [])
-    return {name: trainer.strategy.group(name) for name in names}
+    return {name: trainer.strategy.mesh.group(name) for name in names}
 
 
 def _group(trainer: pl.Trainer, name: str) -> Optional[dist.ProcessGroup]:
     strategy = trainer.strategy
-    if not dist.is_initialized() or not hasattr(strategy, "group"):
+    if not dist.is_initialized() or not isinstance(getattr(strategy, "mesh", None), ParallelMesh):
         return None
-    return strategy.group(name)
+    return strategy.mesh.group(name)
 
 
 def broadcast_buffers(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
