@@ -64,22 +64,30 @@ def find_position_modules(module: nn.Module, patterns: Optional[Sequence[str]] =
         last = fqn.rsplit(".", 1)[-1]
         if patterns is None:
             if isinstance(sub, nn.Embedding) and last in POSITION_EMBEDDING_NAMES:
-                found[fqn] = "input"
+                found[fqn] = _position_argument(fqn, sub)
             elif "rotary" in last.lower() and "position_ids" in _forward_parameters(sub):
                 found[fqn] = "position_ids"
         elif fqn and any(fnmatch.fnmatchcase(fqn, p) for p in patterns):
-            if isinstance(sub, nn.Embedding):
-                found[fqn] = "input"
-            elif "position_ids" in _forward_parameters(sub):
-                found[fqn] = "position_ids"
-            else:
-                raise ValueError(f"cp_position_modules: {fqn} ({type(sub).__name__}) is neither an nn.Embedding nor"
-                                 " a module with a `position_ids` argument, so it has no position input to map.")
+            found[fqn] = _position_argument(fqn, sub)
     for pattern in patterns or ():
         if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in found):
             raise ValueError(f"cp_position_modules: {pattern!r} matches no module of {type(module).__name__};"
                              f" module names look like {_examples(n for n, _ in module.named_modules() if n)}.")
     return found
+
+
+def _position_argument(fqn: str, sub: nn.Module) -> str:
+    """The forward argument that carries positions: ``position_ids`` where the forward has one (OPT's learned
+    embedding, an ``nn.Embedding`` subclass, takes an attention mask first and positions by that name), else
+    an embedding's ``input``."""
+    parameters = _forward_parameters(sub)
+    if "position_ids" in parameters:
+        return "position_ids"
+    if isinstance(sub, nn.Embedding) and "input" in parameters:
+        return "input"
+    raise ValueError(f"cp_position_modules: {fqn} ({type(sub).__name__}) takes neither `position_ids` nor, as an"
+                     f" nn.Embedding, `input` (its forward takes {', '.join(parameters) or 'nothing'}), so it has no"
+                     " position input to map; name the module that receives the positions instead.")
 
 
 def find_position_buffers(module: nn.Module, patterns: Optional[Sequence[str]] = None) -> list[str]:
@@ -445,11 +453,15 @@ class ContextParallel:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
             if not self._active:
                 return None
-            if arg in kwargs:
+            if kwargs.get(arg) is not None:
                 return args, {**kwargs, arg: self._global_positions(kwargs[arg], fqn)}
-            if index < len(args):
+            if index < len(args) and args[index] is not None:
                 return (*args[:index], self._global_positions(args[index], fqn), *args[index + 1:]), kwargs
-            return None
+            # Left to itself the module would number this rank's shard 0..T-1: wrong under the zigzag split.
+            raise ValueError(f"{fqn} ({type(module).__name__}) was called without `{arg}`, so it would compute"
+                             " positions from this rank's shard of the sequence; context parallelism needs the"
+                             f" caller to pass `{arg}` (or leave {fqn} out of cp_position_modules and pass"
+                             " global position ids in the batch with cp_batch_keys).")
 
         return hook
 

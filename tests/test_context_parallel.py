@@ -2,7 +2,8 @@
 
 Parity: losses per step, logged train (and val) loss and final weights within 1e-5 for cp=2, cp=4,
 dp=2 x cp=2 and cp=2 x tp=2 on the example GPT (rotary tables sliced ``cos[:T]``), nanoGPT (learned
-positions from ``arange(T)``) and Hugging Face Llama (rotary ``position_ids``); on the example GPT also with
+positions from ``arange(T)``), Hugging Face Llama (rotary ``position_ids``) and OPT at cp=2 (learned positions
+taking ``position_ids`` after an attention mask); on the example GPT also with
 sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, position ids taken from the batch,
 all-gather communication, and prediction (which runs on whole sequences); Hugging Face Llama with its own
 gradient checkpointing on at cp=2 and pp=2 x cp=2 (attention recomputed in backward is ring attention again). Two runs with position handling
@@ -27,6 +28,7 @@ from lightning_4d.context_parallel import (
     sequence_paths,
 )
 from tests.cp_models import build_mask
+from tests.zoo_models import zoo_lm
 from tests.parity import (Case, assert_error, assert_parity, max_difference, reference, report_difference,
                           train_layout, train_layout_with_failures)
 
@@ -41,6 +43,9 @@ TWO = [
          callbacks=["tests.cp_models:PredictProbe"], **LM),
     Case("cp2_nanogpt", module=MODELS["nanogpt"], strategy={"cp": 2}, **LM),
     Case("cp2_llama", module=MODELS["llama"], strategy={"cp": 2}, **LM),
+    # OPT's learned positions take position_ids after an attention mask (#13).
+    Case("cp2_opt_learned_positions", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
+         strategy={"cp": 2}, **LM),
     Case("cp2_gpt_allgather", module=MODELS["gpt"], strategy={"cp": 2, "cp_comm": "allgather"}, **LM),
     Case("cp2_causal_bool_mask", module=VARIANT, module_kwargs={"attention": "causal_bool"}, strategy={"cp": 2},
          **LM),
@@ -65,6 +70,8 @@ UNHANDLED = [
     Case("cp2_nanogpt_local_positions", module=MODELS["nanogpt"], strategy={"cp": 2, "cp_position_modules": []},
          **LM),
     Case("cp2_gpt_local_tables", module=MODELS["gpt"], strategy={"cp": 2, "cp_buffers": []}, **LM),
+    Case("cp2_opt_local_positions", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
+         strategy={"cp": 2, "cp_position_modules": []}, **LM),
 ]
 # name -> (case, exception type, phrases of its message)
 MASK_ERROR = "is not a plain causal mask"
@@ -233,8 +240,14 @@ def test_position_inputs_are_found():
     assert find_position_modules(llama, ["*.rotary_emb"]) == {"model.model.rotary_emb": "position_ids"}
     with pytest.raises(ValueError, match="'transformer.wpe' matches no module"):
         find_position_modules(gpt, ["transformer.wpe"])
-    with pytest.raises(ValueError, match="lm_head .Linear. is neither an nn.Embedding"):
+    with pytest.raises(ValueError, match=r"lm_head \(Linear\) takes neither `position_ids` nor, as an nn.Embedding,"
+                                         r" `input` \(its forward takes input\)"):
         find_position_modules(nanogpt, ["lm_head"])
+    # OPT's learned positions: an nn.Embedding subclass whose forward takes (attention_mask, cache_length,
+    # position_ids): the positions go to position_ids, found or named.
+    opt = zoo_lm("opt")
+    assert find_position_modules(opt) == {"model.model.decoder.embed_positions": "position_ids"}
+    assert find_position_modules(opt, ["*.embed_positions"]) == {"model.model.decoder.embed_positions": "position_ids"}
     with pytest.raises(ValueError, match="'cos' matches no buffer.*model.cos, model.sin"):
         find_position_buffers(gpt, ["cos"])
 
