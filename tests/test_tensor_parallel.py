@@ -526,9 +526,32 @@ def test_the_plan_states_its_share_and_warns_below_ninety_percent():
     assert "sharded   99% of the parameters outside the embedding and head (49,152 of 49,440)" in plan.describe()
     assert "model.layers.*.attn_norm (x4, 128)" in plan.describe()
     plan.coverage.check(2, strict=True)  # enough: neither warns nor raises
-    neox = plan_tensor_parallel(zoo_lm("gpt_neox"), 2)
-    assert neox.coverage.share < 0.5
-    with pytest.warns(UserWarning, match="tp=2 shards only 49%.*query_key_value.*tp_strict=True makes this an error"):
-        neox.coverage.check(2, strict=False)
+    # nn.TransformerEncoder with its attention kept whole (the fix its refusal names) shards the MLPs only.
+    encoder = plan_tensor_parallel(zoo_lm("torch_transformer"), 2, {
+        "encoder.layers.*.self_attn": "replicate", "encoder.layers.*.linear1": "colwise",
+        "encoder.layers.*.linear2": "rowwise"})
+    assert encoder.coverage.share < 0.5
+    with pytest.warns(UserWarning, match="tp=2 shards only 49%.*self_attn.*tp_strict=True makes this an error"):
+        encoder.coverage.check(2, strict=False)
     with pytest.raises(ValueError, match="tp=2 shards only 49%"):
-        neox.coverage.check(2, strict=True)
+        encoder.coverage.check(2, strict=True)
+    # Fused projections of the zoo: GPT-NeoX and Bloom head by head, Phi-3 q|k|v and gate|up.
+    for family, fused in (("gpt_neox", "[query_key_value -> dense] fused, interleaved per head"),
+                          ("bloom", "[query_key_value -> dense] fused, interleaved per head"),
+                          ("phi3", "[qkv_proj -> o_proj] fused, permuted per rank")):
+        plan = plan_tensor_parallel(zoo_lm(family), 2)
+        assert fused in plan.describe() and plan.coverage.share > 0.98, (family, plan.describe())
+    assert "[gate_up_proj -> down_proj] fused, permuted per rank" in plan_tensor_parallel(zoo_lm("phi3"), 2).describe()
+
+
+def test_fused_gate_up_rows_give_each_rank_its_half_of_gate_and_up():
+    from lightning_4d.tensor_parallel import FusedGateUpLayout
+
+    layout = FusedGateUpLayout(inner=4, dim=0)
+    rows = torch.arange(8.0).unsqueeze(1)  # gate rows 0-3, up rows 4-7
+    permuted = layout.to_tp(rows, 2, 0)
+    assert permuted.squeeze(1).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    # each rank's contiguous half, cut by chunk(2) as Phi-3's MLP does, is its gate and up rows
+    gate, up = permuted[4:].chunk(2)
+    assert gate.squeeze(1).tolist() == [2, 3] and up.squeeze(1).tolist() == [6, 7]
+    assert torch.equal(layout.to_original(permuted, 2, 0), rows)

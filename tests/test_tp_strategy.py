@@ -47,20 +47,30 @@ def _cases(layout: str, strategy: dict, models: dict) -> list[Case]:
     return [Case(f"{layout}_{name}", strategy=strategy, **spec, **LM) for name, spec in models.items()]
 
 
-# GPT-NeoX's fused, head-interleaved query_key_value is left whole by the automatic plan (49% of the body
-# sharded: refused under tp_strict below); the fix the refusal names, tp_plan entries for it, shards 98%.
-NEOX = dict(module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gpt_neox"})
-NEOX_PLAN = {"model.gpt_neox.layers.*.attention.query_key_value": "colwise",
-             "model.gpt_neox.layers.*.attention.dense": "rowwise"}
+# torch's nn.TransformerEncoder: its nn.MultiheadAttention is refused (tests/test_bad_inputs.py); the fix that
+# refusal names keeps it whole and shards the feed-forward, 49% of the body: it trains at parity with a warning,
+# and tp_strict refuses it (below).
+ENCODER = dict(module="tests.zoo_models:TorchEncoderLM")
+ENCODER_FIX = {"encoder.layers.*.self_attn": "replicate", "encoder.layers.*.linear1": "colwise",
+               "encoder.layers.*.linear2": "rowwise"}
 TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_parallel": True}, MODELS)
        + [Case("tp2_configure_model", module="tests.test_tp_strategy:MLPShardedInConfigureModel",
                strategy={"tp": 2}, **LM),
-          Case("tp2_neox_planned_strict", strategy={"tp": 2, "tp_strict": True, "tp_plan": NEOX_PLAN}, **NEOX, **LM),
+          Case("tp2_torch_encoder_attention_replicated", strategy={"tp": 2, "tp_plan": ENCODER_FIX}, **ENCODER, **LM),
+          # GPT-NeoX's and Bloom's query_key_value hold q, k, v head by head: a contiguous shard is whole heads
+          # (98% / 99% of the body sharded); Bloom's ALiBi bias, built for every head, gets each rank's rows.
+          Case("tp2_gpt_neox_interleaved_qkv", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gpt_neox"},
+               strategy={"tp": 2, "tp_strict": True}, **LM),
+          Case("tp2_bloom_interleaved_qkv_alibi", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "bloom"},
+               strategy={"tp": 2, "tp_strict": True}, **LM),
           # Gemma's one key/value head: k and v whole on both ranks, q and o sharded.
           Case("tp2_gemma_one_kv_head", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gemma"},
                strategy={"tp": 2}, **LM),
           # OPT's decoder layer holds fc1/fc2 beside self_attn: both are regions (95% of the body sharded).
           Case("tp2_opt_mlp_beside_attention", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
+               strategy={"tp": 2, "tp_strict": True}, **LM),
+          # Phi-3's fused qkv_proj and gate_up_proj, permuted per rank (99% of the body sharded).
+          Case("tp2_phi3_fused_projections", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "phi3"},
                strategy={"tp": 2, "tp_strict": True}, **LM),
           # GPTBigCode's multi-query c_attn is refused below; the fix keeps its attention whole.
           Case("tp2_gpt_bigcode_attention_replicated", module="tests.zoo_models:zoo_lm",
@@ -113,10 +123,9 @@ FAILING_TWO["opt_sequence_parallel"] = (  # the fix, sequence_parallel=False, is
     "ValueError", ["sequence_parallel=True: model.model.decoder.layers.0 (OPTDecoderLayer) holds its MLP's linears"
                    " fc1 and fc2 beside its other modules", "Use sequence_parallel=False"])
 FAILING_TWO["under_sharded"] = (
-    _failing("under_sharded", NEOX["module"], {"tp": 2, "tp_strict": True}, NEOX["module_kwargs"]),
+    _failing("under_sharded", ENCODER["module"], {"tp": 2, "tp_strict": True, "tp_plan": ENCODER_FIX}),
     "ValueError", ["tp=2 shards only 49% of the parameters outside the embedding and head",
-                   "model.gpt_neox.layers.*.attention.query_key_value (x4, 12,672)", "shard them with tp_plan entries",
-                   "tp_strict=False"])
+                   "encoder.layers.*.self_attn (x4, 12,672)", "shard them with tp_plan entries", "tp_strict=False"])
 FAILING_FOUR = {
     "kv_heads": (_failing("kv_heads", "tests.lm_models:HFCausalLM", {"tp": 4},
                           {"kind": "llama", "hidden": 48, "heads": 12, "kv_heads": 3}),

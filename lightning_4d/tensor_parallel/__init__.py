@@ -16,8 +16,9 @@ How an unchanged module keeps computing the same function
   the module's forward sees its hidden-state argument narrowed to hidden/tp columns
   while its projections still read the full activation.  So code such as
   ``B, T, C = x.size(); q.view(B, T, self.n_head, C // self.n_head)`` works as is.
-* A fused qkv weight (GPT-2 ``Conv1D``, nanoGPT, litgpt GQA) is permuted once so
-  that every rank's contiguous shard holds its own heads of q, k and v; state-dict
+* A fused qkv weight (GPT-2 ``Conv1D``, nanoGPT, litgpt GQA, Phi-3 ``qkv_proj``) or
+  gate|up weight (Phi-3 ``gate_up_proj``) is permuted once so that every rank's
+  contiguous shard holds its own heads of q, k and v (its half of gate and up); state-dict
   hooks translate to and from the original layout, so checkpoints stay
   interchangeable with the single-device module.  Optimizer state of such a weight
   stays in the permuted layout, which depends on tp.
@@ -87,11 +88,13 @@ from lightning_4d.tensor_parallel.apply import apply_tensor_parallel
 from lightning_4d.tensor_parallel.config import TensorParallelConfig
 from lightning_4d.tensor_parallel.discovery import find_regions, plan_tensor_parallel
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
-from lightning_4d.tensor_parallel.plan import STYLES, FusedQKVLayout, ModuleStyle, Region, TensorParallelPlan
+from lightning_4d.tensor_parallel.plan import (STYLES, FusedGateUpLayout, FusedQKVLayout, ModuleStyle, Region,
+                                              TensorParallelPlan)
 from lightning_4d.tensor_parallel.self_check import TensorParallelCheckError, TensorParallelSelfCheck
 
 __all__ = [
     "STYLES",
+    "FusedGateUpLayout",
     "FusedQKVLayout",
     "ModuleStyle",
     "Region",

@@ -19,9 +19,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from lightning_4d import _compat as compat
 from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _replication_exit, _vocab_head_output
 from lightning_4d.tensor_parallel.plan import (
-    FusedQKVLayout,
     Region,
     TensorParallelPlan,
+    _FusedRows,
     _linear_shape,
     _parameter_owners,
     _pattern,
@@ -31,6 +31,9 @@ from lightning_4d.tensor_parallel.self_check import TensorParallelSelfCheck, _ch
 from lightning_4d.tensor_parallel.styles import _distribute_params, _torch_style
 
 _HIDDEN_ARG_NAMES = ("hidden_states", "x", "hidden", "input", "inputs", "query")
+# Per-head attention biases built for every head outside the attention and passed in, batch and heads flattened
+# on dim 0 (Bloom's ALiBi, ``[batch * heads, 1, keys]``): each rank keeps the rows of its own heads.
+_PER_HEAD_BIAS_ARG_NAMES = ("alibi",)
 
 def _hidden_argument(args: tuple, kwargs: dict) -> tuple[int | str | None, Any]:
     if args and isinstance(args[0], torch.Tensor):
@@ -76,7 +79,23 @@ class _RegionHooks:
             )
         narrowed = local.narrow(-1, 0, self.region.width // self.mesh.size())
         self.swap = (narrowed, full)
-        return _replace_argument(args, kwargs, key, narrowed)
+        args, kwargs = _replace_argument(args, kwargs, key, narrowed)
+        for name in _PER_HEAD_BIAS_ARG_NAMES:
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs = {**kwargs, name: self.own_heads(name, kwargs[name])}
+        return args, kwargs
+
+    def own_heads(self, name: str, bias: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's heads (a contiguous block, as the column-wise shard of q holds them)."""
+        heads, tp = self.region.heads, self.mesh.size()
+        if not heads or bias.shape[0] % heads:
+            raise RuntimeError(
+                f"Attention {self.fqn} got {name} of shape {tuple(bias.shape)}, whose dim 0 is not batch x heads"
+                f" ({heads} heads), so tensor parallelism cannot give each rank its heads' rows. Fix: keep the"
+                f" attention unsharded with tp_plan: {{'{_pattern(self.fqn)}': replicate}}.")
+        per_rank = heads // tp
+        grouped = bias.reshape(-1, heads, *bias.shape[1:])
+        return grouped.narrow(1, self.mesh.get_local_rank() * per_rank, per_rank).reshape(-1, *bias.shape[1:])
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.swap = None
@@ -149,8 +168,8 @@ def _grad_like_param(param: nn.Parameter) -> None:
         param.grad = grad.redistribute(placements=param.placements)
 
 
-def _fused_state_dict_hooks(module: nn.Module, layout: FusedQKVLayout, tp: int) -> None:
-    """Checkpoints keep the original q|k|v layout; only the live parameter is permuted."""
+def _fused_state_dict_hooks(module: nn.Module, layout: _FusedRows, tp: int) -> None:
+    """Checkpoints keep the original layout (q|k|v, gate|up); only the live parameter is permuted."""
     dims = {"weight": layout.dim, "bias": 0}
 
     def to_original(mod, state_dict, prefix, local_metadata):

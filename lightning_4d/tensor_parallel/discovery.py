@@ -17,6 +17,7 @@ import torch.nn as nn
 from lightning_4d.tensor_parallel.plan import (
     _SEQUENCE_DIM,
     Coverage,
+    FusedGateUpLayout,
     FusedQKVLayout,
     ModuleStyle,
     Region,
@@ -40,7 +41,11 @@ _ATTENTION_PRESETS = (
 _FUSED_ATTENTION_PRESETS = (
     ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
     ("qkv", "proj"),  # litgpt
+    ("qkv_proj", "o_proj"),  # Hugging Face Phi-3
 )
+# Fused q|k|v laid out head by head (head 0's q, k, v, then head 1's, ...): a contiguous column-wise shard
+# already holds whole heads, so nothing is permuted.
+_INTERLEAVED_ATTENTION_PRESETS = (("query_key_value", "dense"),)  # Hugging Face GPT-NeoX, Bloom
 _MLP_PRESETS = (
     (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face, lightning_4d/demos/gpt.py (up_proj only)
     (("w1", "w3"), "w2"),  # Meta / torchtitan
@@ -49,6 +54,7 @@ _MLP_PRESETS = (
     (("fc",), "proj"),  # litgpt GptNeoxMLP
     (("fc1",), "fc2"),
 )
+_FUSED_MLP_PRESETS = (("gate_up_proj", "down_proj"),)  # Hugging Face Phi-3: gate|up in one linear
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
@@ -83,6 +89,19 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
             (width, total), (q_w, o_out) = linears[fused], linears[out]
             if o_out == width and total > q_w and (total - q_w) % 2 == 0:
                 return _attention_region(fqn, module, (fused,), out, width, q_w, (total - q_w) // 2, fused, divide)
+    for fused, out in _INTERLEAVED_ATTENTION_PRESETS:
+        if fused in linears and out in linears:
+            (width, total), (o_in, o_out) = linears[fused], linears[out]
+            if total == 3 * o_in and o_out == width:
+                region = _attention_region(fqn, module, (fused,), out, width, o_in, o_in, None, divide)
+                return replace(region, interleaved=True) if region is not None else None
+    for fused, out in _FUSED_MLP_PRESETS:
+        if fused in linears and out in linears:
+            (width, total), (inner, o_out) = linears[fused], linears[out]
+            if total == 2 * inner and o_out == width:
+                _head_norms(fqn, module, (fused, out), None)
+                layout = FusedGateUpLayout(inner, 1 if _is_conv1d(getattr(module, fused)) else 0)
+                return Region("mlp", (fused,), out, width, inner, fused=layout)
     for ins, out in _MLP_PRESETS:
         present = tuple(n for n in ins if n in linears)
         if present and out in linears:

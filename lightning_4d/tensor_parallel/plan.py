@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,18 +28,20 @@ STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 _SEQUENCE_DIM = 1
 
 
-@dataclass(frozen=True)
-class FusedQKVLayout:
-    """Rows of a fused projection: ``q_heads`` then ``kv_heads`` then ``kv_heads`` heads of ``head_dim``."""
+class _FusedRows(ABC):
+    """A projection whose output features are segments side by side (q|k|v, gate|up), which the module's code
+    splits by width. A column-wise shard of the live weight is contiguous, so the rows are permuted once to
+    give every rank its part of each segment, in the segments' order; checkpoints keep the original order."""
 
-    q_heads: int
-    kv_heads: int
-    head_dim: int
     dim: int  # output-feature dim of the weight: 0 for nn.Linear, 1 for Conv1D
 
+    @abstractmethod
+    def widths(self) -> list[int]:
+        """The segments' widths, in the order of the original rows."""
+
     def permutation(self, tp: int) -> torch.Tensor:
-        """Index that puts rank r's q, k and v heads next to each other in its contiguous shard."""
-        widths = [self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        """Index that puts rank r's share of every segment next to each other in its contiguous shard."""
+        widths = self.widths()
         segments = torch.arange(sum(widths)).split(widths)
         return torch.cat([seg.chunk(tp)[r] for r in range(tp) for seg in segments])
 
@@ -47,6 +50,32 @@ class FusedQKVLayout:
 
     def to_original(self, tensor: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
         return tensor.index_select(dim, torch.argsort(self.permutation(tp)).to(tensor.device))
+
+
+@dataclass(frozen=True)
+class FusedQKVLayout(_FusedRows):
+    """Rows of a fused attention projection: ``q_heads`` then ``kv_heads`` then ``kv_heads`` heads of
+    ``head_dim`` (GPT-2's ``c_attn``, litgpt's ``qkv``, Phi-3's ``qkv_proj``)."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dim: int
+
+    def widths(self) -> list[int]:
+        return [self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+
+
+@dataclass(frozen=True)
+class FusedGateUpLayout(_FusedRows):
+    """Rows of a fused MLP input projection: gate then up, ``inner`` features each (Phi-3's ``gate_up_proj``,
+    whose output the MLP halves with ``chunk(2)``)."""
+
+    inner: int
+    dim: int
+
+    def widths(self) -> list[int]:
+        return [self.inner, self.inner]
 
 
 @dataclass(frozen=True)
@@ -71,7 +100,7 @@ class Region:
     heads: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
-    fused: FusedQKVLayout | None = None
+    fused: _FusedRows | None = None  # the single input projection's row layout, when it is fused
     head_norms: tuple[str, ...] = ()
     # Fewer key/value heads than tp ranks: k and v stay whole on every rank, each rank keeps the one key/value
     # head its query heads read, and their gradients are summed over tp (Megatron's way).
@@ -79,6 +108,8 @@ class Region:
     # An MLP whose linears are direct children of a larger module (OPT's decoder layer holds fc1/fc2 beside its
     # attention): the region is only those linears, and the modules beside them are planned on their own.
     loose: bool = False
+    # A single input projection holding q, k and v head by head (GPT-NeoX, Bloom): nothing to permute.
+    interleaved: bool = False
 
     @property
     def replicated_kv_projections(self) -> tuple[str, ...]:
@@ -202,7 +233,8 @@ class TensorParallelPlan:
                 size = f"width {region.inner}->{region.inner // tp}"
             else:
                 size = f"intermediate {region.inner}->{region.inner // tp}"
-            fused = " fused, permuted per rank" if region.fused else ""
+            fused = (" fused, permuted per rank" if region.fused else
+                     " fused, interleaved per head" if region.interleaved else "")
             attrs = {
                 **self.attributes.get(fqn, {}),
                 **{f"config.{k}": v for k, v in self.config_attributes.get(fqn, {}).items()},
