@@ -163,22 +163,23 @@ class Model:
                             " from: give the sizes instead (--layers --hidden --heads --vocab).")
         token = max(embeddings, key=lambda m: m.num_embeddings)
         vocab, hidden = token.num_embeddings, token.embedding_dim
-        attention = _attention_sizes(blocks[0])
-        heads = attention[0] if attention else _find_int(blocks[0], HEAD_ATTRIBUTES) or _find_int(module,
-                                                                                                HEAD_ATTRIBUTES)
+        block = next(iter(blocks.children()))
+        attention = _attention_sizes(block)
+        heads = attention[0] if attention else _find_int(block, HEAD_ATTRIBUTES) or _find_int(module,
+                                                                                             HEAD_ATTRIBUTES)
         if heads is None:
             raise PlanError(f"could not find the number of attention heads of {type(module).__name__} (looked for"
                             f" {', '.join(HEAD_ATTRIBUTES)}): give it with --heads.")
         kv_heads = attention[1] if attention else (
-            _find_int(blocks[0], KV_HEAD_ATTRIBUTES) or _find_int(module, KV_HEAD_ATTRIBUTES) or heads)
+            _find_int(block, KV_HEAD_ATTRIBUTES) or _find_int(module, KV_HEAD_ATTRIBUTES) or heads)
         _check_heads(hidden, heads, kv_heads)
-        linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
+        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
         widths = [m.in_features for m in linears if m.out_features == hidden and m.in_features != hidden]
         ffn_hidden = max(widths, default=4 * hidden)
         expanding = [m for m in linears if (m.in_features, m.out_features) == (hidden, ffn_hidden)]
         unique = {id(p): p for p in module.parameters()}
         in_blocks = {id(p) for p in blocks.parameters()}
-        block_params = list({id(p): p for p in blocks[0].parameters()}.values())
+        block_params = list({id(p): p for p in block.parameters()}.values())
         inside = {id(m) for m in blocks.modules()}
         head = next((m.weight for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in inside
                      and (m.in_features, m.out_features) == (hidden, vocab) and m.weight is not token.weight), None)

@@ -2,7 +2,8 @@
 
 Every schedule runs at pp=2 and pp=4, spread over the example GPT, Hugging Face Llama and GPT-2 (tied
 embedding and head), with gradient accumulation and clipping on several of them; pp2 x dp2 adds replicas and
-pp2 x tp2 sharded (DTensor) stages.
+pp2 x tp2 sharded (DTensor) stages. Library block containers at pp=2: torch's nn.TransformerEncoder (which
+indexes its layers) and blocks in an nn.ModuleDict (as torchtitan keeps them).
 Tolerances: 1e-5 relative on losses and logged values, 1e-5 + 1e-5 * |w| on weights (SGD, see
 ``tests/lm_models.py``). A missing micro-batch, a gradient divided twice, a tied gradient not summed or a
 clipping norm over one stage only are all far outside these bounds.
@@ -161,6 +162,12 @@ TWO = [
     _pp("pp2_gpt_interleaved_zero_bubble", 2, GPT, "interleaved_zero_bubble", layers=4, pp_microbatches=2),
     _pp("pp2_gpt_dualpipev_split", 2, GPT, "dualpipev", layers=6, pp_split_points=[1, 3, 5]),
     Case("pp2_gpt_resumed", **GPT, strategy={"pp": 2}, max_steps=4, resume_at=2),
+    # Block containers of library code: torch's nn.TransformerEncoder reads self.layers[0] in its forward (each
+    # stage's list is numbered from 0 while it runs), and blocks in an nn.ModuleDict run with .values().
+    Case("pp2_torch_encoder_indexes_its_layers", module="tests.zoo_models:TorchEncoderLM",
+         data="tests.lm_models:token_data", strategy={"pp": 2}, max_steps=3),
+    Case("pp2_module_dict_blocks", module="tests.zoo_models:ModuleDictLM", data="tests.lm_models:token_data",
+         strategy={"pp": 2}, max_steps=3),
 ]
 FOUR = [
     _pp("pp4_gpt_gpipe_accumulate_clip", 4, GPT, "gpipe", layers=8, trainer=ACCUMULATE_CLIP),

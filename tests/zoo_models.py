@@ -106,6 +106,26 @@ class TorchEncoderLM(_CausalLM):
         return self.head(self.encoder(self.embed(input_ids), mask=mask, is_causal=True))
 
 
+class ModuleDictLM(_CausalLM):
+    """Blocks in an ``nn.ModuleDict`` keyed by layer number and run with ``self.layers.values()``, as
+    torchtitan's Llama keeps them (torchtitan itself is not installed: its model code imports triton)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleDict({str(i): nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=0.0,
+                                                                        batch_first=True) for i in range(LAYERS)})
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.size(1))
+        hidden = self.embed(input_ids)
+        for layer in self.layers.values():
+            hidden = layer(hidden, src_mask=mask, is_causal=True)
+        return self.head(self.norm(hidden))
+
+
 def zoo_lm(family: str = "llama") -> _CausalLM:
     if family == "lightning_demo":
         return LightningDemoLM()

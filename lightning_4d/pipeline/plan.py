@@ -12,24 +12,34 @@ those, the split stubs the rest, and checkpoints know every key of the whole mod
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from torch import nn
 
+from lightning_4d import _compat as compat
 from lightning_4d.pipeline.config import PipelineConfig
 
+# Containers a block list can be: the module's own code iterates them (``for layer in self.layers``,
+# ``self.layers.values()``), so holding only a stage's blocks in them runs only that stage.
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 ROLES = ("prefix", "suffix", "ends")  # kept by the first stage, the last stage, both
 
 
+def _blocks_in(container: nn.Module) -> list[nn.Module]:
+    """The container's blocks in order, repeats included (``children()`` would drop a repeated block)."""
+    return list(compat.children_of(container).values())
+
+
 def _describe_list(container: nn.Module) -> str:
-    kinds = Counter(type(child).__name__ for child in container)
+    kinds = Counter(type(child).__name__ for child in _blocks_in(container))
     return f"{type(container).__name__} of " + ", ".join(f"{n} x {k}" for k, n in kinds.items())
 
 
 def _block_lists(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in module.named_modules()
-            if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0]
+            if isinstance(m, BLOCK_CONTAINERS) and len(m) > 0]
 
 
 def _all_lists_text(module: nn.Module) -> str:
@@ -46,19 +56,19 @@ def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]
         except AttributeError:
             raise ValueError(f"pp_blocks={path!r} names no submodule of {type(module).__name__}; "
                              f"{_all_lists_text(module)}.") from None
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-            raise ValueError(f"pp_blocks={path!r} is a {type(container).__name__}, not an nn.ModuleList or"
-                             f" nn.Sequential of blocks; {_all_lists_text(module)}.")
+        if not isinstance(container, BLOCK_CONTAINERS):
+            raise ValueError(f"pp_blocks={path!r} is a {type(container).__name__}, not an nn.ModuleList,"
+                             f" nn.Sequential or nn.ModuleDict of blocks; {_all_lists_text(module)}.")
         return path, container
     candidates: list[tuple[str, nn.Module]] = []
     for name, m in _block_lists(module):
-        if len(m) >= 2 and len({type(child) for child in m}) == 1 \
+        if len(m) >= 2 and len({type(child) for child in _blocks_in(m)}) == 1 \
                 and not any(name.startswith(outer + ".") for outer, _ in candidates):
             candidates.append((name, m))
     if not candidates:
         raise ValueError(
-            f"Pipeline parallelism found no list of repeated blocks in {type(module).__name__} (an nn.ModuleList"
-            f" or nn.Sequential of two or more modules of one type); {_all_lists_text(module)}. Name the list"
+            f"Pipeline parallelism found no list of repeated blocks in {type(module).__name__} (an nn.ModuleList,"
+            f" nn.Sequential or nn.ModuleDict of two or more modules of one type); {_all_lists_text(module)}. Name the list"
             " to split with FourDStrategy(pp_blocks='model.layers') (YAML: pp_blocks: model.layers).")
     longest = max(len(m) for _, m in candidates)
     best = [(name, m) for name, m in candidates if len(m) == longest]
@@ -69,10 +79,10 @@ def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]
     return best[0]
 
 
-def check_blocks(container: nn.Module, path: str, config: PipelineConfig) -> None:
+def check_blocks(blocks: Sequence[object], path: str, config: PipelineConfig) -> None:
     """Refuse a block list the layout cannot split: fewer blocks than stages, split points past the end, or
     one block object repeated (a stage cannot hold part of a shared block)."""
-    n = len(container)
+    n = len(blocks)
     if config.num_stages > n:
         per_rank = f" ({config.stages_per_rank} stages per rank)" if config.stages_per_rank > 1 else ""
         fewer = " or a schedule with one stage per rank (gpipe, 1f1b)" if config.stages_per_rank > 1 else ""
@@ -81,7 +91,7 @@ def check_blocks(container: nn.Module, path: str, config: PipelineConfig) -> Non
     if config.split_points is not None and config.split_points[-1] >= n:
         raise ValueError(f"pp_split_points={list(config.split_points)} must all be below the number of blocks in"
                          f" {path} ({n}): every stage needs at least one block.")
-    if len({id(block) for block in container}) < n:
+    if len({id(block) for block in blocks}) < n:
         raise ValueError(f"{path} holds the same block more than once (shared weights across depth); pipeline"
                          " stages cannot share a block.")
 
@@ -104,7 +114,7 @@ class PipelinePlan:
     def build(cls, module: nn.Module, config: PipelineConfig) -> PipelinePlan:
         """Plan the cut; raises a ValueError naming the fix if ``module`` cannot be cut this way."""
         path, container = find_blocks(module, config.blocks)
-        check_blocks(container, path, config)
+        check_blocks(_blocks_in(container), path, config)
         roles: dict[int, set[str]] = {}
         places: dict[int, list[tuple[str, str]]] = {}
         after = False

@@ -44,7 +44,13 @@ class StageSplit:
         compat.set_children(self.container, OrderedDict(kv for chunk in self.chunks.values() for kv in chunk.items()))
 
     def enter(self, stage: int) -> None:
-        compat.set_children(self.container, self.chunks[stage])
+        """While ``stage`` runs the list holds its blocks only. A ModuleList or Sequential numbers them from 0,
+        as the stage's own list would, so that code indexing the list (``self.layers[0]`` in
+        ``nn.TransformerEncoder``, ``for i in range(len(self.layers))``) finds them; a ModuleDict keeps its keys."""
+        chunk = self.chunks[stage]
+        if not isinstance(self.container, nn.ModuleDict):
+            chunk = OrderedDict((str(index), block) for index, block in enumerate(chunk.values()))
+        compat.set_children(self.container, chunk)
 
     def params_of(self, stage: int) -> list[nn.Parameter]:
         """Every parameter the computation of ``stage`` uses."""
