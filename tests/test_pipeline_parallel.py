@@ -3,7 +3,8 @@
 Every schedule runs at pp=2 and pp=4, spread over the example GPT, Hugging Face Llama and GPT-2 (tied
 embedding and head), with gradient accumulation and clipping on several of them; pp2 x dp2 adds replicas and
 pp2 x tp2 sharded (DTensor) stages. Library block containers at pp=2: torch's nn.TransformerEncoder (which
-indexes its layers) and blocks in an nn.ModuleDict (as torchtitan keeps them).
+indexes its layers) and blocks in an nn.ModuleDict (as torchtitan keeps them); OPT and a litgpt-shaped model,
+which register their final norm / head before the blocks and run them after.
 Tolerances: 1e-5 relative on losses and logged values, 1e-5 + 1e-5 * |w| on weights (SGD, see
 ``tests/lm_models.py``). A missing micro-batch, a gradient divided twice, a tied gradient not summed or a
 clipping norm over one stage only are all far outside these bounds.
@@ -167,6 +168,12 @@ TWO = [
     Case("pp2_torch_encoder_indexes_its_layers", module="tests.zoo_models:TorchEncoderLM",
          data="tests.lm_models:token_data", strategy={"pp": 2}, max_steps=3),
     Case("pp2_module_dict_blocks", module="tests.zoo_models:ModuleDictLM", data="tests.lm_models:token_data",
+         strategy={"pp": 2}, max_steps=3),
+    # Modules registered on one side of the blocks that run on the other: OPT's final_layer_norm (before its
+    # layers) and litgpt's lm_head (before transformer) go to the last stage, where their forward uses them.
+    Case("pp2_opt_final_norm_registered_first", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
+         data="tests.lm_models:token_data", strategy={"pp": 2}, max_steps=3),
+    Case("pp2_head_registered_first", module="tests.zoo_models:HeadFirstLM", data="tests.lm_models:token_data",
          strategy={"pp": 2}, max_steps=3),
 ]
 FOUR = [

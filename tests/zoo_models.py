@@ -126,6 +126,25 @@ class ModuleDictLM(_CausalLM):
         return self.head(self.norm(hidden))
 
 
+class HeadFirstLM(_CausalLM):
+    """litgpt's ``GPT`` layout (litgpt is not installed, see the issue): ``lm_head`` registered before
+    ``transformer``, an ``nn.ModuleDict`` of ``wte``, the block list ``h`` and ``ln_f``; it runs after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        blocks = nn.ModuleList(nn.TransformerEncoderLayer(HIDDEN, HEADS, 2 * HIDDEN, dropout=0.0, batch_first=True)
+                               for _ in range(LAYERS))
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(VOCAB, HIDDEN), h=blocks, ln_f=nn.LayerNorm(HIDDEN)))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.size(1))
+        x = self.transformer.wte(input_ids)
+        for block in self.transformer.h:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 def zoo_lm(family: str = "llama") -> _CausalLM:
     if family == "lightning_demo":
         return LightningDemoLM()

@@ -1,9 +1,9 @@
 """Where pipeline parallelism cuts a module: decided once, without communication, and printed at start-up.
 
 The cut is at the module's list of repeated blocks (:func:`find_blocks`): stage ``s`` runs blocks
-``bounds[s]`` of it. Modules outside the list are owned by where they run: those registered before the list
-(embeddings) by the first stage, those registered after it (final norm, head, loss modules) by the last
-stage. A parameter used on both sides (an embedding tied to the head), or held directly by a module that
+``bounds[s]`` of it. Modules outside the list are owned by where they run: those used before the list
+(embeddings) by the first stage, those used after it (final norm, head, loss modules) by the last stage, in
+the order the forward of the module holding both uses them (registration order where it does not name them). A parameter used on both sides (an embedding tied to the head), or held directly by a module that
 contains the block list (where its use cannot be placed), is kept by the first and the last stage, which sum
 its gradients. The plan answers, for any pipeline rank, which modules it holds: tensor parallelism shards only
 those, the split stubs the rest, and checkpoints know every key of the whole model.
@@ -11,6 +11,10 @@ those, the split stubs the rest, and checkpoints know every key of the whole mod
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +83,47 @@ def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]
     return best[0]
 
 
+def _side(module: nn.Module, path: str, name: str, registered_after: bool) -> str:
+    """``"suffix"`` if module ``name`` runs after the block list, else ``"prefix"``. The order is read from the
+    forward of the deepest module holding both: which of the two it touches first (OPT's decoder registers
+    ``final_layer_norm`` before ``layers`` and runs it after them; litgpt's GPT registers ``lm_head`` before
+    ``transformer``). Where that forward does not name both, registration order decides."""
+    mine, blocks = name.split("."), path.split(".")
+    depth = next(i for i, (a, b) in enumerate(zip(mine, blocks)) if a != b)
+    order = _attribute_order(type(module.get_submodule(".".join(mine[:depth]))))
+    if mine[depth] in order and blocks[depth] in order:
+        return "suffix" if order[mine[depth]] > order[blocks[depth]] else "prefix"
+    return "suffix" if registered_after else "prefix"
+
+
+@functools.lru_cache(maxsize=None)
+def _attribute_order(cls: type) -> dict[str, int]:
+    """The order in which ``cls.forward`` first uses each ``self.<attribute>``, as it runs: statements in turn,
+    a call's arguments before the call (``self.head(self.body(self.embed(x)))`` uses embed, body, head)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    order = _UseOrder()
+    order.visit(tree)
+    return order.first
+
+
+class _UseOrder(ast.NodeVisitor):
+    def __init__(self) -> None:
+        self.first: dict[str, int] = {}
+
+    def visit_Call(self, node: ast.Call) -> None:
+        for argument in (*node.args, *node.keywords):
+            self.visit(argument)
+        self.visit(node.func)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self.generic_visit(node)
+        if isinstance(node.value, ast.Name) and node.value.id == "self":
+            self.first.setdefault(node.attr, len(self.first))
+
+
 def check_blocks(blocks: Sequence[object], path: str, config: PipelineConfig) -> None:
     """Refuse a block list the layout cannot split: fewer blocks than stages, split points past the end, or
     one block object repeated (a stage cannot hold part of a shared block)."""
@@ -124,7 +169,7 @@ class PipelinePlan:
                 continue
             if name.startswith(path + "."):
                 continue
-            role = "ends" if name == "" or path.startswith(name + ".") else ("suffix" if after else "prefix")
+            role = "ends" if name == "" or path.startswith(name + ".") else _side(module, path, name, after)
             for pname, p in m.named_parameters(recurse=False):
                 roles.setdefault(id(p), set()).add(role)
                 places.setdefault(id(p), []).append((name, pname))

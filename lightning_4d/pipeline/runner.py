@@ -277,9 +277,10 @@ class PipelineRunner:
             if role == "suffix" or running.injected:
                 side, other = ("after", "before") if role == "suffix" else ("before", "after")
                 raise RuntimeError(
-                    f"{name} is registered {side} the block list {self.split.path} but runs {other} it. Pipeline"
-                    " parallelism gives the modules registered before the blocks to the first stage and those"
-                    " registered after them to the last stage, so register it on the side where it runs.")
+                    f"{name} was placed {side} the block list {self.split.path} but runs {other} it. Pipeline"
+                    " parallelism places a module outside the blocks by where the forward of the module holding"
+                    " both first uses it, or, where that forward does not name it, by registration order; call it"
+                    " from that forward, or register it on the side where it runs.")
 
         return check
 
