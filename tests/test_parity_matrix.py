@@ -5,7 +5,7 @@ q/k/v/o) and a Hugging Face LlamaForCausalLM from a tiny config (grouped K/V hea
 with position_ids). Losses per step and logged train_loss within 1e-5 relative, final weights within
 1e-5 + 1e-5*|w|, after 4 SGD steps (see tests/lm_models.py for why SGD). The 2x2x2x2 GPT run also checkpoints
 at step 2 and resumes in a new Trainer: the resumed run must equal the uninterrupted one bit for bit; and the
-GPT trains there once more with each of activation_checkpointing='full' and 'selective'.
+GPT trains there once more with each activation_checkpointing mode ('full', 'selective', 'every_n').
 """
 
 import itertools
@@ -39,10 +39,11 @@ def _cases(world_size: int) -> list[Case]:
     ]
 
 
-# The full 4D layout also trains the GPT with the strategy's activation checkpointing, per block and selective.
+# The full 4D layout also trains the GPT with each of the strategy's activation checkpointing modes (every_n:
+# every second block counted over the whole model, so each pipeline stage checkpoints one of its two).
 CHECKPOINTED = [Case(f"gpt-dp2pp2cp2tp2-{mode}", data="tests.lm_models:token_data",
                      strategy={"dp": 2, "pp": 2, "cp": 2, "tp": 2, "activation_checkpointing": mode}, batch_size=8,
-                     max_steps=4, **MODELS["gpt"]) for mode in ("full", "selective")]
+                     max_steps=4, **MODELS["gpt"]) for mode in ("full", "selective", "every_n")]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
