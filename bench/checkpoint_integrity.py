@@ -61,7 +61,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
         verify = _best(lambda: checkpoint.verify(path), args.repeats)
         load = _best(lambda: checkpoint.load(path, model, [optimizer]), args.repeats)
-        unverified = _best(lambda: checkpoint._load_shards(path, model, [optimizer], True, verified=True),
+        unverified = _best(lambda: checkpoint._load_shards(path, model, [optimizer], True, None, verified=True),
                            args.repeats)
     print(f"checkpoint {size:.0f} MiB on disk; best of {args.repeats}:")
     print(f"  verify (checksum pass)   {verify:7.3f} s  ({size / verify:.0f} MiB/s)")
