@@ -4,7 +4,7 @@ Importing the package registers the strategy name ``"fourd"`` (``Trainer(strateg
 ``--trainer.strategy fourd``; with sizes: ``--trainer.strategy FourDStrategy --trainer.strategy.tp 2``) and
 silences console noise every rank would repeat (``lightning_4d._quiet``).
 
-The command lines (``python -m lightning_4d.plan``, ``python -m lightning_4d.export``) import this package
+The command lines (``python -m lightning_4d.plan``, ``.export``, ``.verify_checkpoint``) import this package
 first; for them the names below load on first use, so that ``--help`` answers before torch is imported.
 """
 
@@ -13,13 +13,13 @@ import sys
 from lightning_4d import _quiet
 
 __all__ = ["FourDStrategy", "GradientBuckets", "ParallelDims"]
-_COMMAND_LINES = ("lightning_4d.plan", "lightning_4d.export")
+_COMMAND_LINES = ("lightning_4d.plan", "lightning_4d.export", "lightning_4d.verify_checkpoint")
 _HOMES = {"FourDStrategy": "lightning_4d.strategy", "GradientBuckets": "lightning_4d.data_parallel",
           "ParallelDims": "lightning_4d.parallel_dims"}
 
 
 def _running_our_command_line() -> bool:
-    """``python -m lightning_4d.plan`` or ``.export``: Python imports this package while ``sys.argv[0]`` is ``-m``."""
+    """One of our ``python -m`` command lines: Python imports this package while ``sys.argv[0]`` is ``-m``."""
     if sys.argv[:1] != ["-m"]:
         return False
     argv = list(getattr(sys, "orig_argv", []))

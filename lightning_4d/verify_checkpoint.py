@@ -10,8 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_4d.checkpoint import CHECKSUM_FILE, META_FILE, CorruptCheckpointError, describe_problems, expected_files, verify
-
 
 def main(argv: list[str]) -> int:
     """The command line; returns the exit status (0 intact, 2 damaged or not a checkpoint)."""
@@ -21,6 +19,10 @@ def main(argv: list[str]) -> int:
                                                  " 2 with a one-line message otherwise.")
     parser.add_argument("directory")
     args = parser.parse_args(argv)
+    # torch only once the arguments are read: --help and argument errors answer at once
+    from lightning_4d.checkpoint import (CHECKSUM_FILE, META_FILE, CorruptCheckpointError, describe_problems,
+                                         expected_files, verify)
+
     directory = Path(args.directory)
     if not (directory / META_FILE).is_file():
         print(f"{directory}: not a lightning-4d checkpoint directory (no {META_FILE})", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""The two command lines behave alike: a bad argument or a known failure exits 2 with one line on stderr
-(``prog: error: ...``, no traceback), ``--module`` is ``package.module:Class`` for both, and ``--help``
-answers without importing torch or Lightning."""
+"""The command lines behave alike: a bad argument or a known failure exits 2 with one line on stderr
+(``prog: error: ...``, no traceback), ``--module`` is ``package.module:Class`` for plan and export, and
+``--help`` of each (plan, export, verify_checkpoint) answers without importing torch or Lightning."""
 
 import subprocess
 import sys
@@ -11,6 +11,7 @@ from tests.parity import child_env
 
 PLAN = [sys.executable, "-m", "lightning_4d.plan"]
 EXPORT = [sys.executable, "-m", "lightning_4d.export"]
+VERIFY = [sys.executable, "-m", "lightning_4d.verify_checkpoint"]
 PLAN_SIZES = ["--devices", "2", "--seq", "64", "--global-batch", "4"]
 
 
@@ -28,7 +29,7 @@ def _assert_one_line_error(done, prog: str, *fragments: str) -> None:
         assert fragment in last, (fragment, last)
 
 
-@pytest.mark.parametrize("command", [PLAN, EXPORT], ids=["plan", "export"])
+@pytest.mark.parametrize("command", [PLAN, EXPORT, VERIFY], ids=["plan", "export", "verify_checkpoint"])
 def test_help_imports_neither_torch_nor_lightning(command, tmp_path):
     done = subprocess.run([sys.executable, "-X", "importtime", *command[1:], "--help"], cwd=tmp_path,
                           env=child_env(), capture_output=True, text=True, timeout=60)
@@ -39,7 +40,7 @@ def test_help_imports_neither_torch_nor_lightning(command, tmp_path):
     assert "lightning_4d" in imported and not heavy, heavy
 
 
-@pytest.mark.parametrize("command", [PLAN, EXPORT], ids=["plan", "export"])
+@pytest.mark.parametrize("command", [PLAN, EXPORT, VERIFY], ids=["plan", "export", "verify_checkpoint"])
 def test_argparse_errors_exit_2(command, tmp_path):
     _assert_one_line_error(_run(command, tmp_path), command[2], "the following arguments are required")
 
