@@ -261,9 +261,9 @@ class Heartbeat:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
             self._fail(EXIT_STALLED, message, stalled=True)
             return
-        self._fail(EXIT_RANK_LOST, message, stalled=True)
+        self._fail(EXIT_RANK_LOST, message, stalled=True, behind_alive=True)
 
-    def _fail(self, code: int, message: str, stalled: bool = False) -> None:
+    def _fail(self, code: int, message: str, stalled: bool = False, behind_alive: bool = False) -> None:
         # A stall leaves every rank's last collective current: whether they differ says where it waits.
         compared = compare(self.collectives()) if stalled else ""
         print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}.{compared} Last"
@@ -272,4 +272,8 @@ class Heartbeat:
         if self.rank == 0:
             # This process hosts the store: keep it up while the peers read it and reach the same judgement.
             time.sleep(3 * self.interval)
+        elif behind_alive:
+            # The stalled rank reaches the same judgement within a heartbeat: leaving now would break the
+            # collective it waits in before it has printed its stack (which shows the user's line).
+            time.sleep(2 * self.interval)
         self._exit(code)
