@@ -3,7 +3,8 @@
 The cut is at the module's list of repeated blocks (:func:`find_blocks`): stage ``s`` runs blocks
 ``bounds[s]`` of it. Modules outside the list are owned by where they run: those used before the list
 (embeddings) by the first stage, those used after it (final norm, head, loss modules) by the last stage, in
-the order the forward of the module holding both uses them (registration order where it does not name them). A parameter used on both sides (an embedding tied to the head), or held directly by a module that
+the order the forward of the module holding both uses them (registration order where it does not name
+them). A parameter used on both sides (an embedding tied to the head), or held directly by a module that
 contains the block list (where its use cannot be placed), is kept by the first and the last stage, which sum
 its gradients. The plan answers, for any pipeline rank, which modules it holds: tensor parallelism shards only
 those, the split stubs the rest, and checkpoints know every key of the whole model.
@@ -72,8 +73,8 @@ def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]
     if not candidates:
         raise ValueError(
             f"Pipeline parallelism found no list of repeated blocks in {type(module).__name__} (an nn.ModuleList,"
-            f" nn.Sequential or nn.ModuleDict of two or more modules of one type); {_all_lists_text(module)}. Name the list"
-            " to split with FourDStrategy(pp_blocks='model.layers') (YAML: pp_blocks: model.layers).")
+            f" nn.Sequential or nn.ModuleDict of two or more modules of one type); {_all_lists_text(module)}. Name"
+            " the list to split with FourDStrategy(pp_blocks='model.layers') (YAML: pp_blocks: model.layers).")
     longest = max(len(m) for _, m in candidates)
     best = [(name, m) for name, m in candidates if len(m) == longest]
     if len(best) > 1:
