@@ -28,8 +28,9 @@ and the per-dimension options, and applies, in this order:
 
 The :class:`ParallelModel` returned owns everything a training loop needs afterwards: the step (with its
 contexts, the pipeline schedule, the tensor-parallel self-check, the compile report), batch sharding,
-backward, gradient sync, clipping over the whole model, state dicts and checkpoints, and removal of its hooks. It is attached to the
-module, so parallelizing the same module again (``validate`` after ``fit``, a second Trainer) returns it.
+backward, gradient sync, clipping over the whole model, state dicts and checkpoints, and removal of its
+hooks. It is attached to the module, so parallelizing the same module again (``validate`` after ``fit``, a
+second Trainer) returns it.
 """
 
 from __future__ import annotations
