@@ -103,6 +103,29 @@ def default_store() -> Optional[dist.Store]:
         return None
 
 
+def fsdp_lazy_init(unit: nn.Module) -> None:
+    """Make an FSDP unit a root of its own before its first forward (FSDP does it in that forward), so that it
+    can be gathered and reduced first: under pipelining a unit around the blocks may be read without its
+    forward running. Idempotent."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(unit)._lazy_init()
+
+
+def fsdp_finish_backward(unit: nn.Module) -> None:
+    """What torch's pipelining runs after the last micro-batch for an FSDP stage module
+    (``PipelineStage.perform_reduce_grad``, which reaches the same private names): each parameter group's
+    post-backward (reduce-scatter if gradient sync is on, else local accumulation; then reshard), and the root's
+    end-of-backward callback. FSDP2 has no public call for it."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(unit)
+    for member in state._state_ctx.all_states:
+        for group in member._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
 # Attention kernels that return the log-sum-exp, which ring attention needs to merge blocks exactly
 # (``F.scaled_dot_product_attention`` returns only the output).
 aten = torch.ops.aten

@@ -8,8 +8,8 @@ weights, so they share the shards); under tensor parallelism the shards are cut 
 With ``dp_replicate > 1`` the mesh is 2-D and the reduce-scattered gradients are also all-reduced over the
 replicas (HSDP). FSDP averages the gradients over all of these ranks, so nothing else reduces them.
 
-Gradient accumulation: FSDP starts with gradient sync off; :func:`gradient_sync` turns it on around the last
-backward before an optimizer step, so the earlier micro-batches accumulate unsharded gradients locally
+Gradient accumulation: FSDP starts with gradient sync off; :meth:`ShardedUnits.gradient_sync` turns it on around
+the last backward before an optimizer step, so the earlier micro-batches accumulate unsharded gradients locally
 instead of reduce-scattering each.
 
 ``reshard_after_forward``: ``"auto"`` frees every block's gathered parameters after its forward (ZeRO-3-like)
@@ -20,6 +20,13 @@ all-gather in backward).
 Step methods: FSDP runs its root hooks around ``forward``; a LightningModule's ``training_step`` may call its
 submodules without ``forward``, so the step methods the module defines are registered as FSDP forward
 methods too (``torch.distributed.fsdp.register_fsdp_forward_method``).
+
+Pipelining: the stage's step stops inside the module at the stage boundary, so the module is no unit; the
+modules around the blocks that hold parameters are units of their own (those whose parameters are shared, or
+held directly by a module above the blocks, stay replicated). Every unit stays gathered for the whole pipeline
+step, as torchtitan does under pp: every micro-batch would gather it again, and the zero-bubble schedules run
+a micro-batch's weight gradients after later micro-batches' forwards. The gradients of all micro-batches are
+reduce-scattered once, after the schedule, like torch's pipelining does for an FSDP stage module.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from lightning_4d import _compat as compat
 
 RESHARD_CHOICES = ("auto", True, False)
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -71,24 +80,91 @@ def mixed_precision_policy(param_dtype: Optional[torch.dtype]) -> MixedPrecision
 def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, *,
                    reshard_after_forward: ReshardAfterForward = "auto",
                    param_dtype: Optional[torch.dtype] = None,
-                   ignored_params: Optional[set[nn.Parameter]] = None) -> FSDPModule:
+                   ignored_params: Optional[set[nn.Parameter]] = None,
+                   outside: Optional[Sequence[nn.Module]] = None) -> ShardedUnits:
     """Shard ``blocks`` (one FSDP unit each) and then ``module`` (the root unit) over ``mesh``; collective.
 
+    Under pipelining (``outside`` given) the module is not a unit: the user's step stops inside it at a stage
+    boundary, which would leave a root unit's forward unfinished. Each module of ``outside`` (those around the
+    blocks that hold parameters) is a unit of its own instead, and every unit keeps its gathered weights from
+    the start of a pipeline step to its end (:meth:`ShardedUnits.pipelined_step`).
+
     ``ignored_params`` stay as they are (replicated; their gradients are the caller's to reduce). Gradient sync
-    starts off (see :func:`gradient_sync`). Returns the root unit (``module`` itself).
+    starts off (see :meth:`ShardedUnits.gradient_sync`).
     """
     policy = mixed_precision_policy(param_dtype)
     ignored = ignored_params or None
+    pipelined = outside is not None
+    units: list[FSDPModule] = []
     for position, block in enumerate(blocks):
-        fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored,
-                    reshard_after_forward=block_reshard(position, len(blocks), reshard_after_forward))
-    root_reshard = False if reshard_after_forward == "auto" else bool(reshard_after_forward)
-    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshard, ignored_params=ignored)
-    for name in _step_methods(module):
-        register_fsdp_forward_method(module, name)
-    assert isinstance(module, FSDPModule)
-    module.set_requires_gradient_sync(False, recurse=True)
-    return module
+        reshard = False if pipelined else block_reshard(position, len(blocks), reshard_after_forward)
+        units.append(fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored,
+                                 reshard_after_forward=reshard))
+    if pipelined:
+        units += [fully_shard(m, mesh=mesh, mp_policy=policy, ignored_params=ignored, reshard_after_forward=False)
+                  for m in outside]
+    else:
+        root_reshard = False if reshard_after_forward == "auto" else bool(reshard_after_forward)
+        units.append(fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshard,
+                                 ignored_params=ignored))
+        for name in _step_methods(module):
+            register_fsdp_forward_method(module, name)
+    sharded = ShardedUnits(units, pipelined)
+    sharded.set_gradient_sync(False)
+    return sharded
+
+
+class ShardedUnits:
+    """This rank's FSDP units, and the switches a training loop turns around them."""
+
+    def __init__(self, units: list[FSDPModule], pipelined: bool) -> None:
+        self.units = units
+        self.pipelined = pipelined
+        self.syncing = False  # inside :meth:`gradient_sync`
+        self._initialized = False
+
+    def set_gradient_sync(self, on: bool) -> None:
+        for unit in self.units:
+            unit.set_requires_gradient_sync(on, recurse=not self.pipelined)
+
+    @contextmanager
+    def gradient_sync(self) -> Iterator[None]:
+        """Reduce-scatter (and, under HSDP, all-reduce) the gradients of the backward that runs inside; off again
+        after, so that accumulation micro-batches outside it only accumulate locally."""
+        self.set_gradient_sync(True)
+        self.syncing = True
+        try:
+            yield
+        finally:
+            self.syncing = False
+            self.set_gradient_sync(False)
+
+    @contextmanager
+    def pipelined_step(self, training: bool) -> Iterator[None]:
+        """Around one pipeline schedule step, as torch's pipelining treats an FSDP stage: every unit gathered
+        first (a module around the blocks may be read without its forward running), no reduce-scatter and no
+        reshard per micro-batch (a zero-bubble schedule computes a micro-batch's weight gradients after later
+        micro-batches ran), then one reduce-scatter of the gradients all micro-batches accumulated, only if
+        gradient sync is on, and every unit sharded again. Nothing is sent if the step raised."""
+        if not self._initialized:
+            for unit in self.units:
+                compat.fsdp_lazy_init(unit)
+            self._initialized = True
+        for unit in self.units:
+            unit.unshard()
+            if training:
+                unit.set_is_last_backward(False)
+                unit.set_reshard_after_backward(False, recurse=False)
+                unit.set_requires_gradient_sync(False, recurse=False)
+        yield
+        for unit in self.units:
+            if training:
+                unit.set_is_last_backward(True)
+                unit.set_reshard_after_backward(True, recurse=False)
+                unit.set_requires_gradient_sync(self.syncing, recurse=False)
+                compat.fsdp_finish_backward(unit)
+            else:
+                unit.reshard()
 
 
 def _step_methods(module: nn.Module) -> list[str]:
@@ -102,17 +178,6 @@ def _step_methods(module: nn.Module) -> list[str]:
                     found.append(name)
                 break
     return found
-
-
-@contextmanager
-def gradient_sync(root: FSDPModule) -> Iterator[None]:
-    """Reduce-scatter (and, under HSDP, all-reduce) the gradients of the backward that runs inside; off again
-    after, so that accumulation micro-batches outside it only accumulate locally."""
-    root.set_requires_gradient_sync(True, recurse=True)
-    try:
-        yield
-    finally:
-        root.set_requires_gradient_sync(False, recurse=True)
 
 
 @contextmanager

@@ -19,8 +19,9 @@ and the per-dimension options, and applies, in this order:
    (a function mode) that a traced checkpoint cannot enter: there ``full`` and ``every_n`` run eagerly around
    the compiled block. Where the traced checkpoint cannot work (tensor parallelism's hooks keep state inside
    a block; ``selective`` under context parallelism), the blocks stay eager, with a warning naming the fix.
-8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root, over
-   ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``), wrapping the blocks as steps 3-7 left them.
+8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root (under pipelining,
+   the modules around the blocks instead), over ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``),
+   wrapping the blocks as steps 3-7 left them; then the pipeline's stage-boundary hooks, outermost.
 9. **Metric sync** over the ranks that hold different data.
 10. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
     bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
@@ -54,7 +55,7 @@ from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_r
 from lightning_4d.context_parallel import ContextParallel, check_attention_reachable
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
-from lightning_4d.fsdp import ReshardAfterForward, apply_sharding, gathered, gradient_sync
+from lightning_4d.fsdp import ReshardAfterForward, ShardedUnits, apply_sharding, gathered
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
 from lightning_4d.tensor_parallel import (
@@ -91,10 +92,6 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
                              " gradients only around the backward that precedes an optimizer step, which only"
                              " automatic optimization marks. Use automatic optimization, or dp_shard=1 (dp=N"
                              " replicates instead).")
-        if mesh_dims.pp_enabled:
-            raise ValueError(f"FourDStrategy(dp_shard={mesh_dims.dp_shard}, pp={mesh_dims.pp}): sharded data"
-                             " parallelism does not compose with pipeline parallelism yet. Use dp (replicas) with"
-                             " pp, or dp_shard with pp=1.")
     if mesh_dims.pp_enabled:
         automatic = getattr(module, "automatic_optimization", True)
         if not automatic:
@@ -143,6 +140,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                              " strategy options for fit, validate, test and predict, or a freshly built module.")
         existing.install_hooks()
         return existing
+    if mesh.dims.dp_shard_enabled and mesh.dims.pp_enabled and reshard_after_forward is True:
+        raise ValueError(f"reshard_after_forward=True with dp_shard={mesh.dims.dp_shard} and pp={mesh.dims.pp}: under"
+                         " pipelining each stage's blocks stay gathered for the whole step (every micro-batch would"
+                         " gather them again, and zero-bubble schedules need them between the two halves of a"
+                         " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
     _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
@@ -170,9 +172,15 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if mesh.dims.dp_shard_enabled:
         parallel.replicated_params = _gradient_hooked(module, parallel.tensor_plan)
+        outside = None
+        if runner is not None:
+            outside, kept = _units_around_blocks(module, runner.split.path, runner.split.ends())
+            parallel.replicated_params += [p for p in kept if all(p is not q for q in parallel.replicated_params)]
         parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                                          ignored_params=set(parallel.replicated_params))
+                                          ignored_params=set(parallel.replicated_params), outside=outside)
+    if runner is not None:
+        runner.hook_boundaries()
     from torchmetrics import Metric
 
     for metric in module.modules():
@@ -207,6 +215,31 @@ def _shard_units(module: nn.Module, plan: Optional[PipelinePlan], config: Pipeli
         return [block for _, block in _held_blocks(module, plan, config)]
     except ValueError:
         return []
+
+
+def _units_around_blocks(module: nn.Module, path: str,
+                         ends: list[nn.Parameter]) -> tuple[list[nn.Module], list[nn.Parameter]]:
+    """Under pipelining: the modules around the block list at ``path`` that become FSDP units of their own (each
+    child of a module above the blocks that holds parameters), and the parameters that stay replicated: those
+    held directly by a module above the blocks, those two units would share, and ``ends`` (weights kept by the
+    first and the last stage, whose gradients the pipeline sums over both)."""
+    above = [module]
+    for name in path.split(".")[:-1]:
+        above.append(getattr(above[-1], name))
+    on_path = {id(m) for m in above} | {id(module.get_submodule(path))}
+    kept = [p for m in above for p in m.parameters(recurse=False)]
+    candidates = [child for m in above for child in m.children()
+                  if id(child) not in on_path and any(True for _ in child.parameters())]
+    owners: dict[int, int] = {}
+    for child in candidates:
+        for p in child.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    ends_ids = {id(p) for p in ends}
+    kept += [p for child in candidates for p in child.parameters() if owners[id(p)] > 1 or id(p) in ends_ids]
+    kept = list({id(p): p for p in kept}.values())
+    kept_ids = {id(p) for p in kept}
+    units = [child for child in candidates if any(id(p) not in kept_ids for p in child.parameters())]
+    return units, kept
 
 
 def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> list[nn.Parameter]:
@@ -252,7 +285,7 @@ class ParallelModel:
         self._self_check = self_check
         self._buckets: dict[int, GradientBuckets] = {}
         self._armed: Optional[GradientBuckets] = None
-        self.sharded: Optional[nn.Module] = None  # the FSDP root unit (the module itself) when dp_shard > 1
+        self.sharded: Optional[ShardedUnits] = None  # the FSDP units when dp_shard > 1
         self.replicated_params: list[nn.Parameter] = []  # kept out of FSDP: reduced by the gradient buckets
         dims = mesh.dims
         # torchmetrics sync over the ranks that saw different data: replicas and cp ranks (each saw its part of
@@ -262,7 +295,13 @@ class ParallelModel:
         self.pp_group = mesh.group("pp") if dims.pp_enabled else None
 
     def describe(self) -> str:
-        return self.plans.describe()
+        """The plans, and under sharding the parameters this rank keeps replicated (printed by rank 0)."""
+        lines = [self.plans.describe()] if self.plans.describe() else []
+        if self.replicated_params:
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            lines.append(f"dp_shard={self.mesh.dims.dp_shard}: kept replicated on rank {dist.get_rank()}, all-reduced"
+                         " over dp x cp: " + ", ".join(names[id(p)] for p in self.replicated_params if id(p) in names))
+        return "\n".join(lines)
 
     # ----------------------------------------------------------------------------------- hooks
 
@@ -307,7 +346,7 @@ class ParallelModel:
     def unsharded(self) -> AbstractContextManager[None]:
         """Every FSDP unit's parameters gathered (tensor-parallel shards stay), for code that runs blocks outside
         a step: the tensor-parallel self-check."""
-        return gathered(self.sharded) if self.sharded is not None else nullcontext()
+        return gathered(self.module) if self.sharded is not None else nullcontext()
 
     def recompute_context(self) -> AbstractContextManager[None]:
         """Around a checkpointed block's recomputation during backward."""
@@ -324,7 +363,8 @@ class ParallelModel:
                 stack.enter_context(_armed_check(check, self.unsharded))
             stack.enter_context(self.step_context(predicting))
             if self.pipeline is not None:
-                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches)
+                around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
+                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around)
             else:
                 output = getattr(self.module, name)(*args, **kwargs)
         if training and self.context is not None:
@@ -372,7 +412,7 @@ class ParallelModel:
             return closure
 
         def closure_with_gradient_sync() -> Any:
-            with gradient_sync(self.sharded) if self.sharded is not None else nullcontext():
+            with self.sharded.gradient_sync() if self.sharded is not None else nullcontext():
                 if buckets is None:
                     return closure()
                 buckets.begin(overlap=self.pipeline is None)

@@ -50,4 +50,4 @@ class ShardTrace(Callback):
 
     def parity_extras(self, trainer):
         return {"layout": self.layout, "reduce_scatters": self.reduce_scatters, "buckets": self.buckets,
-                "dtypes": sorted(self.dtypes)}
+                "dtypes": sorted(self.dtypes), "described": trainer.strategy.parallel.describe()}

@@ -99,6 +99,17 @@ def _parallel_style_hooks():
         assert hasattr(ColwiseParallel(), attribute), attribute
 
 
+def _fsdp_internals():
+    # What compat.fsdp_lazy_init / fsdp_finish_backward reach (the pipelined dp_shard tests run them for real).
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    state = FSDPState()
+    return (fully_shard.state, state._state_ctx.all_states, state._fsdp_param_groups, state._lazy_init,
+            state._root_post_backward_final_callback, FSDPParamGroup.post_backward)
+
+
 CHECKS = {
     "torch ParallelStyle._apply/_prepare_input_fn/_prepare_output_fn": _parallel_style_hooks,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(+_backward)": _flash_cpu_matches_sdpa,
@@ -120,6 +131,8 @@ CHECKS = {
     "torch.distributed._functional_collectives functions the collective recorder wraps (with a group argument)":
         lambda: [__import__("inspect").signature(getattr(compat.functional_collectives(), name)).parameters["group"]
                  for name in compat.FUNCTIONAL_COLLECTIVES],
+    "FSDP2 state: _lazy_init, _state_ctx.all_states, _fsdp_param_groups, post_backward, the final callback":
+        _fsdp_internals,
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),

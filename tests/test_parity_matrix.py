@@ -5,7 +5,9 @@ q/k/v/o) and a Hugging Face LlamaForCausalLM from a tiny config (grouped K/V hea
 with position_ids). Losses per step and logged train_loss within 1e-5 relative, final weights within
 1e-5 + 1e-5*|w|, after 4 SGD steps (see tests/lm_models.py for why SGD). The 2x2x2x2 GPT run also checkpoints
 at step 2 and resumes in a new Trainer: the resumed run must equal the uninterrupted one bit for bit; and the
-GPT trains there once more with each activation_checkpointing mode ('full', 'selective', 'every_n').
+GPT trains there once more with each activation_checkpointing mode ('full', 'selective', 'every_n'). Every
+layout with dp=2 also trains the GPT with dp_shard=2 in its place (FSDP2 sharding instead of replicas; 8 layouts,
+up to dp_shard2 x pp2 x cp2 x tp2).
 """
 
 import itertools
@@ -31,11 +33,15 @@ def _name(layout: dict, model: str) -> str:
 
 
 def _cases(world_size: int) -> list[Case]:
+    layouts = [layout for layout in LAYOUTS if layout["dp"] * layout["pp"] * layout["cp"] * layout["tp"] == world_size]
     return [
         Case(_name(layout, model), data="tests.lm_models:token_data", strategy=layout, batch_size=8,
              max_steps=4, resume_at=RESUME_AT if world_size == 16 and model == "gpt" else None, **spec)
-        for layout in LAYOUTS if layout["dp"] * layout["pp"] * layout["cp"] * layout["tp"] == world_size
-        for model, spec in MODELS.items()
+        for layout in layouts for model, spec in MODELS.items()
+    ] + [  # sharded data parallelism in place of the replicas, in every layout that has dp=2
+        Case(_name(layout, "gpt").replace("-dp2", "-dp_shard2"), data="tests.lm_models:token_data",
+             strategy={**layout, "dp": 1, "dp_shard": 2}, batch_size=8, max_steps=4, **MODELS["gpt"])
+        for layout in layouts if layout["dp"] == 2
     ]
 
 

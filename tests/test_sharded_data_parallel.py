@@ -3,8 +3,8 @@
 Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, ZeRO-2-like resharding,
 dp_shard='auto' with activation checkpointing, bf16-mixed, a checkpoint saved at dp_shard=2 and resumed at
 dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2 on the example GPT and on
-Qwen3 with per-head norms, dp_shard2 x cp2, the dp_shard=2 checkpoint resumed at dp_shard=4 and loaded by
-init_from); one more resume in one process. Every case accumulates two batches per optimizer step and clips
+Qwen3 with per-head norms, dp_shard2 x cp2, dp_shard2 x pp2 under 1F1B and under the zero-bubble ZBV schedule,
+the dp_shard=2 checkpoint resumed at dp_shard=4 and loaded by init_from); one more resume in one process. Every case accumulates two batches per optimizer step and clips
 the gradient norm, except the checkpoint cases (clipping only) and bf16-mixed (neither).
 
 Tolerances as in test_data_parallel.py: losses and logged values within 1e-5 relative per step, final weights
@@ -14,6 +14,7 @@ buffer moves the weights far outside the bound).
 """
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -21,7 +22,8 @@ import torch
 
 from lightning_4d import ParallelDims
 from lightning_4d.fsdp import block_reshard, check_reshard_after_forward
-from lightning_4d.parallelize import make_plans
+from lightning_4d.context_parallel_config import ContextParallelConfig
+from lightning_4d.parallelize import make_plans, parallelize
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.tensor_parallel import TensorParallelConfig
 from tests.lm_models import tiny_gpt
@@ -69,6 +71,11 @@ def _four(workdir) -> list[Case]:
         replace(_gpt("shard2_tp2_qwen3", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
                 module="tests.test_tp_strategy:BodyAndHead", module_kwargs={"kind": "qwen3"}),
         _gpt("shard2_cp2", {"dp_shard": 2, "cp": 2}, callbacks=TRACE),
+        _gpt("shard2_pp2", {"dp_shard": 2, "pp": 2}, callbacks=TRACE),
+        # Zero-bubble, V-shaped: rank 0 holds the first and the last stage, so nanoGPT's tied wte/lm_head weight
+        # is on both ends there; it stays replicated, reduced by the gradient buckets.
+        replace(_gpt("shard2_pp2_zbv_nanogpt", {"dp_shard": 2, "pp": 2, "pp_schedule": "zbv_zero_bubble"},
+                     callbacks=TRACE), module="tests.lm_models:NanoGPT"),
         _gpt("shard2_to_shard4", {"dp_shard": 4}, resume_from=_ckpt(workdir, "shard2_saved")),
         _gpt("shard4_init_from", {"dp_shard": 4, "init_from": _ckpt(workdir, "shard2_saved")}, max_steps=2),
     ]
@@ -95,7 +102,8 @@ def test_sharded_classifier_matches_single_process(runs, name):
 
 
 @pytest.mark.parametrize("name", ["shard2_gpt", "shard2_gpt_zero2", "shard_auto_gpt_checkpointed", "hsdp_2x2",
-                                  "shard2_tp2", "shard2_tp2_qwen3", "shard2_cp2"])
+                                  "shard2_tp2", "shard2_tp2_qwen3", "shard2_cp2", "shard2_pp2",
+                                  "shard2_pp2_zbv_nanogpt"])
 def test_sharded_gpt_matches_single_process(runs, name):
     cases, records = runs
     assert_parity(cases[name], reference(cases[name]), records[name])
@@ -144,15 +152,30 @@ def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
     expected_mesh = {"shard2_gpt": ["dp_shard_cp"], "hsdp_2x2": ["dp_replicate", "dp_shard_cp"],
                      "shard2_cp2": ["dp_shard_cp"], "shard2_tp2": ["dp_shard_cp", "tp"], "shard2": ["dp_shard_cp"],
                      "shard2_tp2_qwen3": ["dp_shard_cp", "tp"]}
+    expected_mesh.update({"shard2_pp2": ["dp_shard_cp"], "shard2_pp2_zbv_nanogpt": ["dp_shard_cp"]})
+    # What rank 0 holds: the first of 2 stages (1f1b), the first and the last of 4 (zbv).
+    held = {"shard2_pp2": ("model.tok_emb.", "model.layers.0.", "model.layers.1."),
+            "shard2_pp2_zbv_nanogpt": ("transformer.wte.", "transformer.wpe.", "transformer.ln_f.",
+                                       "transformer.h.0.", "transformer.h.3.")}
     for name, mesh in expected_mesh.items():
         extras = records[name]["extras"]
         layout = extras["layout"]
-        # Only per-head norms, whose gradients tensor parallelism sums with a hook, stay out of FSDP; the gradient
-        # buckets reduce those and nothing else (they would all-reduce again what FSDP reduced).
+        # Only per-head norms, whose gradients tensor parallelism sums with a hook, and a weight tied across the
+        # first and the last pipeline stage stay out of FSDP; the gradient buckets reduce those and nothing else
+        # (they would all-reduce again what FSDP reduced).
         kept = sorted(param for param, entry in layout.items() if "dp_shard_cp" not in entry["mesh"])
         assert extras["buckets"] == kept, (name, extras["buckets"], kept)
         head_norms = [param for param in layout if ".q_norm." in param or ".k_norm." in param]
-        assert kept == sorted(head_norms) and bool(kept) == (name == "shard2_tp2_qwen3"), (name, kept)
+        tied = ["transformer.wte.weight"] if name == "shard2_pp2_zbv_nanogpt" else []
+        assert kept == sorted(head_norms + tied) and bool(head_norms) == (name == "shard2_tp2_qwen3"), (name, kept)
+        # Rank 0 says which parameters it keeps replicated (the strategy prints this at start-up).
+        said = [line for line in extras["described"].splitlines() if "kept replicated" in line]
+        prefix = "dp_shard=2: kept replicated on rank 0, all-reduced over dp x cp: "
+        assert len(said) == bool(kept) and all(line.startswith(prefix) for line in said), (name, said)
+        assert sorted(param for line in said for param in line[len(prefix):].split(", ")) == kept, (name, said)
+        if name in held:
+            assert all(param.startswith(held[name]) for param in layout), (name, list(layout))
+            assert all(any(param.startswith(prefix) for param in layout) for prefix in held[name]), (name, list(layout))
         for param, entry in layout.items():
             if param in kept:
                 continue
@@ -169,7 +192,7 @@ def test_parameters_are_sharded_over_dp_shard_and_cp(runs):
 
 def test_accumulation_reduce_scatters_only_before_optimizer_steps(runs):
     """With two batches per optimizer step, FSDP reduce-scatters during the second batch's backward only."""
-    for name in ("shard2", "shard2_gpt", "hsdp_2x2"):
+    for name in ("shard2", "shard2_gpt", "hsdp_2x2", "shard2_pp2", "shard2_pp2_zbv_nanogpt"):
         batches = runs[1][name]["extras"]["reduce_scatters"]
         assert batches, f"{name}: no reduce-scatter at all"
         assert all(batch % 2 == 1 for batch in batches), (name, batches)
@@ -201,16 +224,18 @@ def test_sizes_and_bad_input():
     assert [block_reshard(i, 2, False) for i in range(2)] == [False, False]
 
 
-def test_sharding_refuses_manual_optimization_and_pipelining_before_any_collective():
+def test_sharding_refuses_manual_optimization_and_resharding_every_micro_batch_before_any_collective():
     module = tiny_gpt()
     options = dict(pipeline=PipelineConfig(1), tensor=TensorParallelConfig(1))
     module.automatic_optimization = False
     with pytest.raises(ValueError, match=r"dp_shard=2\) needs automatic optimization.*automatic_optimization is"):
         make_plans(module, ParallelDims.resolve(2, dp_shard=2), **options)
     module.automatic_optimization = True
-    with pytest.raises(ValueError, match=r"dp_shard=2, pp=2\): sharded data parallelism does not compose with"):
-        make_plans(module, ParallelDims.resolve(4, dp_shard=2, pp=2), pipeline=PipelineConfig(2),
-                   tensor=TensorParallelConfig(1))
+    # No process group exists here: the refusal comes before parallelize's first collective.
+    with pytest.raises(ValueError, match=r"reshard_after_forward=True with dp_shard=2 and pp=2: under pipelining"):
+        parallelize(module, SimpleNamespace(dims=ParallelDims.resolve(4, dp_shard=2, pp=2)), torch.device("cpu"),
+                    pipeline=PipelineConfig(2), tensor=TensorParallelConfig(1), context=ContextParallelConfig(),
+                    reshard_after_forward=True)
 
 
 def test_strategy_takes_dp_shard_from_yaml():

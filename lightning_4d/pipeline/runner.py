@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -111,13 +112,6 @@ class PipelineRunner:
         # A weight kept by the first and the last stage gets its gradient from both.
         self._ends_group = mesh.pipeline_pair(ranks[0], ranks[-1]) if plan.has_ends else None
         self._stage_modules = {s: _StageModule(self._run_stage, s, self.split.params_of) for s in self.local_stages}
-        # The hooks stay for the module's lifetime: outside a pipeline step they do nothing.
-        for s, blocks in self.split.chunks.items():
-            first_block, last_block = next(iter(blocks.values())), next(reversed(blocks.values()))
-            if s != 0:
-                first_block.register_forward_pre_hook(self._inject, with_kwargs=True)
-            if s != self.last:
-                last_block.register_forward_hook(self._stop)
         for name, stubbed, role in self.split.stubbed:
             stubbed.register_forward_pre_hook(self._placement_check(name, role))
         from torchmetrics import Metric
@@ -137,32 +131,48 @@ class PipelineRunner:
         self._training = False
         self._loss_scale = 1.0
 
+    def hook_boundaries(self) -> None:
+        """The stage-boundary hooks on the blocks, once everything else has hooked them (sharding's hooks): the
+        received activation replaces the block input before any other pre-hook sees it, and the stage stops
+        after every other forward hook ran. They stay for the module's lifetime; outside a step they do nothing."""
+        for s, blocks in self.split.chunks.items():
+            first_block, last_block = next(iter(blocks.values())), next(reversed(blocks.values()))
+            if s != 0:
+                first_block.register_forward_pre_hook(self._inject, with_kwargs=True, prepend=True)
+            if s != self.last:
+                last_block.register_forward_hook(self._stop)
+
     # ------------------------------------------------------------------------------- one step
 
-    def step(self, method: str, args: tuple, kwargs: dict, accumulate_grad_batches: int = 1) -> Any:
+    def step(self, method: str, args: tuple, kwargs: dict, accumulate_grad_batches: int = 1,
+             around: Callable[[bool], AbstractContextManager[None]] = lambda training: nullcontext()) -> Any:
         """Run ``module.<method>`` on every micro-batch of ``args[0]`` through the pipeline; returns the step
         output on every rank (the merged outputs of the micro-batches, computed on the last stage). Training
-        losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them."""
+        losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them.
+        ``around(training)`` is entered around the schedule (sharded data parallelism gathers and reduces there);
+        the gradients are set aside after it."""
         training = self._training = method == "training_step"
         n = self.config.num_microbatches
         micro = split_batch(args[0], n)
         user_step = getattr(self.module, method)
         self._call = lambda index: user_step(micro[index], *args[1:], **kwargs)
         counts = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
-        schedule = self._schedule(training, shape_key(micro[0]))
         index = torch.arange(n, device=self.device)
         if training:
             self._loss_scale = 1.0 / (n * accumulate_grad_batches)
             self._params = list(self.module.parameters())
             earlier = self._take_grads()
             try:
-                schedule.step(index, mb=index, target=index, return_outputs=False)
+                with around(True):
+                    schedule = self._schedule(training, shape_key(micro[0]))
+                    schedule.step(index, mb=index, target=index, return_outputs=False)
             finally:
                 self._pending = self._take_grads()
                 for p, grad in zip(self._params, earlier):
                     p.grad = grad
         else:
-            schedule.step(index, mb=index, return_outputs=False)
+            with around(False):
+                self._schedule(training, shape_key(micro[0])).step(index, mb=index, return_outputs=False)
         return self._finish(n, counts)
 
     def _schedule(self, training: bool, key: tuple) -> Any:
