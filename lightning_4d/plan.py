@@ -50,6 +50,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from lightning_4d.plan_model import Model, PlanError, check_positive, divisors
+
 
 AC_MODES = ("none", "full", "every_n", "selective")  # lightning_4d.activation_checkpointing.MODES
 # Bytes per element: (parameters, gradients, activations).
@@ -66,133 +68,6 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 # out so that importing the planner (and its --help) needs no torch.
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
                 "dualpipev")
-HEAD_ATTRIBUTES = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-KV_HEAD_ATTRIBUTES = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "n_query_groups", "num_kv_heads")
-VOCAB_PADDING = 128
-
-
-class PlanError(ValueError):
-    """A request no layout can satisfy; the message names the input and what to change."""
-
-
-@dataclass(frozen=True)
-class Model:
-    """Sizes of a decoder-only transformer and its parameter counts by where they live."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn_hidden: int
-    vocab: int
-    layer_matrix_params: int  # per block: 2-D weights, split by tp
-    layer_vector_params: int  # per block: norm gains and other 1-D tensors, whole on every tp rank
-    embedding_params: int  # token embedding, vocabulary-parallel, first stage
-    head_params: int  # output head, vocabulary-parallel, last stage; 0 when tied to the embedding
-    other_params: int  # final norm, position tables, ...: last stage, whole
-    gated_mlp: bool = False  # SwiGLU-style: gate and up projections, their product feeds down
-
-    @property
-    def params(self) -> int:
-        return (self.layers * (self.layer_matrix_params + self.layer_vector_params) + self.embedding_params
-                + self.head_params + self.other_params)
-
-    @property
-    def tied(self) -> bool:
-        return self.head_params == 0
-
-    @classmethod
-    def from_sizes(cls, layers: int, hidden: int, heads: int, vocab: Optional[int] = None,
-                   ffn_hidden: Optional[int] = None, kv_heads: Optional[int] = None, tied: bool = False,
-                   params: Optional[int] = None, gated_mlp: bool = False) -> Model:
-        """A GPT-style block without biases (``lightning_4d/demos/gpt.py``). With ``params`` but no ``vocab``, what the
-        blocks do not account for is taken to be the embedding and head; with both, they must agree."""
-        for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads)):
-            _check_positive(name, value)
-        kv_heads = heads if kv_heads is None else kv_heads
-        ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
-        _check_positive("kv_heads", kv_heads)
-        _check_positive("ffn_hidden", ffn_hidden)
-        _check_heads(hidden, heads, kv_heads)
-        head_dim = hidden // heads
-        mlp = (3 if gated_mlp else 2) * hidden * ffn_hidden
-        matrices = hidden * (hidden + 2 * kv_heads * head_dim) + hidden * hidden + mlp
-        vectors = 2 * hidden
-        in_blocks = layers * (matrices + vectors) + hidden
-        if vocab is None:
-            if params is None:
-                raise PlanError("give the vocabulary size (--vocab) or the total parameter count (--params):"
-                                " the embedding and head size follow from either.")
-            if params < in_blocks:
-                raise PlanError(
-                    f"params={params:,} is less than the {in_blocks:,} that {layers} layers of hidden size {hidden}"
-                    f" (ffn {ffn_hidden}) hold: check --params, --layers, --hidden and --ffn-hidden.")
-            vocab = (params - in_blocks) // (hidden if tied else 2 * hidden)
-            vocab = max(VOCAB_PADDING, vocab // VOCAB_PADDING * VOCAB_PADDING)  # as vocabularies are padded for tp
-        _check_positive("vocab", vocab)
-        total = in_blocks + vocab * hidden * (1 if tied else 2)
-        if params is not None and abs(total - params) > 0.05 * params:
-            raise PlanError(
-                f"params={params:,} disagrees with the sizes, which give {total:,} ({layers} layers, hidden {hidden},"
-                f" ffn {ffn_hidden}, vocab {vocab}{', tied' if tied else ''}): drop --params, or fix the sizes.")
-        return cls(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden, vocab=vocab,
-                   layer_matrix_params=matrices, layer_vector_params=vectors, embedding_params=vocab * hidden,
-                   head_params=0 if tied else vocab * hidden, other_params=hidden, gated_mlp=gated_mlp)
-
-    @classmethod
-    def from_module(cls, module: Any) -> Model:
-        """Counts read from a module (build it on the meta device: only shapes are needed).
-
-        The blocks are the list pipeline parallelism splits (``lightning_4d.pipeline.find_blocks``), the token
-        embedding the largest ``nn.Embedding``, the head a ``Linear`` with ``vocab`` outputs, the head and
-        key/value head counts those tensor parallelism finds in the first block's attention
-        (``tensor_parallel.discovery.find_regions``), else integer attributes such as ``n_head`` or a
-        ``config.num_attention_heads``."""
-        from torch import nn
-
-        from lightning_4d.pipeline.plan import find_blocks
-
-        try:  # the block list pipeline parallelism would split
-            _, blocks = find_blocks(module, None)
-        except ValueError as error:
-            raise PlanError(f"cannot count the layers of {type(module).__name__}: {error} Or give the sizes instead"
-                            " (--layers --hidden --heads --vocab).") from None
-        embeddings = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-        if not embeddings:
-            raise PlanError(f"{type(module).__name__} has no nn.Embedding to read the vocabulary and hidden size"
-                            " from: give the sizes instead (--layers --hidden --heads --vocab).")
-        token = max(embeddings, key=lambda m: m.num_embeddings)
-        vocab, hidden = token.num_embeddings, token.embedding_dim
-        block = next(iter(blocks.children()))
-        attention = _attention_sizes(block)
-        heads = attention[0] if attention else _find_int(block, HEAD_ATTRIBUTES) or _find_int(module,
-                                                                                             HEAD_ATTRIBUTES)
-        if heads is None:
-            raise PlanError(f"could not find the number of attention heads of {type(module).__name__} (looked for"
-                            f" {', '.join(HEAD_ATTRIBUTES)}): give it with --heads.")
-        kv_heads = attention[1] if attention else (
-            _find_int(block, KV_HEAD_ATTRIBUTES) or _find_int(module, KV_HEAD_ATTRIBUTES) or heads)
-        _check_heads(hidden, heads, kv_heads)
-        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
-        widths = [m.in_features for m in linears if m.out_features == hidden and m.in_features != hidden]
-        ffn_hidden = max(widths, default=4 * hidden)
-        expanding = [m for m in linears if (m.in_features, m.out_features) == (hidden, ffn_hidden)]
-        unique = {id(p): p for p in module.parameters()}
-        in_blocks = {id(p) for p in blocks.parameters()}
-        block_params = list({id(p): p for p in block.parameters()}.values())
-        inside = {id(m) for m in blocks.modules()}
-        head = next((m.weight for m in module.modules() if isinstance(m, nn.Linear) and id(m) not in inside
-                     and (m.in_features, m.out_features) == (hidden, vocab) and m.weight is not token.weight), None)
-        embedding_params = token.weight.numel()
-        head_params = 0 if head is None else head.numel()
-        other = sum(p.numel() for i, p in unique.items()
-                    if i not in in_blocks and p is not token.weight and p is not head)
-        return cls(layers=len(blocks), hidden=hidden, heads=heads, kv_heads=kv_heads,
-                   ffn_hidden=ffn_hidden, vocab=vocab,
-                   layer_matrix_params=sum(p.numel() for p in block_params if p.dim() >= 2),
-                   layer_vector_params=sum(p.numel() for p in block_params if p.dim() < 2),
-                   embedding_params=embedding_params, head_params=head_params, other_params=other,
-                   gated_mlp=len(expanding) >= 2)
 
 
 @dataclass(frozen=True)
@@ -213,14 +88,14 @@ class Training:
     activation_checkpointing_every: int = 2
 
     def __post_init__(self) -> None:
-        _check_positive("seq_len", self.seq_len)
-        _check_positive("global_batch", self.global_batch)
-        _check_positive("activation_checkpointing_every", self.activation_checkpointing_every)
+        check_positive("seq_len", self.seq_len)
+        check_positive("global_batch", self.global_batch)
+        check_positive("activation_checkpointing_every", self.activation_checkpointing_every)
         if self.activation_checkpointing not in AC_MODES:
             raise PlanError(f"activation_checkpointing={self.activation_checkpointing!r} is not one of"
                             f" {', '.join(AC_MODES)}.")
         if self.microbatches is not None:
-            _check_positive("microbatches", self.microbatches)
+            check_positive("microbatches", self.microbatches)
         if self.precision not in PRECISIONS:
             raise PlanError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -231,17 +106,26 @@ class Training:
 
 @dataclass(frozen=True)
 class Layout:
+    """Sizes as ``FourDStrategy`` takes them: ``dp`` replicas, each sharded over ``dp_shard`` ranks (FSDP2)."""
+
     dp: int = 1
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    dp_shard: int = 1
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
+        return self.data_parallel * self.pp * self.cp * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different samples: replicas times shards."""
+        return self.dp * self.dp_shard
 
     def __str__(self) -> str:
-        return f"dp={self.dp} pp={self.pp} cp={self.cp} tp={self.tp}"
+        shard = f" dp_shard={self.dp_shard}" if self.dp_shard > 1 else ""
+        return f"dp={self.dp}{shard} pp={self.pp} cp={self.cp} tp={self.tp}"
 
 
 @dataclass
@@ -257,24 +141,6 @@ class Estimate:
 
 
 # ------------------------------------------------------------------------------------------- checks
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name}={value!r} must be a positive integer.")
-
-
-def _check_heads(hidden: int, heads: int, kv_heads: int) -> None:
-    if hidden % heads:
-        raise PlanError(f"hidden={hidden} is not divisible by heads={heads}: each head gets hidden/heads channels."
-                        f" Change the hidden size or the head count (divisors of {hidden}: {_divisors(hidden)}).")
-    if heads % kv_heads:
-        raise PlanError(f"heads={heads} is not a multiple of kv_heads={kv_heads}: grouped-query attention shares"
-                        " each key/value head among an equal number of query heads.")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _microbatches(training: Training, layout: Layout) -> int:
@@ -325,22 +191,24 @@ def layout_problems(model: Model, training: Training, layout: Layout) -> list[st
             problems.append(f"cp={layout.cp} needs the sequence ({training.seq_len}) divisible by {rule}="
                             f"{context_parallel.sequence_multiple(tensor_parallel)}")
     m = _microbatches(training, layout)
-    if training.global_batch % layout.dp:
-        problems.append(f"dp={layout.dp} does not divide the global batch ({training.global_batch})")
-    elif layout.pp > 1 and (training.global_batch // layout.dp) % m:
-        problems.append(f"the batch per replica ({training.global_batch // layout.dp}) does not divide into"
+    if training.global_batch % layout.data_parallel:
+        data = f"dp={layout.dp}" if layout.dp_shard == 1 else f"dp*dp_shard={layout.data_parallel}"
+        problems.append(f"{data} does not divide the global batch ({training.global_batch})")
+    elif layout.pp > 1 and (training.global_batch // layout.data_parallel) % m:
+        problems.append(f"the batch per replica ({training.global_batch // layout.data_parallel}) does not divide into"
                         f" {m} pipeline micro-batches")
     if schedule_problem:
         problems.append(schedule_problem)
     return problems
 
 
-def all_layouts(devices: int) -> list[Layout]:
-    """Every ``(dp, pp, cp, tp)`` whose product is ``devices``."""
-    _check_positive("devices", devices)
-    return [Layout(dp, pp, cp, devices // (dp * pp * cp))
-            for dp in _divisors(devices) for pp in _divisors(devices // dp)
-            for cp in _divisors(devices // (dp * pp))]
+def all_layouts(devices: int, shard: bool = True) -> list[Layout]:
+    """Every ``(dp, pp, cp, tp)`` whose product is ``devices``; with ``shard``, each also with its data-parallel
+    ranks split into ``dp`` replicas of ``dp_shard`` shards in every way."""
+    check_positive("devices", devices)
+    return [Layout(data // dp_shard, pp, cp, devices // (data * pp * cp), dp_shard)
+            for data in divisors(devices) for pp in divisors(devices // data)
+            for cp in divisors(devices // (data * pp)) for dp_shard in (divisors(data) if shard else [1])]
 
 
 # ------------------------------------------------------------------------------------------ estimates
@@ -360,7 +228,7 @@ def _stage_layers(layers: int, pp: int, schedule: str = "1f1b") -> list[int]:
 
 def _tokens(training: Training, layout: Layout) -> float:
     """Tokens of one micro-batch on one device."""
-    return training.seq_len / layout.cp * training.global_batch / layout.dp / _microbatches(training, layout)
+    return training.seq_len / layout.cp * training.global_batch / layout.data_parallel / _microbatches(training, layout)
 
 
 def _replicated_kv(model: Model, tp: int) -> int:
@@ -380,6 +248,12 @@ def _stage_params(model: Model, layout: Layout, stage: int, layers: int) -> floa
         head = model.embedding_params if model.tied and layout.pp > 1 else model.head_params
         params += head / tp + model.other_params
     return params
+
+
+def _block_share(model: Model, layout: Layout, layers: int) -> float:
+    """The blocks' part of a pp=1 rank's parameters."""
+    block = model.layer_matrix_params / layout.tp + model.layer_vector_params
+    return layers * block / _stage_params(model, layout, 0, layers)
 
 
 def _norm_elements(training: Training) -> int:
@@ -448,15 +322,17 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
             final_norm = _norm_elements(training) * tokens * model.hidden * e
             activations += final_norm / (layout.tp if training.sequence_parallel else 1)
             activations += tokens * model.vocab / layout.tp * (e + 4)  # logits and their fp32 log-softmax
+        shards = layout.dp_shard * layout.cp if layout.dp_shard > 1 else 1
         memory = {
-            "params": params * pbytes,
-            "grads": params * gbytes,
-            "optimizer": params * obytes,
-            "pipeline_grads": params * gbytes if layout.pp > 1 else 0.0,
-            "grad_buckets": params * gbytes if layout.dp * layout.cp > 1 else 0.0,
+            "params": params * pbytes / shards,
+            "grads": params * gbytes / shards,
+            "optimizer": params * obytes / shards,
+            "pipeline_grads": params * gbytes / shards if layout.pp > 1 else 0.0,
+            "grad_buckets": params * gbytes if layout.dp * layout.cp > 1 and shards == 1 else 0.0,
+            "gathered": _gathered(model, layout, stage, layers, e) if shards > 1 else 0.0,
             "activations": activations,
         }
-        memory["total"] = (memory["params"] + memory["grads"] + memory["optimizer"]
+        memory["total"] = (memory["params"] + memory["grads"] + memory["optimizer"] + memory["gathered"]
                            + max(memory["activations"] + memory["pipeline_grads"], memory["grad_buckets"]))
         if heaviest is None or memory["total"] > heaviest[0]["total"]:
             heaviest = (memory, params)
@@ -464,13 +340,35 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
     return Estimate(layout, memory, _communication(model, training, layout, params * gbytes, max(stage_layers)))
 
 
+def _gathered(model: Model, layout: Layout, stage: int, layers: int, e: int) -> float:
+    """Sharded data parallelism's unsharded copies (in the compute dtype, ``e`` bytes) beside the shards: without
+    pp, the modules around the blocks (the root unit, gathered for the whole step) and two blocks (the one
+    running and the one prefetched), weights and their unsharded gradients before the reduce-scatter; under pp
+    the stage's whole share, weights and gradients, gathered for the whole pipeline step."""
+    block = model.layer_matrix_params / layout.tp + model.layer_vector_params
+    if layout.pp > 1:
+        return 2 * _stage_params(model, layout, stage, layers) * e
+    around = _stage_params(model, layout, stage, layers) - layers * block
+    return (around + 2 * min(2, layers) * block) * e
+
+
 def _communication(model: Model, training: Training, layout: Layout, grad_bytes: float,
                    layers: int) -> dict[str, float]:
     e = PRECISIONS[training.precision][2]
     m = _microbatches(training, layout)
     tokens = _tokens(training, layout)
-    n = layout.dp * layout.cp
-    comm = {"dp": 2 * (n - 1) / n * grad_bytes}
+    if layout.dp_shard == 1:
+        n = layout.dp * layout.cp
+        comm = {"dp": 2 * (n - 1) / n * grad_bytes, "dp_shard": 0.0}
+    else:
+        # FSDP over dp_shard*cp: each unit's weights all-gathered in forward (and, without pp, again in backward
+        # for every block but the last: reshard_after_forward="auto"), gradients reduce-scattered; the replicas
+        # all-reduce their shard of the gradients.
+        n, replicas = layout.dp_shard * layout.cp, layout.dp
+        weights = grad_bytes / PRECISIONS[training.precision][1] * e
+        gathers = 1.0 if layout.pp > 1 else 1 + (layers - 1) / layers * _block_share(model, layout, layers)
+        comm = {"dp": 2 * (replicas - 1) / replicas * grad_bytes / n,
+                "dp_shard": (n - 1) / n * (gathers * weights + grad_bytes)}
     t = layout.tp
     activation = tokens * model.hidden * e
     # Per layer: two forward and two backward all-reduces of the block's output/input gradient.
@@ -550,33 +448,6 @@ def _format_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
-
-
-# ------------------------------------------------------------------------------------------ modules
-
-
-def _attention_sizes(block: Any) -> Optional[tuple[int, int]]:
-    """(heads, key/value heads) of the first attention region tensor parallelism finds in ``block``, as it
-    counts them (names and shapes, head size from the module's attributes); None when it finds none."""
-    from lightning_4d.tensor_parallel.discovery import find_regions
-
-    try:
-        regions = find_regions(block)
-    except ValueError:  # an attention whose head count tensor parallelism cannot read: fall back to attributes
-        return None
-    return next(((r.heads, r.kv_heads) for r in regions.values() if r.kind == "attention" and r.heads), None)
-
-
-def _find_int(module: Any, names: Sequence[str]) -> Optional[int]:
-    sources = [module, getattr(module, "config", None), getattr(module, "hparams", None)]
-    for child in module.modules():
-        sources += [child, getattr(child, "config", None)]
-    for source in sources:
-        for name in names:
-            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- CLI

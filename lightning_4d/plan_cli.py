@@ -34,18 +34,18 @@ _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib":
 
 def format_table(estimates: Sequence[Estimate]) -> str:
     """The ranked layouts as an aligned text table: memory parts, bytes sent per dim, and whether it fits."""
-    header = ["#", "dp", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "memory", "comm/step",
-              "dp", "tp", "cp", "pp", "fits"]
+    header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "gathered",
+              "memory", "comm/step", "dp", "dp_shard", "tp", "cp", "pp", "fits"]
     rows = []
     for rank, est in enumerate(estimates, 1):
         mem, comm = est.memory, est.comm
         state = mem["params"] + mem["grads"] + mem["optimizer"]
         fits = {None: "", True: "yes", False: "no"}[est.fits]
-        rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "pp", "cp", "tp")),
-                     _format_bytes(state), _format_bytes(mem["activations"]), _format_bytes(mem["pipeline_grads"]),
-                     _format_bytes(mem["grad_buckets"]),
-                     _format_bytes(mem["total"]), _format_bytes(comm["total"]),
-                     *(_format_bytes(comm[d]) for d in ("dp", "tp", "cp", "pp")), fits])
+        rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "dp_shard", "pp", "cp", "tp")),
+                     *(_format_bytes(value) for value in (state, mem["activations"], mem["pipeline_grads"],
+                                                          mem["grad_buckets"], mem["gathered"], mem["total"],
+                                                          comm["total"])),
+                     *(_format_bytes(comm[d]) for d in ("dp", "dp_shard", "tp", "cp", "pp")), fits])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -176,6 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"step: global batch {training.global_batch} x sequence {training.seq_len}, {training.precision},"
           f" {training.optimizer}{', sequence parallel' if training.sequence_parallel else ''}")
     print(f"{args.devices} devices" + (f", {_format_bytes(args.memory)} each" if args.memory else "")
-          + "; memory = state + max(activations + pp grads, buckets); comm = bytes sent per device per step\n")
+          + "; memory = state + gathered + max(activations + pp grads, buckets); comm = bytes sent per device per"
+            " step\n")
     print(format_table(estimates))
     return 0

@@ -106,7 +106,11 @@ def test_model_state_and_communication_by_dim():
 
 
 def test_layouts_are_every_factorization_and_problems_name_the_constraint():
-    assert len(all_layouts(8)) == 20 and all(layout.devices == 8 for layout in all_layouts(8))
+    assert len(all_layouts(8, shard=False)) == 20 and all(layout.devices == 8 for layout in all_layouts(8))
+    # With sharding, each data-parallel size d is also split into replicas x shards in every way (1, 2 or 4 ways).
+    unsharded = {(lay.dp, lay.pp, lay.cp, lay.tp) for lay in all_layouts(8, shard=False)}
+    assert {(lay.data_parallel, lay.pp, lay.cp, lay.tp) for lay in all_layouts(8)} == unsharded
+    assert len(all_layouts(8)) == sum({1: 1, 2: 2, 4: 3, 8: 4}[dp] for dp, *_ in unsharded) == 35
     model = Model.from_sizes(layers=4, hidden=96, heads=6, vocab=301)
     training = Training(seq_len=90, global_batch=6)
     assert layout_problems(model, training, Layout(dp=2, tp=3)) == ["tp=3 does not divide vocab (301)"]
@@ -120,6 +124,38 @@ def test_layouts_are_every_factorization_and_problems_name_the_constraint():
         "pp=8 exceeds the 4 layers", "the batch per replica (6) does not divide into 16 pipeline micro-batches"]
     assert layout_problems(model, training, Layout(dp=3, pp=2)) == [
         "the batch per replica (2) does not divide into 4 pipeline micro-batches"]
+
+
+def test_sharded_data_parallelism_divides_the_model_state_and_is_recommended_when_replicas_do_not_fit():
+    model = Model.from_sizes(layers=8, hidden=256, heads=8, vocab=1024)
+    training = Training(seq_len=64, global_batch=8)
+    params = model.params
+    state = lambda est: est.memory["params"] + est.memory["grads"] + est.memory["optimizer"]  # noqa: E731
+    assert state(estimate(model, training, Layout())) == 16 * params  # fp32 AdamW
+    for layout, shards in ((Layout(dp_shard=2), 2), (Layout(dp_shard=4), 4), (Layout(dp=2, dp_shard=2), 2),
+                           (Layout(dp_shard=2, cp=2), 4)):  # cp ranks share the shards
+        est = estimate(model, training, layout)
+        assert state(est) == 16 * params / shards and est.memory["grad_buckets"] == 0, layout
+        assert est.memory["gathered"] > 0 and est.comm["dp_shard"] > 0, layout
+    # Under pp one all-gather and one reduce-scatter per step over the 2 shards: the volume of DDP's all-reduce.
+    sharded_pp, replicated_pp = (estimate(model, training, Layout(dp=dp, dp_shard=shard, pp=2))
+                                 for dp, shard in ((1, 2), (2, 1)))
+    assert sharded_pp.comm["dp_shard"] == pytest.approx(replicated_pp.comm["dp"]) and sharded_pp.comm["dp"] == 0
+    # HSDP: the replicas all-reduce a shard of the gradients.
+    hsdp = estimate(model, training, Layout(dp=2, dp_shard=2))
+    assert hsdp.comm["dp"] == pytest.approx(2 * 1 / 2 * 4 * params / 2, rel=0.01)
+    assert layout_problems(model, Training(seq_len=64, global_batch=6), Layout(dp=1, dp_shard=4)) == [
+        "dp*dp_shard=4 does not divide the global batch (6)"]
+    # 4 devices (2 layers, 3 heads, a sequence of 63: no tp, no cp, pp <= 2) and memory that no replicated layout
+    # fits: the planner recommends sharding. Sharding under pp sends what DDP sends, so it ranks first anyway.
+    model, training = Model.from_sizes(layers=2, hidden=96, heads=3, vocab=8192), Training(seq_len=63, global_batch=8)
+    ranked = plan(model, training, devices=4)
+    assert str(ranked[0].layout) == "dp=1 dp_shard=2 pp=2 cp=1 tp=1", [str(est.layout) for est in ranked]
+    replicated = min(est.memory["total"] for est in ranked if est.layout.dp_shard == 1)
+    sharded = min(est.memory["total"] for est in ranked if est.layout.dp_shard > 1)
+    assert sharded < replicated
+    fitting = plan(model, training, devices=4, memory_per_device=(sharded + replicated) / 2)
+    assert fitting and all(est.layout.dp_shard > 1 for est in fitting), [str(est.layout) for est in fitting]
 
 
 def test_plan_ranks_fitting_layouts_by_communication():
@@ -190,13 +226,14 @@ def test_cli_table_json_and_errors(capsys):
     sizes = ["--layers", "8", "--hidden", "512", "--heads", "8", "--seq", "128", "--global-batch", "4"]
     assert main(["--devices", "2", "--vocab", "256", *sizes]) == 0
     table = capsys.readouterr().out
-    assert "25.4M parameters" in table and "dp  pp  cp  tp" in table
+    assert "25.4M parameters" in table and "dp  dp_shard  pp  cp  tp" in table
     assert main(["--devices", "2", "--module", "lightning_4d.demos.gpt:GPT", "--init-args",
                  '{"n_layer": 8, "n_embd": 512, "n_head": 8}', "--seq", "128", "--global-batch", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["params"] == sum(p.numel() for p in GPT(n_layer=8, n_embd=512, n_head=8).parameters())
-    assert {tuple(e["layout"].values()) for e in report["layouts"]} == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1),
-                                                                        (1, 1, 1, 2)}
+    fields = ("dp", "pp", "cp", "tp", "dp_shard")
+    assert {tuple(e["layout"][f] for f in fields) for e in report["layouts"]} == {
+        (2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 2, 1), (1, 1, 1, 1, 2)}
     with pytest.raises(SystemExit) as exit_:
         main(["--devices", "2", "--vocab", "256", "--memory", "1MiB", *sizes])
     assert exit_.value.code == 2

@@ -1,6 +1,7 @@
 """A checkpoint saved in one layout resumes in another, optimizer state included, as one process would go on.
 
-Layout pairs (dp x pp x cp x tp): one process -> 2x2x1x2, 2x2x1x2 -> 1x1x2x2, 2x2x1x2 -> one process. The model
+Layout pairs (dp x pp x cp x tp): one process -> 2x2x1x2, 2x2x1x2 -> 1x1x2x2, 2x2x1x2 -> one process; and with
+sharded data parallelism: one process -> dp_shard=4 -> 2x1x1x2 -> dp_shard=4, dp_shard=4 -> one process. The model
 is the Hugging Face Llama from a tiny config (grouped K/V heads, sharded by kv-head under tensor parallelism),
 trained with SGD, momentum 0.9: a resume that lost or misplaced a momentum buffer would move its weights by a
 step's worth, far outside the 1e-5 bound. Every resumed run is compared with the uninterrupted single-process
@@ -26,6 +27,8 @@ LLAMA = Case("llama", module="tests.lm_models:HFCausalLM", data="tests.lm_models
              module_kwargs={"kind": "llama"}, batch_size=8, max_steps=4)
 A = {"dp": 2, "pp": 2, "cp": 1, "tp": 2}
 B = {"dp": 1, "pp": 1, "cp": 2, "tp": 2}
+C = {"dp_shard": 4}  # FSDP2: parameters, gradients and momentum sharded over 4 ranks
+D = {"dp": 2, "tp": 2}
 
 
 def _case(name: str, **fields) -> Case:
@@ -50,21 +53,26 @@ def runs(tmp_path_factory):
     plain = export_checkpoint(ckpt("A"), workdir / "A.ckpt")
     from_plain = dict(max_steps=SAVE)
     four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")),
-            _case("plain_to_B", strategy=dict(B, init_from=str(plain)), **from_plain)]
+            _case("plain_to_B", strategy=dict(B, init_from=str(plain)), **from_plain),
+            # Sharded data parallelism and back: dp_shard=4 <-> 2 replicas x tp=2 <-> one process.
+            _case("C", strategy=C, resume_at=SAVE), _case("one_to_C", strategy=C, resume_from=ckpt("one")),
+            _case("C_to_D", strategy=D, resume_from=ckpt("C")),
+            _case("D", strategy=D, resume_at=SAVE), _case("D_to_C", strategy=C, resume_from=ckpt("D"))]
     records.update(train_layout(four, 4, timeout=300, workdir=str(workdir)))
     records["A_to_one"] = train(_case("A_to_one", resume_from=ckpt("A")), distributed=True)
+    records["C_to_one"] = train(_case("C_to_one", resume_from=ckpt("C")), distributed=True)
     records["plain_to_one"] = train(_case("plain_to_one", strategy={"init_from": str(plain)}, **from_plain),
                                     distributed=True)
     return ckpt, records
 
 
-@pytest.mark.parametrize("name", ["one_to_A", "A_to_B", "A_to_one"])
+@pytest.mark.parametrize("name", ["one_to_A", "A_to_B", "A_to_one", "one_to_C", "C_to_D", "D_to_C", "C_to_one"])
 def test_a_checkpoint_resumes_in_another_layout_as_one_process_goes_on(runs, name):
     _, records = runs
     assert_parity(_case(name), after_step(reference(LLAMA), SAVE), records[name])
 
 
-@pytest.mark.parametrize("name", ["one", "A"])
+@pytest.mark.parametrize("name", ["one", "A", "C", "D"])
 def test_resume_in_the_same_layout_is_exact(runs, name):
     _, records = runs
     assert_exact_resume(records[name])
