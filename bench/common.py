@@ -188,6 +188,18 @@ def result_path(name: str) -> Path:
     return RESULTS / f"{name}{'_gpu' if os.environ.get('BENCH_ACCELERATOR') == 'gpu' else ''}.json"
 
 
+def plot_if_possible(name: str, payload: dict) -> Path | None:
+    """``bench/results/NAME.png`` from ``payload`` when matplotlib is installed (``pip install -e ".[bench]"``)."""
+    from bench.report import plot
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    path = result_path(name).with_suffix(".png")
+    return path if plot(name, payload, path) else None
+
+
 def write(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = result_path(name)

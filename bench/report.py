@@ -204,9 +204,38 @@ def _plot_compile(payload: dict, figure):
     ax.legend(fontsize=7)
 
 
+def _plot_sharded_memory(payload: dict, figure):
+    ax = figure.add_subplot(1, 1, 1)
+    rows = payload["results"]
+    at = range(len(rows))
+    bottom = [0.0] * len(rows)
+    for part in ("params", "grads", "optimizer"):
+        values = [r["per_rank_mib"][part] for r in rows]
+        ax.bar(list(at), values, 0.6, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(xticks=list(at), xticklabels=[r["layout"] for r in rows], ylabel="MiB per rank (largest rank)",
+           title=f"model state per rank, example GPT ({rows[0]['params'] / 1e6:.1f}M parameters, AdamW, fp32)")
+    ax.legend(fontsize=7)
+
+
+def _plot_data_parallel_vs_lightning(payload: dict, figure):
+    keys = (("wall_s", "wall s/step"), ("cpu_s", "CPU s/step"), ("peak_mib", "peak memory"))
+    for index, (pair, result) in enumerate(payload["results"].items()):
+        ax = figure.add_subplot(1, len(payload["results"]), index + 1)
+        for offset, (key, label) in enumerate(keys):
+            values = result["fourd_over_lightning"][key]["per_round"]
+            ax.plot([offset] * len(values), values, "o", alpha=0.7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xticks=range(len(keys)), xticklabels=[label for _, label in keys], ylabel="FourD / Lightning",
+               title={"replicated": "dp=2 vs DDPStrategy", "sharded": "dp_shard=2 vs ModelParallelStrategy"}.get(
+                   pair, pair), xlim=(-0.5, len(keys) - 0.5))
+
+
 PLOTS = {"pp": (_plot_pp, (9, 4)), "cp": (_plot_cp, (9, 4)), "memory": (_plot_memory, (11, 4)),
          "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4)),
-         "activation_checkpointing": (_plot_activation_checkpointing, (9, 4)), "compile": (_plot_compile, (6, 4))}
+         "activation_checkpointing": (_plot_activation_checkpointing, (9, 4)), "compile": (_plot_compile, (6, 4)),
+         "sharded_memory": (_plot_sharded_memory, (7, 4)),
+         "data_parallel_vs_lightning": (_plot_data_parallel_vs_lightning, (9, 4))}
 
 
 def plot(name: str, payload: dict, path: Path) -> bool:

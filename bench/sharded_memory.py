@@ -25,7 +25,8 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import command, quiet_trainer, random_tokens, run_worker, write, write_rows  # noqa: E402
+from bench.common import (command, plot_if_possible, quiet_trainer, random_tokens, run_worker, write,  # noqa: E402
+                          write_rows)
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.demos.gpt import GPT  # noqa: E402
 
@@ -108,7 +109,9 @@ def main() -> None:
               f" {part['optimizer']:.2f} | {row['total_mib']:.2f} | {ratio} |")
     payload = {"command": command("sharded_memory.py"), "model": dict(MODEL, n_embd=args.width),
                "global_batch": GLOBAL_BATCH, "seq_len": SEQ, "steps": args.steps, "results": rows}
-    print(f"(written to {write('sharded_memory', payload)})")
+    path = write("sharded_memory", payload)
+    drawn = plot_if_possible("sharded_memory", payload)
+    print(f"(written to {path}{f' and {drawn}' if drawn else ''})")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def parallelized(module: nn.Module) -> Optional[ParallelModel]:
 def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, pipeline: PipelineConfig,
                 tensor: TensorParallelConfig, context: ContextParallelConfig,
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
-                compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB, reshard_after_forward: ReshardAfterForward = "auto",
+                compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
+                reshard_after_forward: ReshardAfterForward = "auto",
                 param_dtype: Optional[torch.dtype] = None) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 

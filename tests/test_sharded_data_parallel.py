@@ -4,8 +4,9 @@ Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, 
 dp_shard='auto' with activation checkpointing, bf16-mixed, a checkpoint saved at dp_shard=2 and resumed at
 dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2 on the example GPT and on
 Qwen3 with per-head norms, dp_shard2 x cp2, dp_shard2 x pp2 under 1F1B and under the zero-bubble ZBV schedule,
-the dp_shard=2 checkpoint resumed at dp_shard=4 and loaded by init_from); one more resume in one process. Every case accumulates two batches per optimizer step and clips
-the gradient norm, except the checkpoint cases (clipping only) and bf16-mixed (neither).
+the dp_shard=2 checkpoint resumed at dp_shard=4 and loaded by init_from); one more resume in one process. Every
+case accumulates two batches per optimizer step and clips the gradient norm, except the checkpoint cases (clipping
+only) and bf16-mixed (neither).
 
 Tolerances as in test_data_parallel.py: losses and logged values within 1e-5 relative per step, final weights
 within 1e-5 + 1e-5*|w| (AdamW on the classifier, SGD with momentum on the GPT). Resumed runs are compared with
