@@ -59,7 +59,10 @@ PEAK_FLOPS: tuple[tuple[str, float, Optional[float], Optional[float]], ...] = (
 # Forward attention kernels and the position of their ``is_causal`` argument. Context parallelism's ring
 # calls the aten kernels blockwise; plain code calls the first, which dispatches to one of the others.
 _ATTENTION: dict[Any, int] = {F.scaled_dot_product_attention: 5, **compat.ATTENTION_KERNELS}
-_DIM_PRECEDENCE = ("dp", "cp", "tp", "pp", "dp_cp")  # a group with one dim's ranks is that dim's
+# A group with one dim's ranks is that dim's; the first dim here wins a member set several dims share (under
+# sharding alone, every data-parallel collective is sharding's: FSDP's all-gathers and reduce-scatters).
+_DIM_PRECEDENCE = ("dp_shard", "dp", "cp", "tp", "pp", "dp_cp", "dp_replicate")
+_GROUP_OF = {"dp_shard": "dp_shard_cp"}  # FSDP shards over dp_shard x cp
 OTHER = "other"
 
 
@@ -313,17 +316,20 @@ class Telemetry(Callback):
         self._watch.dim_ranks.clear()
         labels_by_name: dict[str, Optional[str]] = {}
         if dims is not None and dist.is_initialized():
-            sizes = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_cp": dims.dp * dims.cp}
+            sharded = dims.dp_shard_enabled
+            sizes = {"dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "pp": dims.pp, "dp_cp": dims.dp * dims.cp,
+                     "dp_shard": dims.dp_shard * dims.cp if sharded else 1,
+                     "dp_replicate": dims.dp_replicate if sharded else 1}
             for dim in reversed(_DIM_PRECEDENCE):  # the first dim of the precedence wins a shared member set
                 if sizes[dim] > 1:
-                    group = strategy.mesh.group(dim)
+                    group = strategy.mesh.group(_GROUP_OF.get(dim, dim))
                     self._watch.dim_ranks[tuple(dist.get_process_group_ranks(group))] = dim
             # A dim that lost its member set (dp_cp when only dp or only cp splits) gets no label of its own.
             winners = set(self._watch.dim_ranks.values())
             self._labels = [d for d in _DIM_PRECEDENCE if d in winners]
             for dim in _DIM_PRECEDENCE:
                 if sizes[dim] > 1:
-                    group = strategy.mesh.group(dim)
+                    group = strategy.mesh.group(_GROUP_OF.get(dim, dim))
                     labels_by_name[group.group_name] = self._watch.label(group)
             self._replicas = dims.dp * dims.cp
         else:

@@ -5,6 +5,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
+from lightning_4d.telemetry import Telemetry
+
 
 class ShardTrace(Callback):
     """Records each parameter's layout after setup and the batch of every reduce-scatter FSDP issues."""
@@ -51,3 +53,14 @@ class ShardTrace(Callback):
     def parity_extras(self, trainer):
         return {"layout": self.layout, "reduce_scatters": self.reduce_scatters, "buckets": self.buckets,
                 "dtypes": sorted(self.dtypes), "described": trainer.strategy.parallel.describe()}
+
+
+class CommLabels(Telemetry):
+    """Telemetry every two optimizer steps; reports the dims it attributed communication time to."""
+
+    def __init__(self) -> None:
+        super().__init__(log_every_n_steps=2)
+
+    def parity_extras(self, trainer):
+        return {"comm_labels": sorted(key.split("/")[-1] for key, value in self.last_metrics.items()
+                                      if key.startswith("telemetry/comm_s/") and value > 0)}

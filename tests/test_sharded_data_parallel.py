@@ -66,7 +66,7 @@ def _two(workdir) -> list[Case]:
 def _four(workdir) -> list[Case]:
     return [
         Case("shard4", **CLASSIFIER, strategy={"dp_shard": 4}, max_steps=8, trainer=ACCUMULATE_CLIP),
-        _gpt("hsdp_2x2", {"dp": 2, "dp_shard": 2}, callbacks=TRACE),
+        _gpt("hsdp_2x2", {"dp": 2, "dp_shard": 2}, callbacks=TRACE + ["tests.fsdp_probes:CommLabels"]),
         _gpt("shard2_tp2", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
         # Qwen3's per-head q/k norms: tensor parallelism sums their gradients with a hook, so they stay out of FSDP.
         replace(_gpt("shard2_tp2_qwen3", {"dp_shard": 2, "tp": 2}, callbacks=TRACE),
@@ -198,6 +198,13 @@ def test_accumulation_reduce_scatters_only_before_optimizer_steps(runs):
         assert batches, f"{name}: no reduce-scatter at all"
         assert all(batch % 2 == 1 for batch in batches), (name, batches)
         assert set(batches) >= {1, 3}, (name, batches)
+
+
+def test_telemetry_names_the_sharding_and_the_replica_traffic(runs):
+    """Under HSDP, FSDP's all-gathers and reduce-scatters count as dp_shard, the replicas' all-reduce as
+    dp_replicate; nothing is left unattributed."""
+    labels = runs[1]["hsdp_2x2"]["extras"]["comm_labels"]
+    assert {"dp_shard", "dp_replicate"} <= set(labels) and "other" not in labels, labels
 
 
 def test_sizes_and_bad_input():

@@ -24,7 +24,7 @@ from tests.parity import launch
 PEAK = 1e12  # a made-up device peak, so that MFU is computed on CPU
 STEPS, EVERY = 7, 3  # the first batch is not timed: two windows of three batches
 GLOBAL_BATCH = 8
-LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}]
+LAYOUTS = [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}, {"dp_shard": 2}]
 
 
 def expected_flops_per_token(module) -> float:
@@ -37,7 +37,7 @@ def _fit(layout: dict, root: Path, world_size: int) -> float:
     from lightning_4d import FourDStrategy
 
     pl.seed_everything(7, verbose=False)
-    replicas = layout.get("dp", 1)
+    replicas = layout.get("dp", 1) * layout.get("dp_shard", 1)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=FourDStrategy(**layout), max_steps=STEPS,
                          logger=CSVLogger(root, name=_name(layout), version=0), enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
