@@ -161,7 +161,7 @@ class DesyncMonitor:
 
     Batches are compared within each data-parallel replica (ranks with one dp coordinate) before context
     parallelism shards them; plain weights within each pipeline stage and DTensor shards within each
-    ``dp_cp`` group, at the start of each checked step (so after the previous optimizer step); and every
+    ``dp_cp`` group (``dp_replicate`` under sharded data parallelism), at the start of each checked step (so after the previous optimizer step); and every
     collective of the checked steps is compared with its group before it runs.
     """
 
@@ -169,7 +169,9 @@ class DesyncMonitor:
         self.steps = steps
         self.replica = mesh.group("replica")
         self.stage = mesh.group("stage")
-        self.shards = mesh.group("dp_cp")
+        # Ranks that hold the same DTensor shards: a tensor-parallel shard is the same on every dp x cp rank;
+        # FSDP's shards differ over dp_shard x cp and are copies over the replicas only.
+        self.shards = mesh.group("dp_replicate" if mesh.dims.dp_shard_enabled else "dp_cp")
         self._trace = CollectiveTrace(compat.default_store(), timeout)
         self._recording: Optional[Any] = None
 

@@ -81,7 +81,7 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
                    reshard_after_forward: ReshardAfterForward = "auto",
                    param_dtype: Optional[torch.dtype] = None,
                    ignored_params: Optional[set[nn.Parameter]] = None,
-                   outside: Optional[Sequence[nn.Module]] = None) -> ShardedUnits:
+                   outside: Optional[Sequence[nn.Module]] = None, every_batch: bool = False) -> ShardedUnits:
     """Shard ``blocks`` (one FSDP unit each) and then ``module`` (the root unit) over ``mesh``; collective.
 
     Under pipelining (``outside`` given) the module is not a unit: the user's step stops inside it at a stage
@@ -90,7 +90,8 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
     the start of a pipeline step to its end (:meth:`ShardedUnits.pipelined_step`).
 
     ``ignored_params`` stay as they are (replicated; their gradients are the caller's to reduce). Gradient sync
-    starts off (see :meth:`ShardedUnits.gradient_sync`).
+    starts off (see :meth:`ShardedUnits.gradient_sync`), unless ``every_batch``: then every backward
+    reduce-scatters, accumulation micro-batches included (FSDP then holds sharded gradients only).
     """
     policy = mixed_precision_policy(param_dtype)
     ignored = ignored_params or None
@@ -109,18 +110,19 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
                                  ignored_params=ignored))
         for name in _step_methods(module):
             register_fsdp_forward_method(module, name)
-    sharded = ShardedUnits(units, pipelined)
-    sharded.set_gradient_sync(False)
+    sharded = ShardedUnits(units, pipelined, every_batch)
+    sharded.set_gradient_sync(every_batch)
     return sharded
 
 
 class ShardedUnits:
     """This rank's FSDP units, and the switches a training loop turns around them."""
 
-    def __init__(self, units: list[FSDPModule], pipelined: bool) -> None:
+    def __init__(self, units: list[FSDPModule], pipelined: bool, every_batch: bool = False) -> None:
         self.units = units
         self.pipelined = pipelined
-        self.syncing = False  # inside :meth:`gradient_sync`
+        self.every_batch = every_batch  # reduce-scatter after every backward, not only before optimizer steps
+        self.syncing = every_batch  # inside :meth:`gradient_sync`, or always
         self._initialized = False
 
     def set_gradient_sync(self, on: bool) -> None:
@@ -130,14 +132,15 @@ class ShardedUnits:
     @contextmanager
     def gradient_sync(self) -> Iterator[None]:
         """Reduce-scatter (and, under HSDP, all-reduce) the gradients of the backward that runs inside; off again
-        after, so that accumulation micro-batches outside it only accumulate locally."""
+        after, so that accumulation micro-batches outside it only accumulate locally (with ``every_batch`` it is
+        on all along)."""
         self.set_gradient_sync(True)
         self.syncing = True
         try:
             yield
         finally:
-            self.syncing = False
-            self.set_gradient_sync(False)
+            self.syncing = self.every_batch
+            self.set_gradient_sync(self.every_batch)
 
     @contextmanager
     def pipelined_step(self, training: bool) -> Iterator[None]:

@@ -119,12 +119,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                 tensor: TensorParallelConfig, context: ContextParallelConfig,
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
                 compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
-                reshard_after_forward: ReshardAfterForward = "auto",
+                reshard_after_forward: ReshardAfterForward = "auto", reduce_scatter_every_batch: bool = False,
                 param_dtype: Optional[torch.dtype] = None) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
-    ``reshard_after_forward`` and ``param_dtype`` (compute dtype of FSDP's mixed precision) only matter with
-    ``dp_shard > 1`` (see :mod:`lightning_4d.fsdp`).
+    ``reshard_after_forward``, ``reduce_scatter_every_batch`` and ``param_dtype`` (compute dtype of FSDP's mixed
+    precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.fsdp`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
@@ -132,7 +132,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,
                    activation_checkpointing=activation_checkpointing, compile=compile,
                    reshard_after_forward=reshard_after_forward,
-                   param_dtype=param_dtype)
+                   reduce_scatter_every_batch=reduce_scatter_every_batch, param_dtype=param_dtype)
     existing = parallelized(module)
     if existing is not None:
         if existing.options != options:
@@ -179,7 +179,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
             parallel.replicated_params += [p for p in kept if all(p is not q for q in parallel.replicated_params)]
         parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                                          ignored_params=set(parallel.replicated_params), outside=outside)
+                                          ignored_params=set(parallel.replicated_params), outside=outside,
+                                          every_batch=reduce_scatter_every_batch)
     if runner is not None:
         runner.hook_boundaries()
     from torchmetrics import Metric

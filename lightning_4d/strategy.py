@@ -60,9 +60,10 @@ class FourDStrategy(ModelParallelStrategy):
     Args:
         dp, pp, cp, tp: data-parallel replicas, pipeline stages, context-parallel ranks splitting each sequence,
             tensor-parallel ranks splitting each layer; ``dp="auto"`` takes what the others leave of the world.
-        dp_shard, reshard_after_forward: ranks that shard each replica's parameters, gradients and optimizer
-            state (FSDP2; HSDP with ``dp > 1``; ``"auto"`` fills the world), and whether a block frees its
-            gathered weights after forward (``"auto"``: all but the last); see :mod:`lightning_4d.fsdp`.
+        dp_shard, reshard_after_forward, reduce_scatter_every_batch: ranks that shard each replica's parameters,
+            gradients and optimizer state (FSDP2; HSDP with ``dp > 1``; ``"auto"`` fills the world), whether a
+            block frees its gathered weights after forward (``"auto"``: all but the last), and whether every
+            batch of ``accumulate_grad_batches`` reduce-scatters (less memory); see :mod:`lightning_4d.fsdp`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout, init_timeout: how long a collective may wait before the waiting ranks fail and print what
             every rank was last doing: once training runs (2 minutes), and while the run starts and around
@@ -107,6 +108,7 @@ class FourDStrategy(ModelParallelStrategy):
         tp: int = 1,
         dp_shard: Size = 1,
         reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
+        reduce_scatter_every_batch: bool = False,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         timeout: timedelta = DEFAULT_TIMEOUT,
         init_timeout: timedelta = DEFAULT_INIT_TIMEOUT,
@@ -146,6 +148,7 @@ class FourDStrategy(ModelParallelStrategy):
         ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard)
         check_reshard_after_forward(reshard_after_forward)
         self.reshard_after_forward, self.bucket_mb, self.init_from = reshard_after_forward, float(bucket_mb), init_from
+        self.reduce_scatter_every_batch = bool(reduce_scatter_every_batch)
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
@@ -232,8 +235,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
                                     activation_checkpointing=self.ac_config, compile=self.compile_config,
-                                    bucket_mb=self.bucket_mb,
-                                    reshard_after_forward=self.reshard_after_forward,
+                                    bucket_mb=self.bucket_mb, reshard_after_forward=self.reshard_after_forward,
+                                    reduce_scatter_every_batch=self.reduce_scatter_every_batch,
                                     param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())

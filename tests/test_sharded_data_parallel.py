@@ -1,6 +1,7 @@
 """Sharded data parallelism (FSDP2 over dp_shard x cp, HSDP over dp_replicate) against one process.
 
-Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, ZeRO-2-like resharding,
+Two launches: 2 processes (dp_shard=2 on the classifier and on the example GPT, ZeRO-2-like resharding, a
+reduce-scatter after every accumulated batch with debug=True,
 dp_shard='auto' with activation checkpointing, bf16-mixed, a checkpoint saved at dp_shard=2 and resumed at
 dp_shard=2 and at dp=2) and 4 processes (dp_shard=4, HSDP 2x2, dp_shard2 x tp2 on the example GPT and on
 Qwen3 with per-head norms, dp_shard2 x cp2, dp_shard2 x pp2 under 1F1B and under the zero-bubble ZBV schedule,
@@ -56,6 +57,9 @@ def _two(workdir) -> list[Case]:
              trainer=dict(ACCUMULATE_CLIP, **VALIDATE)),
         _gpt("shard2_gpt", {"dp_shard": 2}, callbacks=TRACE),
         _gpt("shard2_gpt_zero2", {"dp_shard": 2, "reshard_after_forward": False}),
+        # Reduce-scatter after every batch of the accumulation too; with the strategy's desync checks on.
+        _gpt("shard2_every_batch_debug", {"dp_shard": 2, "reduce_scatter_every_batch": True, "debug": True},
+             callbacks=TRACE),
         _gpt("shard_auto_gpt_checkpointed", {"dp_shard": "auto", "activation_checkpointing": "full"}),
         replace(_gpt("shard2_bf16_mixed", {"dp_shard": 2}, callbacks=TRACE), trainer={"precision": "bf16-mixed"}),
         _gpt("shard2_saved", {"dp_shard": 2}, resume_at=SAVE),
@@ -102,7 +106,8 @@ def test_sharded_classifier_matches_single_process(runs, name):
     assert_parity(case, reference(case), records[name], epoch_metrics=epoch_metrics)
 
 
-@pytest.mark.parametrize("name", ["shard2_gpt", "shard2_gpt_zero2", "shard_auto_gpt_checkpointed", "hsdp_2x2",
+@pytest.mark.parametrize("name", ["shard2_gpt", "shard2_gpt_zero2", "shard2_every_batch_debug",
+                                  "shard_auto_gpt_checkpointed", "hsdp_2x2",
                                   "shard2_tp2", "shard2_tp2_qwen3", "shard2_cp2", "shard2_pp2",
                                   "shard2_pp2_zbv_nanogpt"])
 def test_sharded_gpt_matches_single_process(runs, name):
@@ -198,6 +203,10 @@ def test_accumulation_reduce_scatters_only_before_optimizer_steps(runs):
         assert batches, f"{name}: no reduce-scatter at all"
         assert all(batch % 2 == 1 for batch in batches), (name, batches)
         assert set(batches) >= {1, 3}, (name, batches)
+    # reduce_scatter_every_batch=True: every batch of the accumulation reduce-scatters, the first ones too (batch
+    # indices count within an epoch of 4 batches), as often in each as the last one.
+    every = runs[1]["shard2_every_batch_debug"]["extras"]["reduce_scatters"]
+    assert set(every) == {0, 1, 2, 3} and every.count(0) == every.count(1), every
 
 
 def test_telemetry_names_the_sharding_and_the_replica_traffic(runs):
