@@ -43,7 +43,8 @@ def test_exception_on_one_rank_ends_the_job_and_keeps_the_last_checkpoint(tmp_pa
 
 def test_exception_on_one_rank_of_a_4d_layout_ends_all_16(tmp_path):
     case = Case("fail4d", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data",
-                strategy={"dp": 2, "pp": 2, "cp": 2, "tp": 2}, batch_size=8, max_steps=8, resume_at=2,
+                strategy={"dp": 2, "pp": 2, "cp": 2, "tp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=8,
+                resume_at=2,
                 callbacks=["tests.probes:FailOnRank"])
     result = run_layout([case], 16, timeout=400, workdir=str(tmp_path), grace=90)
     _check_job_ended(result, reporting_peers=1)

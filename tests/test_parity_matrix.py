@@ -23,6 +23,10 @@ MODELS = {
     "llama": dict(module="tests.lm_models:HFCausalLM", module_kwargs={"kind": "llama"}),
 }
 LAYOUTS = [dict(zip(("dp", "pp", "cp", "tp"), sizes)) for sizes in itertools.product((1, 2), repeat=4)]
+# Two pipeline micro-batches (the fewest 1F1B takes at pp=2) rather than the default 2*pp: every micro-batch
+# repeats each tensor- and context-parallel collective, and at 16 processes on 2 cores their latency is the step
+# time (a 2x2x2x2 case takes half as long). Schedules with more micro-batches: tests/test_pipeline_parallel.py.
+LAYOUTS = [dict(layout, pp_microbatches=2) if layout["pp"] == 2 else layout for layout in LAYOUTS]
 
 
 RESUME_AT = 2  # the full 4D layout also checkpoints at this step and resumes from it in a new Trainer
@@ -48,7 +52,7 @@ def _cases(world_size: int) -> list[Case]:
 # The full 4D layout also trains the GPT with each of the strategy's activation checkpointing modes (every_n:
 # every second block counted over the whole model, so each pipeline stage checkpoints one of its two).
 CHECKPOINTED = [Case(f"gpt-dp2pp2cp2tp2-{mode}", data="tests.lm_models:token_data",
-                     strategy={"dp": 2, "pp": 2, "cp": 2, "tp": 2, "activation_checkpointing": mode}, batch_size=8,
+                     strategy={**LAYOUTS[-1], "activation_checkpointing": mode}, batch_size=8,
                      max_steps=4, **MODELS["gpt"]) for mode in ("full", "selective", "every_n")]
 
 
