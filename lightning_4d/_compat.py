@@ -268,3 +268,19 @@ def metric_forward_cache(metric: Any) -> Any:
 
 def set_metric_forward_cache(metric: Any, value: Any) -> None:
     metric._forward_cache = value
+
+
+# -------------------------------------------------------------------------------------------- transformers
+
+# Which attention a Hugging Face model runs ('eager', 'sdpa', ...) and whether its class offers 'sdpa': public
+# only as the ``attn_implementation`` argument of ``from_pretrained``/``from_config``, read back from the
+# config's private attribute and the model class's flag. Context parallelism refuses 'eager' before any
+# collective (its softmax is computed by hand, out of the reach of ring attention).
+def hf_attention_implementation(model: Any) -> Optional[str]:
+    """The attention implementation of a transformers ``PreTrainedModel`` (None for any other module)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) if hasattr(model, "_supports_sdpa") else None
+
+
+def hf_supports_sdpa(model: Any) -> bool:
+    return bool(getattr(model, "_supports_sdpa", False))

@@ -249,6 +249,7 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
     ``nn.MultiheadAttention`` computes its attention inside ``F.multi_head_attention_forward``, itself a torch
     function: the interception handles that call, and a function mode is off while its own handler runs, so the
     ``scaled_dot_product_attention`` inside it would see only this rank's tokens."""
+    _check_eager_attention(module, cp)
     found = [fqn for fqn, sub in module.named_modules() if isinstance(sub, nn.MultiheadAttention)]
     if found:
         raise ValueError(
@@ -258,6 +259,26 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
             " see only its own tokens. Use an attention module that calls"
             " torch.nn.functional.scaled_dot_product_attention itself (Hugging Face, litgpt, torchtitan and the"
             " example GPT do), or cp=1 (dp=N replicates the model instead).")
+
+
+def _check_eager_attention(module: nn.Module, cp: int) -> None:
+    """A Hugging Face model that runs attn_implementation='eager' computes its softmax by hand (Bloom always: it
+    adds ALiBi to the scores itself): refused here, naming its attention, rather than after the first step."""
+    for fqn, model in module.named_modules():
+        if compat.hf_attention_implementation(model) != "eager":
+            continue
+        attention = next((f"{fqn}.{name}".lstrip(".") + f" ({type(sub).__name__})"
+                          for name, sub in model.named_modules() if type(sub).__name__.endswith("Attention")),
+                         f"{fqn or 'the module'} ({type(model).__name__})")
+        fix = ("Load it with attn_implementation='sdpa', or use cp=1 (dp=N replicates the model instead)."
+               if compat.hf_supports_sdpa(model) else
+               f"{type(model).__name__} offers no attn_implementation='sdpa' (it computes its attention scores"
+               " itself, e.g. with an ALiBi bias): use cp=1 (dp=N replicates the model instead).")
+        raise ValueError(
+            f"cp={cp}: {attention} computes attention by hand ({fqn or 'the module'} ({type(model).__name__}) runs"
+            " Hugging Face's attn_implementation='eager'), not through"
+            " torch.nn.functional.scaled_dot_product_attention, so context parallelism cannot make it ring attention"
+            f" and each rank would see only its own tokens. {fix}")
 
 
 class ContextParallel:

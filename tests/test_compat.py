@@ -110,6 +110,19 @@ def _fsdp_internals():
             state._root_post_backward_final_callback, FSDPParamGroup.post_backward)
 
 
+def _hf_attention():
+    # What context parallelism's refusal of Hugging Face 'eager' attention reads (tests/test_zoo.py: Bloom).
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2)
+    for implementation in ("eager", "sdpa"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+        assert compat.hf_attention_implementation(model) == implementation
+    assert compat.hf_supports_sdpa(model) and not compat.hf_supports_sdpa(transformers.BloomForCausalLM)
+    assert compat.hf_attention_implementation(nn.Linear(1, 1)) is None
+
+
 CHECKS = {
     "torch ParallelStyle._apply/_prepare_input_fn/_prepare_output_fn": _parallel_style_hooks,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(+_backward)": _flash_cpu_matches_sdpa,
@@ -133,6 +146,7 @@ CHECKS = {
                  for name in compat.FUNCTIONAL_COLLECTIVES],
     "FSDP2 state: _lazy_init, _state_ctx.all_states, _fsdp_param_groups, post_backward, the final callback":
         _fsdp_internals,
+    "transformers PreTrainedModel._supports_sdpa, PretrainedConfig._attn_implementation": _hf_attention,
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),
