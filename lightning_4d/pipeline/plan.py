@@ -125,6 +125,22 @@ class _UseOrder(ast.NodeVisitor):
             self.first.setdefault(node.attr, len(self.first))
 
 
+def _check_not_encoder_decoder(module: nn.Module, pp: int) -> None:
+    """Refuse an encoder-decoder (``nn.Transformer``, ``nn.TransformerDecoder``, a Hugging Face model with
+    ``config.is_encoder_decoder``): its decoder reads the encoder's output (``memory``) and the embedded target
+    beside the activation that one stage passes to the next, so the stages after the first would compute them
+    from modules they do not hold and train a different model without an error."""
+    for fqn, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if isinstance(sub, (nn.Transformer, nn.TransformerDecoder)) or getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"pp={pp}: {fqn or 'the module'} ({type(sub).__name__}) is an encoder-decoder: its decoder reads the"
+                " encoder's output (memory) and its own embedded input beside the one activation that pipeline"
+                " stages pass on, so a later stage would compute them from modules it does not hold. Whichever"
+                " block list pp_blocks names, the cut cannot carry them. Use pp=1 (dp=N replicates the model"
+                " instead).")
+
+
 def check_blocks(blocks: Sequence[object], path: str, config: PipelineConfig) -> None:
     """Refuse a block list the layout cannot split: fewer blocks than stages, split points past the end, or
     one block object repeated (a stage cannot hold part of a shared block)."""
@@ -159,6 +175,7 @@ class PipelinePlan:
     @classmethod
     def build(cls, module: nn.Module, config: PipelineConfig) -> PipelinePlan:
         """Plan the cut; raises a ValueError naming the fix if ``module`` cannot be cut this way."""
+        _check_not_encoder_decoder(module, config.pp)
         path, container = find_blocks(module, config.blocks)
         check_blocks(_blocks_in(container), path, config)
         roles: dict[int, set[str]] = {}
