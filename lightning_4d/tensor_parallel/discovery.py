@@ -247,16 +247,24 @@ def plan_tensor_parallel(
     if tp_size == 1:
         return plan
 
-    for fqn, m in modules.items():
-        if isinstance(m, nn.MultiheadAttention) and not _under(fqn, replicated):
-            parent = _pattern(fqn).rsplit(".", 1)[0] + "." if "." in fqn else ""
-            raise ValueError(
-                f"{fqn} is an nn.MultiheadAttention: it computes its heads inside F.multi_head_attention_forward "
-                "from one fused in_proj_weight, which cannot be sharded without changing its code. Fix: use an "
-                "attention module built from nn.Linear q/k/v projections, or keep it replicated and shard only the "
-                f"feed-forward, e.g. tp_plan: {{'{_pattern(fqn)}': replicate, '{parent}linear1': colwise, "
-                f"'{parent}linear2': rowwise}}."
-            )
+    unshardable = [fqn for fqn, m in modules.items()
+                   if isinstance(m, nn.MultiheadAttention) and not _under(fqn, replicated)]
+    if unshardable:
+        # Every such attention at once (nn.Transformer has three per decoder layer and one per encoder layer), and
+        # the feed-forward beside it, linear1 and linear2 in torch's layers: a plan that works as printed.
+        fix = {_pattern(fqn): "replicate" for fqn in unshardable}
+        for fqn in unshardable:
+            parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+            if all(isinstance(modules.get(_child(parent, name)), nn.Linear) for name in ("linear1", "linear2")):
+                fix.update({_pattern(_child(parent, "linear1")): "colwise",
+                            _pattern(_child(parent, "linear2")): "rowwise"})
+        raise ValueError(
+            f"{unshardable[0]} is an nn.MultiheadAttention ({len(unshardable)} in {type(module).__name__}): it computes"
+            " its heads inside F.multi_head_attention_forward from one fused in_proj_weight, which cannot be sharded"
+            " without changing its code. Fix: use an attention module built from nn.Linear q/k/v projections, or keep"
+            " it replicated and shard only the feed-forward, e.g. tp_plan: {"
+            + ", ".join(f"'{pattern}': {style}" for pattern, style in fix.items()) + "}."
+        )
 
     for fqn, region in _regions(modules, replicated, divide):
         m = modules[fqn]
