@@ -7,7 +7,8 @@ with position_ids). Losses per step and logged train_loss within 1e-5 relative, 
 at step 2 and resumes in a new Trainer: the resumed run must equal the uninterrupted one bit for bit; and the
 GPT trains there once more with each activation_checkpointing mode ('full', 'selective', 'every_n'). Every
 layout with dp=2 also trains the GPT with dp_shard=2 in its place (FSDP2 sharding instead of replicas; 8 layouts,
-up to dp_shard2 x pp2 x cp2 x tp2).
+up to dp_shard2 x pp2 x cp2 x tp2). The full 4D layout also trains two families of the model zoo, GPT-NeoX and
+Phi-3 (tests/zoo_models.py), 2 steps each.
 """
 
 import itertools
@@ -56,9 +57,18 @@ CHECKPOINTED = [Case(f"gpt-dp2pp2cp2tp2-{mode}", data="tests.lm_models:token_dat
                      max_steps=4, **MODELS["gpt"]) for mode in ("full", "selective", "every_n")]
 
 
+# Two families of the model zoo (tests/test_zoo.py trains every family at dp, tp, cp and pp of 2, one at a time)
+# also in the full 4D layout, two steps each: GPT-NeoX (q, k, v fused head by head, rotary on half of each head,
+# parallel residual) and Phi-3 (fused qkv_proj and gate_up_proj); Llama is the matrix's own Hugging Face model.
+ZOO_FAMILIES = ("gpt_neox", "phi3")
+ZOO = [Case(f"zoo_{family}-dp2pp2cp2tp2", module="tests.zoo_models:zoo_lm", module_kwargs={"family": family},
+            data="tests.lm_models:token_data", strategy=LAYOUTS[-1], batch_size=8, max_steps=2)
+       for family in ZOO_FAMILIES]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
 def test_every_layout_matches_one_process(world_size):
-    cases = _cases(world_size) + (CHECKPOINTED if world_size == 16 else [])
+    cases = _cases(world_size) + (CHECKPOINTED + ZOO if world_size == 16 else [])
     results = train_layout(cases, world_size, timeout=900)
     for case in cases:
         got = results[case.name]
