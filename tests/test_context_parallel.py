@@ -2,12 +2,13 @@
 
 Parity: losses per step, logged train (and val) loss and final weights within 1e-5 for cp=2, cp=4,
 dp=2 x cp=2 and cp=2 x tp=2 on the example GPT (rotary tables sliced ``cos[:T]``), nanoGPT (learned
-positions from ``arange(T)``), Hugging Face Llama (rotary ``position_ids``) and OPT at cp=2 (learned positions
-taking ``position_ids`` after an attention mask); on the example GPT also with
+positions from ``arange(T)``) and Hugging Face Llama (rotary ``position_ids``); on the example GPT also with
 sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, position ids taken from the batch,
 all-gather communication, and prediction (which runs on whole sequences); Hugging Face Llama with its own
 gradient checkpointing on at cp=2 and pp=2 x cp=2 (attention recomputed in backward is ring attention again). Two runs with position handling
-switched off must differ from one process, so the parity cases can tell.
+switched off must differ from one process, so the parity cases can tell. The model zoo at cp=2 (OPT's learned
+positions, which take ``position_ids`` after an attention mask, among them) and its refusals (Bloom's hand-computed
+ALiBi attention, nn.MultiheadAttention) with their fixes: tests/test_zoo.py.
 
 Process start-up dominates: one launch per world size. The 2-process launch also runs the cases that must
 fail (each on every rank; tests/parity_worker.py records their errors).
@@ -43,9 +44,6 @@ TWO = [
          callbacks=["tests.cp_models:PredictProbe"], **LM),
     Case("cp2_nanogpt", module=MODELS["nanogpt"], strategy={"cp": 2}, **LM),
     Case("cp2_llama", module=MODELS["llama"], strategy={"cp": 2}, **LM),
-    # OPT's learned positions take position_ids after an attention mask (#13).
-    Case("cp2_opt_learned_positions", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
-         strategy={"cp": 2}, **LM),
     Case("cp2_gpt_allgather", module=MODELS["gpt"], strategy={"cp": 2, "cp_comm": "allgather"}, **LM),
     Case("cp2_causal_bool_mask", module=VARIANT, module_kwargs={"attention": "causal_bool"}, strategy={"cp": 2},
          **LM),
@@ -56,8 +54,6 @@ TWO = [
     Case("cp2_batch_positions", module="tests.cp_models:BatchPositionsGPT",
          data="tests.cp_models:token_data_with_positions", max_steps=4,
          strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
-    # The fix that the nn.MultiheadAttention refusal names: cp=1, dp=2 replicating the model instead.
-    Case("dp2_torch_encoder_instead_of_cp", module="tests.zoo_models:TorchEncoderLM", strategy={"dp": 2}, **LM),
     # The fix that the sliding-window refusal names: sequences no longer than the window.
     Case("cp2_sliding_window_at_window_length", module="tests.cp_models:SlidingWindowMistral",
          data="tests.cp_models:window_length_data", strategy={"cp": 2}, max_steps=4),
@@ -93,11 +89,6 @@ FAILING = {
                                              "shorter than the sequences (16 tokens)",
                                              "band mask on the tiles at the window's edge",
                                              "sequences of at most 12 tokens"]),
-    "multihead_attention": (Case("multihead_attention", module="tests.zoo_models:TorchEncoderLM", strategy={"cp": 2},
-                                 **LM),
-                            "ValueError", ["cp=2: encoder.layers.0.self_attn is an nn.MultiheadAttention (4 in",
-                                           "inside torch.nn.functional.multi_head_attention_forward",
-                                           "or cp=1 (dp=N replicates the model instead)"]),
     # A regression MLP has no sequence: its 16 features are split as one, and the first linear fails.
     "no_sequence": (Case("no_sequence", module="tests.models:Classifier", data="tests.models:classification_data",
                          strategy={"cp": 2}, max_steps=2),

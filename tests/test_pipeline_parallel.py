@@ -2,9 +2,10 @@
 
 Every schedule runs at pp=2 and pp=4, spread over the example GPT, Hugging Face Llama and GPT-2 (tied
 embedding and head), with gradient accumulation and clipping on several of them; pp2 x dp2 adds replicas and
-pp2 x tp2 sharded (DTensor) stages. Library block containers at pp=2: torch's nn.TransformerEncoder (which
-indexes its layers) and blocks in an nn.ModuleDict (as torchtitan keeps them); OPT and a litgpt-shaped model,
-which register their final norm / head before the blocks and run them after.
+pp2 x tp2 sharded (DTensor) stages. Library block containers at pp=2: blocks in an nn.ModuleDict (as torchtitan
+keeps them) and a litgpt-shaped model, which registers its head before the blocks and runs it after. The model
+zoo at pp=2 (torch's nn.TransformerEncoder, which indexes its layers, and OPT, which registers its final norm
+before its layers, among them) and the encoder-decoder refusal: tests/test_zoo.py.
 Tolerances: 1e-5 relative on losses and logged values, 1e-5 + 1e-5 * |w| on weights (SGD, see
 ``tests/lm_models.py``). A missing micro-batch, a gradient divided twice, a tied gradient not summed or a
 clipping norm over one stage only are all far outside these bounds.
@@ -163,16 +164,12 @@ TWO = [
     _pp("pp2_gpt_interleaved_zero_bubble", 2, GPT, "interleaved_zero_bubble", layers=4, pp_microbatches=2),
     _pp("pp2_gpt_dualpipev_split", 2, GPT, "dualpipev", layers=6, pp_split_points=[1, 3, 5]),
     Case("pp2_gpt_resumed", **GPT, strategy={"pp": 2}, max_steps=4, resume_at=2),
-    # Block containers of library code: torch's nn.TransformerEncoder reads self.layers[0] in its forward (each
-    # stage's list is numbered from 0 while it runs), and blocks in an nn.ModuleDict run with .values().
-    Case("pp2_torch_encoder_indexes_its_layers", module="tests.zoo_models:TorchEncoderLM",
-         data="tests.lm_models:token_data", strategy={"pp": 2}, max_steps=3),
+    # Block containers of library code: blocks in an nn.ModuleDict run with .values() (torch's
+    # nn.TransformerEncoder, which reads self.layers[0] in its forward, is in the zoo: tests/test_zoo.py).
     Case("pp2_module_dict_blocks", module="tests.zoo_models:ModuleDictLM", data="tests.lm_models:token_data",
          strategy={"pp": 2}, max_steps=3),
-    # Modules registered on one side of the blocks that run on the other: OPT's final_layer_norm (before its
-    # layers) and litgpt's lm_head (before transformer) go to the last stage, where their forward uses them.
-    Case("pp2_opt_final_norm_registered_first", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
-         data="tests.lm_models:token_data", strategy={"pp": 2}, max_steps=3),
+    # Modules registered on one side of the blocks that run on the other: litgpt's lm_head (before transformer)
+    # goes to the last stage, where its forward uses it (OPT's final_layer_norm: tests/test_zoo.py).
     Case("pp2_head_registered_first", module="tests.zoo_models:HeadFirstLM", data="tests.lm_models:token_data",
          strategy={"pp": 2}, max_steps=3),
 ]
