@@ -179,16 +179,22 @@ class OwnPlacementsStyle:
     def place(self, module: nn.Module, mesh: DeviceMesh, placements: Any, src_data_rank: Any) -> None:
         raise NotImplementedError
 
+    def applied(self, module: nn.Module) -> None:
+        """Called with each module once the style is applied to it (its parameters distributed, its hooks on)."""
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placements = self.own_placements(module)
         if placements is None:
-            return super()._apply(module, device_mesh)
-        if self.own_input_layouts is not None:
-            self.desired_input_layouts = self.own_input_layouts
-        return distribute_module(
-            module, device_mesh, lambda _, m, mesh: self.place(m, mesh, placements, self.src_data_rank),
-            functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+            module = super()._apply(module, device_mesh)
+        else:
+            if self.own_input_layouts is not None:
+                self.desired_input_layouts = self.own_input_layouts
+            module = distribute_module(
+                module, device_mesh, lambda _, m, mesh: self.place(m, mesh, placements, self.src_data_rank),
+                functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        self.applied(module)
+        return module
 
 
 class SequenceParallelFromPlain(SequenceParallel):

@@ -4,11 +4,14 @@ as replicated."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
+from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
 from lightning_4d.tensor_parallel.plan import _SEQUENCE_DIM, ModuleStyle, _is_conv1d
@@ -31,6 +34,55 @@ class _Conv1DAware(compat.OwnPlacementsStyle):
 
     def place(self, module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None) -> None:
         _distribute_params(module, mesh, placements, src)
+
+    def applied(self, module: nn.Module) -> None:
+        if _own_forward(module):
+            _OwnWeights.attach(module)
+
+
+def _own_forward(module: nn.Module) -> bool:
+    """A subclass of nn.Linear / nn.Embedding with a forward of its own, which may read its weight itself."""
+    base = nn.Embedding if isinstance(module, nn.Embedding) else nn.Linear
+    return isinstance(module, base) and type(module).forward is not base.forward
+
+
+class _OwnWeights(TorchFunctionMode):
+    """While a sharded module's own forward runs: a plain tensor that is the local shard of one of its weights,
+    unchanged (``self.weight.to_local()``, as torchtitan's ``Embedding`` reads its weight before calling
+    ``F.embedding``), is passed on as that weight itself, so the torch function computes over the whole
+    sharded weight (a vocabulary-parallel lookup) instead of mixing a plain shard with DTensor inputs. Only
+    ``torch.nn.functional``'s functions are looked at: the tensor methods inside ``to_local`` are left alone."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.locals: list[tuple[torch.Tensor, DTensor]] = []
+
+    @classmethod
+    def attach(cls, module: nn.Module) -> None:
+        mode = cls(module)
+        module.register_forward_pre_hook(lambda *_: mode.__enter__() and None)  # a pre-hook's result is the input
+        # before the style's own output hook, which redistributes the output outside the module's code
+        module.register_forward_hook(lambda *_: mode.__exit__(None, None, None), prepend=True, always_call=True)
+
+    def __enter__(self):
+        self.locals = [(p.to_local(), p) for p in self.module.parameters(recurse=False) if isinstance(p, DTensor)]
+        return super().__enter__()
+
+    def _weight(self, value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            for local, param in self.locals:
+                if (value.shape == local.shape and value.stride() == local.stride()
+                        and value.data_ptr() == local.data_ptr()):
+                    return param
+        return value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == F.__name__:  # F.embedding, F.linear: not to_local's own view
+            args = tuple(self._weight(a) for a in args)
+            kwargs = {k: self._weight(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
 class _Colwise(_Conv1DAware, ColwiseParallel):
