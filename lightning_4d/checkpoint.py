@@ -54,8 +54,27 @@ PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
 
 def model_state(model: nn.Module) -> dict[str, Any]:
-    """The tensors this rank holds, by full parameter name (DTensor shards stay shards)."""
-    return get_model_state_dict(model)
+    """The tensors this rank holds, by full parameter name (DTensor shards stay shards). A model whose modules'
+    state-dict hooks rename keys (torchtitan's fused ``wqkv`` is saved as ``wq``/``wk``/``wv``) gives its own
+    ``state_dict()``, as torchtitan's checkpointer takes it: torch's ``get_model_state_dict`` looks every key
+    up as an attribute and fails on those."""
+    state = model.state_dict()
+    return state if _renamed_by_hooks(model, state) else get_model_state_dict(model)
+
+
+def _renamed_by_hooks(model: nn.Module, state: Mapping[str, Any]) -> bool:
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    return any(key not in names and not key.endswith("._extra_state") for key in state)  # get_extra_state()'s key
+
+
+def _set_model_state(model: nn.Module, state: dict[str, Any], strict: bool, full: bool = False) -> None:
+    """``set_model_state_dict``, or the model's own ``load_state_dict`` (whose hooks undo the renaming) where
+    :func:`model_state` took its own ``state_dict()``."""
+    if _renamed_by_hooks(model, model.state_dict()):
+        model.load_state_dict(state, strict=strict)
+    else:
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=strict))
 
 
 # Optimizer state flattened to one entry per parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``):
@@ -135,7 +154,7 @@ def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
     if not verified:
         verify_collective(path)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {"state_dict": get_model_state_dict(model)}
+    state = {"state_dict": model_state(model)}
     _check_model_fits(state["state_dict"], stored, path, strict, whole_model)
     for index, optimizer in enumerate(optimizers):
         flat = optimizer_state(model, optimizer)
@@ -148,7 +167,7 @@ def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
                     del flat[key]
         state[f"optimizer_{index}"] = flat
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["state_dict"], options=StateDictOptions(strict=strict))
+    _set_model_state(model, state["state_dict"], strict)
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"],
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
@@ -192,16 +211,15 @@ def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True,
     if path.is_dir():
         _load_shards(path, model, [], strict, whole_model)
         return
-    model_state = get_model_state_dict(model)
+    held = model_state(model)
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
     if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):
         raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state_dict of tensors.")
-    _check_model_fits(model_state, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict,
-                      whole_model)
+    _check_model_fits(held, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict, whole_model)
     if whole_model is not None:  # a pipeline stage takes its own part of the whole model
-        full = {key: value for key, value in full.items() if key in model_state}
-    set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True, strict=strict))
+        full = {key: value for key, value in full.items() if key in held}
+    _set_model_state(model, dict(full), strict, full=True)
 
 
 class _Shape:
@@ -234,7 +252,7 @@ def _plain(value: Any) -> Any:
 def full_model_state(model: nn.Module, pp_group: Optional[dist.ProcessGroup] = None) -> dict[str, torch.Tensor]:
     """The whole model as plain tensors on every rank (for export and tests of small models); a collective
     over the tensor-parallel ranks and, when ``model`` is one pipeline stage, over ``pp_group``'s stages."""
-    state = get_model_state_dict(model)
+    state = model_state(model)
     state = {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
     if pp_group is None:
         return state
