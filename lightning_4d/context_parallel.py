@@ -45,8 +45,10 @@ from lightning_4d.step_logging import StepLogs
 # Automatic detection, by the last part of the name: learned position embeddings (nn.Embedding) ...
 POSITION_EMBEDDING_NAMES = ("wpe", "pos_emb", "pos_embedding", "position_embedding", "position_embeddings",
                             "embed_positions")
-# ... and per-position tables that code slices by length (litgpt's cos/sin, torchtitan's freqs_cis).
+# ... and per-position tables that code slices by length (litgpt's cos/sin, torchtitan's freqs_cis), and a
+# rotary module's ``cache`` (torchtitan's RoPE modules since 0.3: ``layers.0.attention.rope.cache``).
 POSITION_BUFFER_NAMES = ("cos", "sin", "cos_cached", "sin_cached", "freqs_cis")
+ROTARY_CACHE_NAMES = ("cache",)
 _SDPA = F.scaled_dot_product_attention
 
 
@@ -91,15 +93,22 @@ def _position_argument(fqn: str, sub: nn.Module) -> str:
 
 
 def find_position_buffers(module: nn.Module, patterns: Optional[Sequence[str]] = None) -> list[str]:
-    """FQNs of buffers indexed by position on dim 0; ``None`` detects them by name (:data:`POSITION_BUFFER_NAMES`)."""
+    """FQNs of buffers indexed by position on dim 0; ``None`` detects them by name (:data:`POSITION_BUFFER_NAMES`,
+    and a ``cache`` of a module named like a rotary embedding)."""
     names = [fqn for fqn, _ in module.named_buffers()]
     if patterns is None:
-        return [fqn for fqn in names if fqn.rsplit(".", 1)[-1] in POSITION_BUFFER_NAMES]
+        return [fqn for fqn in names if fqn.rsplit(".", 1)[-1] in POSITION_BUFFER_NAMES or _rotary_cache(fqn)]
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in names):
             raise ValueError(f"cp_buffers: {pattern!r} matches no buffer of {type(module).__name__}; its buffers"
                              f" are {_examples(names)}.")
     return [fqn for fqn in names if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)]
+
+
+def _rotary_cache(fqn: str) -> bool:
+    owner, _, name = fqn.rpartition(".")
+    last = owner.rsplit(".", 1)[-1].lower()
+    return name in ROTARY_CACHE_NAMES and ("rope" in last or "rotary" in last)
 
 
 def _forward_parameters(module: nn.Module) -> list[str]:
