@@ -54,10 +54,12 @@ def _hf_config(family: str):
         return transformers.GPTBigCodeConfig(n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
                                              multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                              **common)
-    raise ValueError(f"family={family!r} is not in the zoo: one of {FAMILIES}")
+    raise ValueError(f"family={family!r} is not in the zoo: one of {FAMILIES + LIBRARY_FAMILIES}")
 
 
 HF_FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gpt_neox", "opt", "bloom", "gpt_bigcode")
+# Other libraries' own model code (installed by the ``test`` extra, see pyproject.toml).
+LIBRARY_FAMILIES = ("litgpt_llama", "litgpt_pythia", "torchtitan_llama3")
 FAMILIES = HF_FAMILIES + ("lightning_demo", "torch_transformer")
 
 
@@ -145,7 +147,79 @@ class HeadFirstLM(_CausalLM):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+class LitGPTLM(_CausalLM):
+    """``litgpt.GPT`` from one of litgpt's own named configs, shrunk to the zoo's size, as a user pre-training
+    a litgpt model in their own LightningModule writes it. ``litgpt_llama``: Llama 3.2's architecture (RMSNorm,
+    SwiGLU ``LLaMAMLP``, grouped queries, Llama 3 rope scaling); ``litgpt_pythia``: Pythia's (GPT-NeoX: LayerNorm,
+    parallel residual, biases, partial rotary: here half of each head)."""
+
+    def __init__(self, family: str = "litgpt_llama") -> None:
+        super().__init__()
+        from litgpt import GPT, Config
+
+        size = dict(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, padded_vocab_size=VOCAB,
+                    block_size=64, intermediate_size=2 * HIDDEN)
+        if family == "litgpt_llama":
+            config = Config.from_name("Llama-3.2-1B", n_query_groups=2, **size)
+        elif family == "litgpt_pythia":
+            config = Config.from_name("pythia-14m", rotary_percentage=0.5, **size)
+        else:
+            raise ValueError(f"family={family!r}: use 'litgpt_llama' or 'litgpt_pythia'")
+        self.model = GPT(config)
+        self.model.apply(self.model._init_weights)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+
+def _torchtitan_llama3_config():
+    """A Llama 3 config of the zoo's size from torchtitan's own builders, with its fused ``wqkv`` (as every
+    torchtitan Llama 3 flavour) and its ``F.scaled_dot_product_attention`` inner attention."""
+    from functools import partial
+
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.llama3.model import Llama3TransformerBlock
+
+    linear = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+    norm = {"weight": nn.init.ones_}
+    rope = ComplexRoPE.Config(dim=HIDDEN // HEADS, max_seq_len=64, theta=500000, scaling="llama")
+    layers = [Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=HIDDEN, param_init=norm),
+        ffn_norm=RMSNorm.Config(normalized_shape=HIDDEN, param_init=norm),
+        attention=make_gqa_config(dim=HIDDEN, n_heads=HEADS, n_kv_heads=2, wqkv_param_init=linear,
+                                  wo_param_init=linear, inner_attention=ScaledDotProductAttention.Config(),
+                                  fuse_qkv=True, rope=rope),
+        feed_forward=make_ffn_config(dim=HIDDEN, hidden_dim=2 * HIDDEN, w1_param_init=linear,
+                                     w2w3_param_init=linear),
+    ) for _ in range(LAYERS)]
+    return Llama3Model.Config(
+        dim=HIDDEN, vocab_size=VOCAB, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=HIDDEN,
+                                        param_init={"weight": partial(nn.init.normal_, std=1.0)}),
+        norm=RMSNorm.Config(normalized_shape=HIDDEN, param_init=norm),
+        lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB, param_init=linear))
+
+
+class TorchTitanLM(_CausalLM):
+    """torchtitan's ``Llama3Model`` (blocks in an ``nn.ModuleDict``, its own ``Embedding`` and ``Linear``
+    subclasses) built from its config and initialised by its ``init_states``, in a LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _torchtitan_llama3_config().build()
+        self.model.init_states()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+
 def zoo_lm(family: str = "llama") -> _CausalLM:
+    if family in ("litgpt_llama", "litgpt_pythia"):
+        return LitGPTLM(family)
+    if family == "torchtitan_llama3":
+        return TorchTitanLM()
     if family == "lightning_demo":
         return LightningDemoLM()
     if family == "torch_transformer":
