@@ -12,6 +12,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["clip_grad_norm_"]
 
+# Set on a DTensor parameter whose local shard holds rows that several ranks hold alike (the k and v rows of a fused
+# projection when there are fewer key/value heads than tensor-parallel ranks): [(dim, start, length, copies)], the
+# rows ``start:start+length`` of ``dim`` in the shard being held by ``copies`` ranks. The norm counts them once.
+REPEATED_ROWS = "_lightning_4d_repeated_rows"
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
@@ -33,7 +38,7 @@ def clip_grad_norm_(
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     skipped = {id(p) for p in skip_in_norm}
-    counted = [p.grad for p in params if p.grad is not None and id(p) not in skipped]
+    counted = [(p.grad, getattr(p, REPEATED_ROWS, ())) for p in params if p.grad is not None and id(p) not in skipped]
     norm_type = float(norm_type)
     inf = math.isinf(norm_type)
     device = grads[0].device if grads else torch.device("cpu")
@@ -46,23 +51,31 @@ def clip_grad_norm_(
         stacked = torch.stack([v.float().to(device) for v in values])
         return stacked.max() if inf else stacked.sum()
 
-    def local_stat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    def local_stat(tensors: list[torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
         norms = [torch.linalg.vector_norm(t, norm_type).float() for t in tensors]
-        return combine(norms if inf else [n**norm_type for n in norms])
+        if inf:
+            return combine(norms)
+        return combine([n**norm_type * w for n, w in zip(norms, weights or [1.0] * len(norms))])
 
-    by_layout: dict[tuple, list[torch.Tensor]] = {}
+    by_layout: dict[tuple, tuple[list[torch.Tensor], list[float]]] = {}
     plain: list[torch.Tensor] = []
-    for grad in counted:
+    for grad, repeated in counted:
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
                 grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
-            by_layout.setdefault((grad.device_mesh, grad.placements), []).append(grad.to_local())
+            tensors, weights = by_layout.setdefault((grad.device_mesh, grad.placements), ([], []))
+            local = grad.to_local()
+            tensors.append(local)
+            weights.append(1.0)
+            for dim, start, length, copies in repeated:  # count once what `copies` ranks hold alike
+                tensors.append(local.narrow(dim, start, length))
+                weights.append(1 / copies - 1)
         else:
             plain.append(grad)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     stats = [local_stat(plain)]
-    for (mesh, placements), tensors in by_layout.items():
-        stat = local_stat(tensors)
+    for (mesh, placements), (tensors, weights) in by_layout.items():
+        stat = local_stat(tensors, weights)
         for mesh_dim, placement in enumerate(placements):
             # Split over this mesh dim: Shard, and the strided shard FSDP puts over a tensor-parallel shard (whose
             # is_shard() is False). Partial placements were made Replicate above.

@@ -246,13 +246,14 @@ def _units_around_blocks(module: nn.Module, path: str,
 
 def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> list[nn.Parameter]:
     """Parameters whose gradients tensor parallelism sums over tp with a hook on the parameter (per-head norms,
-    key/value projections kept whole when there are fewer key/value heads than tp ranks):
+    key/value projections kept whole when there are fewer key/value heads than tp ranks, or the fused
+    projection holding such k and v rows):
     FSDP would replace the parameter and lose the hook, so they stay out of FSDP, replicated, and the gradient
     buckets average them over ``dp x cp``."""
     if plan is None:
         return []
     return [param for fqn, region in plan.regions.items()
-            for name in (*region.head_norms, *region.replicated_kv_projections)
+            for name in region.tp_summed
             for param in module.get_submodule(fqn).get_submodule(name).parameters()]
 
 

@@ -23,6 +23,7 @@ from lightning_4d.plan import PP_SCHEDULES, Layout, Model, Training, layout_prob
 from lightning_4d.tensor_parallel import TensorParallelConfig, plan_tensor_parallel
 from lightning_4d.tensor_parallel.discovery import find_regions
 from tests.lm_models import HFCausalLM, NanoGPT, tiny_gpt
+from tests.zoo_models import zoo_lm
 
 MODELS = {
     "gpt": lambda: tiny_gpt(),  # 4 layers, 4 heads, width 32, vocab 64
@@ -32,6 +33,7 @@ MODELS = {
     "llama_2_kv_heads": lambda: HFCausalLM(kind="llama", heads=4, kv_heads=2),
     "llama_3_kv_heads": lambda: HFCausalLM(kind="llama", hidden=48, heads=12, kv_heads=3),
     "nanogpt": lambda: NanoGPT(),  # fused c_attn, tied embedding and head
+    "gpt_bigcode": lambda: zoo_lm("gpt_bigcode"),  # multi-query: one key/value head in a fused c_attn
 }
 
 
@@ -64,6 +66,8 @@ TABLE = [
     Row("llama_2_kv_heads", (1, 1, 1, 2), True),
     Row("llama_2_kv_heads", (1, 1, 1, 4), True),  # fewer key/value heads than tp: kept whole on every rank
     Row("llama_3_kv_heads", (1, 1, 1, 4), False, "kv heads"),  # 4 is neither a divisor nor a multiple of 3
+    Row("gpt_bigcode", (1, 1, 1, 2), True),  # its one key/value head's k and v rows kept whole on every rank
+    Row("gpt_bigcode", (1, 1, 1, 4), True, sp=True),
     Row("llama_2_kv_heads", (1, 1, 2, 2), True, sp=True),
     Row("gpt", (1, 1, 2, 1), True),
     Row("gpt", (1, 1, 2, 1), False, "seq vs 2*cp", seq=10),
@@ -146,6 +150,26 @@ def test_planner_counts_heads_as_tensor_parallelism_does():
     model = Model.from_module(llama)
     (attention,) = [r for f, r in find_regions(llama).items() if r.kind == "attention" and ".layers.0." in f + "."]
     assert (model.heads, model.kv_heads) == (attention.heads, attention.kv_heads) == (4, 2)
+
+
+def test_planner_counts_the_fused_key_value_rows_kept_whole_as_the_runtime_holds_them():
+    """GPTBigCode at tp=2: the planner's weight matrices of a block on one rank are what the runtime's shards
+    hold, the k and v rows of the multi-query c_attn whole (``permutation`` lists the rows the ranks hold)."""
+    from lightning_4d.plan import _replicated_kv
+
+    module = _module("gpt_bigcode")
+    model, plan = Model.from_module(module), plan_tensor_parallel(module, 2)
+    attention = plan.regions["model.transformer.h.0.attn"]
+    local = 0
+    for name, param in module.model.transformer.h[0].named_parameters():
+        if param.dim() < 2:
+            continue  # the planner counts vectors whole
+        if name.startswith("attn.c_attn."):
+            local += param.numel() * len(attention.fused.permutation(2)) // sum(attention.fused.widths()) // 2
+        else:
+            local += param.numel() // 2
+    kv = _replicated_kv(model, 2)
+    assert kv == 2 * 32 * 8 and (model.layer_matrix_params - kv) / 2 + kv == local, (model, local)
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,12 @@ def _hf(kind: str, tp: int) -> nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(config)
+    if kind.startswith("hf_bigcode"):  # multi-query (one key/value head), or with _mha q, k, v head by head
+        config = transformers.GPTBigCodeConfig(
+            vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, multi_query=kind == "hf_bigcode",
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+        return transformers.GPTBigCodeForCausalLM(config)
     common = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2 if tp == 2 else 4, max_position_embeddings=32, use_cache=False,
@@ -71,10 +77,13 @@ BUILDERS = {
     "hf_llama": lambda tp: _hf("hf_llama", tp),
     "hf_gpt2": lambda tp: _hf("hf_gpt2", tp),
     "hf_qwen3": lambda tp: _hf("hf_qwen3", tp),
+    "hf_bigcode": lambda tp: _hf("hf_bigcode", tp),
+    "hf_bigcode_mha": lambda tp: _hf("hf_bigcode_mha", tp),
     "encoder": lambda tp: M.TorchEncoder(VOCAB),
     "custom_heads": lambda tp: M.TinyGPT(VOCAB, attention=M.CustomHeadsAttention),
 }
-FAMILIES = ("tinygpt", "example_gpt", "nanogpt", "litgpt", "meta_llama", "hf_llama", "hf_gpt2", "hf_qwen3")
+FAMILIES = ("tinygpt", "example_gpt", "nanogpt", "litgpt", "meta_llama", "hf_llama", "hf_gpt2", "hf_qwen3",
+            "hf_bigcode")
 
 
 # --------------------------------------------------------------------------- worker side
@@ -286,6 +295,7 @@ def _suite(world: int) -> dict:
             False,
             {"layers.*.self_attn": "replicate", "layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"},
         )
+        cases["hf_bigcode_mha"] = _case("hf_bigcode_mha", False)
         cases["custom_heads_divide"] = _case("custom_heads", True, {"layers.*.attn": {"divide": ["heads"]}})
         cases["pipeline_stage_held"] = lambda mesh: _pipeline_stage(mesh, held={"layers.0", "layers.1"})
         cases["wrong_head_count"] = _wrong_head_count
@@ -373,7 +383,7 @@ def _assert_parity(record: dict) -> None:
         assert record["accuracy_type"] == "Tensor"
 
 
-@pytest.mark.parametrize("name", PARITY_2)
+@pytest.mark.parametrize("name", [*PARITY_2, "hf_bigcode_mha"])
 def test_parity_tp2(tp2, name):
     for record in _records(tp2, name):
         _assert_parity(record)
@@ -542,6 +552,35 @@ def test_the_plan_states_its_share_and_warns_below_ninety_percent():
         plan = plan_tensor_parallel(zoo_lm(family), 2)
         assert fused in plan.describe() and plan.coverage.share > 0.98, (family, plan.describe())
     assert "[gate_up_proj -> down_proj] fused, permuted per rank" in plan_tensor_parallel(zoo_lm("phi3"), 2).describe()
+
+
+def test_multi_query_fused_projection_shards_q_and_keeps_k_and_v_whole():
+    from lightning_4d.tensor_parallel import FusedQKVLayout
+    from tests.zoo_models import zoo_lm
+
+    plan = plan_tensor_parallel(zoo_lm("gpt_bigcode"), 2, sequence_parallel=False)
+    attention = plan.regions["model.transformer.h.0.attn"]
+    assert attention.kv_replicated and attention.tp_summed == ("c_attn",)
+    assert plan.styles["model.transformer.h.0.attn.c_attn"].style == "colwise"
+    assert plan.attributes["model.transformer.h.0.attn"] == {
+        "num_heads": 2, "embed_dim": 16, "split_size": 16, "num_key_value_groups": 2}  # kv_dim stays one head
+    text = plan.describe()
+    assert ("[c_attn -> c_proj] fused, q rows sharded and permuted per rank: heads 4->2, kv heads 1 < tp: the k and v"
+            " rows of c_attn whole on every rank (grads summed over tp), 1 kv head used per rank") in text, text
+    assert plan.coverage.share >= 0.9 and "sharded   94%" in text, text
+    plan.coverage.check(2, strict=True)
+    # Rows: q heads 0-3 (head_dim 2: rows 0-7), k rows 8-9, v rows 10-11; rank r's contiguous half is its two q
+    # heads and the whole k and v; a checkpoint keeps the original 12 rows.
+    assert attention.fused == FusedQKVLayout(q_heads=4, kv_heads=1, head_dim=8, dim=0)
+    layout = FusedQKVLayout(q_heads=4, kv_heads=1, head_dim=2, dim=0)
+    rows = torch.arange(12.0).unsqueeze(1)
+    permuted = layout.to_tp(rows, 2, 0)
+    assert permuted.squeeze(1).tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11]
+    assert layout.repeated(2) == [(4, 2, 1), (6, 2, 1)]
+    assert torch.equal(layout.to_original(permuted, 2, 0), rows)
+    # Without multi-query, GPTBigCode's c_attn holds q, k, v head by head, as GPT-NeoX's query_key_value does.
+    mha = plan_tensor_parallel(_hf("hf_bigcode_mha", 2), 2).regions["transformer.h.0.attn"]
+    assert mha.interleaved and mha.fused is None and not mha.kv_replicated
 
 
 def test_fused_gate_up_rows_give_each_rank_its_half_of_gate_and_up():

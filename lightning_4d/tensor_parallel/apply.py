@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_4d import _compat as compat
+from lightning_4d.clipping import REPEATED_ROWS
 from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _replication_exit, _vocab_head_output
 from lightning_4d.tensor_parallel.plan import (
     Region,
@@ -140,8 +141,20 @@ class _SumGradOver(torch.autograd.Function):
 
 def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGroup) -> None:
     """k and v whole on every rank (fewer key/value heads than ranks): each rank keeps, of their outputs, the
-    key/value head its query heads read; gradients of their weights and of their input are summed over tp."""
+    key/value head its query heads read; gradients of their weights and of their input are summed over tp.
+    In a fused projection each rank's shard already holds that head's k and v rows (``FusedQKVLayout``): the
+    gradients of those rows are summed over the ranks holding them, and the input's needs nothing more (the
+    column-wise style sums each rank's part)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if region.fused is not None:
+        fused = attention.get_submodule(region.inputs[0])
+        for name, dim in (("weight", region.fused.dim), ("bias", 0)):
+            param = getattr(fused, name, None)
+            if param is not None:
+                rows = [(dim, start, length, tp // pieces) for start, length, pieces in region.fused.repeated(tp)]
+                setattr(param, REPEATED_ROWS, rows)
+                param.register_hook(partial(_sum_repeated_rows, rows, group))
+        return
     head = rank * region.kv_heads // tp
     for name in region.replicated_kv_projections:
         projection = attention.get_submodule(name)
@@ -157,6 +170,20 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
         projection.register_forward_hook(own_head)
         for param in projection.parameters():
             param.register_hook(_sum_over(group))
+
+
+def _sum_repeated_rows(rows: list[tuple[int, int, int, int]], group: dist.ProcessGroup, grad: DTensor) -> DTensor:
+    """Sum over the ranks holding them the gradient rows that ``copies`` ranks of ``group`` hold alike (rank r
+    holds piece ``r // copies``): one all-reduce of each piece in its slot of a zeroed buffer."""
+    local = grad.to_local().clone()
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for dim, start, length, copies in rows:
+        part = local.narrow(dim, start, length)
+        slots = part.new_zeros(tp // copies, *part.shape)
+        slots[rank // copies] = part
+        dist.all_reduce(slots, group=group)
+        part.copy_(slots[rank // copies])
+    return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 
 def _grad_like_param(param: nn.Parameter) -> None:
@@ -252,11 +279,11 @@ def apply_tensor_parallel(
         owner = module.get_submodule(fqn)
         if region.fused is not None:
             fused = owner.get_submodule(region.inputs[0])
-            with torch.no_grad():
-                for name, dim in (("weight", region.fused.dim), ("bias", 0)):
-                    param = getattr(fused, name, None)
-                    if param is not None:
-                        param.copy_(region.fused.to_tp(param, tp, dim))
+            for name, dim in (("weight", region.fused.dim), ("bias", 0)):
+                param = getattr(fused, name, None)
+                if param is not None:  # longer than the original where rows repeat (k and v held by several ranks)
+                    permuted = region.fused.to_tp(param.detach(), tp, dim)
+                    fused.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
             _fused_state_dict_hooks(fused, region.fused, tp)
     for fqn, attrs in plan.attributes.items():
         for name, value in attrs.items():

@@ -87,14 +87,15 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
     for fused, out in _FUSED_ATTENTION_PRESETS:
         if fused in linears and out in linears:
             (width, total), (q_w, o_out) = linears[fused], linears[out]
+            if getattr(module, "multi_query", None) is False and total == 3 * q_w and o_out == width:
+                return _interleaved_region(fqn, module, fused, out, width, q_w, divide)  # GPTBigCode without MQA
             if o_out == width and total > q_w and (total - q_w) % 2 == 0:
                 return _attention_region(fqn, module, (fused,), out, width, q_w, (total - q_w) // 2, fused, divide)
     for fused, out in _INTERLEAVED_ATTENTION_PRESETS:
         if fused in linears and out in linears:
             (width, total), (o_in, o_out) = linears[fused], linears[out]
             if total == 3 * o_in and o_out == width:
-                region = _attention_region(fqn, module, (fused,), out, width, o_in, o_in, None, divide)
-                return replace(region, interleaved=True) if region is not None else None
+                return _interleaved_region(fqn, module, fused, out, width, o_in, divide)
     for fused, out in _FUSED_MLP_PRESETS:
         if fused in linears and out in linears:
             (width, total), (inner, o_out) = linears[fused], linears[out]
@@ -114,6 +115,13 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
                 _head_norms(fqn, module, (*present, out), None)
                 return Region("mlp", present, out, width, inner)
     return _generic_mlp(module, linears)
+
+
+def _interleaved_region(
+    fqn: str, module: nn.Module, fused: str, out: str, width: int, q_width: int, divide: dict[str, list[str]]
+) -> Region | None:
+    region = _attention_region(fqn, module, (fused,), out, width, q_width, q_width, None, divide)
+    return replace(region, interleaved=True) if region is not None else None
 
 
 def _generic_mlp(module: nn.Module, linears: dict[str, tuple[int, int]]) -> Region | None:
@@ -273,9 +281,9 @@ def plan_tensor_parallel(
                 f"sequence_parallel=True: {fqn} ({type(m).__name__}) holds its MLP's linears {region.inputs[0]} and"
                 f" {region.output} beside its other modules, so there is no MLP module whose input sequence"
                 " parallelism could gather. Use sequence_parallel=False (tensor parallelism still shards the MLP).")
-        if (region.kind == "attention" and region.fused is None and region.heads is not None and region.kv_heads
-                and region.kv_heads < tp_size and tp_size % region.kv_heads == 0 and region.heads % tp_size == 0):
-            region = replace(region, kv_replicated=True)
+        if (region.kind == "attention" and region.heads is not None and region.kv_heads and region.kv_heads < tp_size
+                and tp_size % region.kv_heads == 0 and region.heads % tp_size == 0):
+            region = replace(region, kv_replicated=True)  # fused: FusedQKVLayout gives each rank its k/v head
         _check_region(fqn, m, region, tp_size)
         plan.regions[fqn] = region
         for name in region.inputs:
@@ -435,17 +443,10 @@ def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
     if region.kind == "attention" and region.heads is not None:
         if region.kv_heads and region.kv_heads % tp and not region.kv_replicated and region.heads % tp == 0:
             kv = region.kv_heads
-            if region.fused is not None:
-                why = (f"fewer than tp={tp}, in the fused projection {region.inputs[0]}: they would have to stay whole"
-                       " on every rank while the query rows of the same weight are sharded, which one placement"
-                       " cannot express")
-                fix = f"a tensor-parallel size that divides {kv}"
-            else:
-                why = f"not divisible by tp={tp}, and tp={tp} is no multiple of {kv}"
-                fix = (f"a tensor-parallel size that divides {kv}, or a multiple of {kv} (k and v then stay whole on"
-                       " every rank)")
-            raise ValueError(f"{fqn} ({kind}) has {kv} key/value heads, {why}. Fix: choose {fix}, or keep the"
-                             f" attention unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}.")
+            raise ValueError(f"{fqn} ({kind}) has {kv} key/value heads, not divisible by tp={tp}, and tp={tp} is no"
+                             f" multiple of {kv}. Fix: choose a tensor-parallel size that divides {kv}, or a multiple"
+                             f" of {kv} (k and v then stay whole on every rank), or keep the attention unsharded with"
+                             f" tp_plan: {{'{_pattern(fqn)}': replicate}}.")
         for what, count in (("attention heads", region.heads),):
             if count % tp:
                 raise ValueError(

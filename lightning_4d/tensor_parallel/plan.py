@@ -31,7 +31,11 @@ _SEQUENCE_DIM = 1
 class _FusedRows(ABC):
     """A projection whose output features are segments side by side (q|k|v, gate|up), which the module's code
     splits by width. A column-wise shard of the live weight is contiguous, so the rows are permuted once to
-    give every rank its part of each segment, in the segments' order; checkpoints keep the original order."""
+    give every rank its part of each segment, in the segments' order; checkpoints keep the original order.
+
+    A segment cut into fewer pieces than ranks (the key/value heads when they are fewer than tp) gives each
+    rank one whole piece, the same piece to ``tp // pieces`` ranks: the live weight then holds those rows more
+    than once, and checkpoints keep one copy of them."""
 
     dim: int  # output-feature dim of the weight: 0 for nn.Linear, 1 for Conv1D
 
@@ -39,23 +43,43 @@ class _FusedRows(ABC):
     def widths(self) -> list[int]:
         """The segments' widths, in the order of the original rows."""
 
+    def pieces(self, tp: int) -> list[int]:
+        """How many pieces each segment is cut into over ``tp`` ranks (rank r holds piece ``r * pieces // tp``)."""
+        return [tp] * len(self.widths())
+
     def permutation(self, tp: int) -> torch.Tensor:
-        """Index that puts rank r's share of every segment next to each other in its contiguous shard."""
-        widths = self.widths()
-        segments = torch.arange(sum(widths)).split(widths)
-        return torch.cat([seg.chunk(tp)[r] for r in range(tp) for seg in segments])
+        """Index of the original rows that puts rank r's piece of every segment next to each other in its
+        contiguous shard (an original row appears once per rank that holds it)."""
+        segments = torch.arange(sum(self.widths())).split(self.widths())
+        return torch.cat([seg.chunk(n)[r * n // tp] for r in range(tp) for seg, n in zip(segments, self.pieces(tp))])
+
+    def repeated(self, tp: int) -> list[tuple[int, int, int]]:
+        """(start, length, pieces) in a rank's shard of each segment held alike by several ranks."""
+        found, start = [], 0
+        for width, n in zip(self.widths(), self.pieces(tp)):
+            if n < tp:
+                found.append((start, width // n, n))
+            start += width // n
+        return found
 
     def to_tp(self, tensor: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
         return tensor.index_select(dim, self.permutation(tp).to(tensor.device))
 
     def to_original(self, tensor: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
-        return tensor.index_select(dim, torch.argsort(self.permutation(tp)).to(tensor.device))
+        """The original rows of a live (permuted) tensor; a row held more than once is read from its first copy."""
+        permutation = self.permutation(tp)
+        order = torch.argsort(permutation, stable=True)
+        first = torch.ones_like(order, dtype=torch.bool)
+        first[1:] = permutation[order[1:]] != permutation[order[:-1]]
+        return tensor.index_select(dim, order[first].to(tensor.device))
 
 
 @dataclass(frozen=True)
 class FusedQKVLayout(_FusedRows):
     """Rows of a fused attention projection: ``q_heads`` then ``kv_heads`` then ``kv_heads`` heads of
-    ``head_dim`` (GPT-2's ``c_attn``, litgpt's ``qkv``, Phi-3's ``qkv_proj``)."""
+    ``head_dim`` (GPT-2's ``c_attn``, litgpt's ``qkv``, Phi-3's ``qkv_proj``, GPTBigCode's multi-query
+    ``c_attn``). With fewer key/value heads than ranks, each rank holds whole the one key/value head its query
+    heads read (GPTBigCode's one: k and v whole on every rank)."""
 
     q_heads: int
     kv_heads: int
@@ -64,6 +88,9 @@ class FusedQKVLayout(_FusedRows):
 
     def widths(self) -> list[int]:
         return [self.q_heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+
+    def pieces(self, tp: int) -> list[int]:
+        return [tp, min(self.kv_heads, tp), min(self.kv_heads, tp)]
 
 
 @dataclass(frozen=True)
@@ -103,7 +130,8 @@ class Region:
     fused: _FusedRows | None = None  # the single input projection's row layout, when it is fused
     head_norms: tuple[str, ...] = ()
     # Fewer key/value heads than tp ranks: k and v stay whole on every rank, each rank keeps the one key/value
-    # head its query heads read, and their gradients are summed over tp (Megatron's way).
+    # head its query heads read, and their gradients are summed over tp (Megatron's way). In a fused projection
+    # (``fused``) only its k and v rows are held so; its q rows are sharded.
     kv_replicated: bool = False
     # An MLP whose linears are direct children of a larger module (OPT's decoder layer holds fc1/fc2 beside its
     # attention): the region is only those linears, and the modules beside them are planned on their own.
@@ -114,6 +142,13 @@ class Region:
     @property
     def replicated_kv_projections(self) -> tuple[str, ...]:
         return self.inputs[1:] if self.kv_replicated else ()
+
+    @property
+    def tp_summed(self) -> tuple[str, ...]:
+        """The children whose parameters' gradients hooks sum over tp: per-head norms, and the k and v
+        projections kept whole (or a fused projection holding k and v rows kept whole)."""
+        fused = self.inputs[:1] if self.kv_replicated and self.fused is not None else ()
+        return (*self.head_norms, *self.replicated_kv_projections, *fused)
 
 
 # Below this share of the parameters outside the embedding and head, a plan is reported as under-sharding.
@@ -226,14 +261,16 @@ class TensorParallelPlan:
             if region.kind == "attention" and region.heads is not None:
                 kv = f", kv heads {region.kv_heads}->{region.kv_heads // tp}" if region.kv_heads != region.heads else ""
                 if region.kv_replicated:
-                    kv = (f", kv heads {region.kv_heads} < tp: {', '.join(region.inputs[1:])} whole on every rank,"
+                    kept = ", ".join(region.inputs[1:]) or f"the k and v rows of {region.inputs[0]}"
+                    kv = (f", kv heads {region.kv_heads} < tp: {kept} whole on every rank (grads summed over tp),"
                           " 1 kv head used per rank")
                 size = f"heads {region.heads}->{region.heads // tp}{kv}, head_dim {region.head_dim}"
             elif region.kind == "attention":
                 size = f"width {region.inner}->{region.inner // tp}"
             else:
                 size = f"intermediate {region.inner}->{region.inner // tp}"
-            fused = (" fused, permuted per rank" if region.fused else
+            fused = (" fused, q rows sharded and permuted per rank" if region.fused and region.kv_replicated else
+                     " fused, permuted per rank" if region.fused else
                      " fused, interleaved per head" if region.interleaved else "")
             attrs = {
                 **self.attributes.get(fqn, {}),
