@@ -214,13 +214,15 @@ class LaunchResult:
 
 
 def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: float = 240,
-           grace: float = 5, fork: bool = True) -> tuple[list[int], str]:
+           grace: float = 5, fork: bool = True,
+           while_running: Optional[Callable[[], None]] = None) -> tuple[list[int], str]:
     """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables).
 
     ``grace`` seconds after the first rank fails the others are killed, and ``timeout`` ends a hang: a launch
     never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.) With ``fork``
     the ranks are forked from one process that imported torch and Lightning once (:mod:`tests.fork_ranks`);
-    without, each is started on its own, as a scheduler starts them.
+    without, each is started on its own, as a scheduler starts them. ``while_running`` is called in this process
+    once the ranks are started (forked launches only): work that would otherwise wait for them.
     """
     port = free_port()
     per_node = world_size // num_nodes
@@ -238,7 +240,9 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
             zygote = subprocess.Popen([sys.executable, "-m", "tests.fork_ranks", str(spec)], cwd=ROOT, env=base,
                                       start_new_session=True)
             try:
-                zygote.wait(timeout)
+                if while_running is not None:
+                    while_running()
+                zygote.wait(max(0.0, timeout - (time.monotonic() - start)))
             except subprocess.TimeoutExpired:
                 os.killpg(zygote.pid, signal.SIGKILL)  # the ranks share its process group
                 zygote.wait()
@@ -282,7 +286,8 @@ def _popen_ranks(argv: list[str], base: dict[str, str], ranks: list[dict[str, st
 
 
 def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), num_nodes: int = 1,
-               timeout: float = 300, workdir: Optional[str] = None, grace: float = 5) -> LaunchResult:
+               timeout: float = 300, workdir: Optional[str] = None, grace: float = 5,
+               while_running: Optional[Callable[[], None]] = None) -> LaunchResult:
     """Train every case under its layout in one launch of ``world_size`` processes, then run the ``failing``
     cases, which must raise: each rank records what it raised (``LaunchResult.errors``), so that a test can
     check that every rank stopped, not only rank 0 (a rank that did not would hang its peers).
@@ -295,7 +300,7 @@ def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), 
         spec.write_text(json.dumps({"cases": [asdict(c) for c in cases], "failing": [asdict(c) for c in failing],
                                     "out": tmp, "num_nodes": num_nodes}))
         returncodes, output = launch(["-m", "tests.parity_worker", str(spec)], world_size, num_nodes=num_nodes,
-                                     timeout=timeout, grace=grace)
+                                     timeout=timeout, grace=grace, while_running=while_running)
         results = {case.name: torch.load(out / f"{case.name}.pt", weights_only=False)
                    for case in cases if (out / f"{case.name}.pt").exists()}
         errors = {case.name: [_read_outcome(out / f"{case.name}.rank{rank}.txt") for rank in range(world_size)]
@@ -345,11 +350,22 @@ def train_layout_with_failures(cases: list[Case], failing: list[Case], world_siz
                                **options: Any) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     """``train_layout`` that also runs the ``failing`` cases; returns the records and, per failing case, what
     each rank raised (judge them with :func:`assert_error`)."""
-    result = run_layout(cases, world_size, failing=failing, **options)
+    result = run_layout(cases, world_size, failing=failing, while_running=lambda: _references(cases), **options)
     assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
     missing = [c.name for c in cases if c.name not in result.results]
     assert not missing, f"no result for {missing}\n{result.output[-4000:]}"
     return result.results, result.errors
+
+
+def _references(cases: list[Case]) -> None:
+    """The single-process references of ``cases``, computed (and cached) while their launch runs: the launch's
+    ranks wait on one another and on start-up much of the time, and this process would otherwise wait too. A
+    reference that fails here is left for the test to compute and report."""
+    for case in cases:
+        try:
+            reference(case)
+        except Exception:  # noqa: BLE001  the test calls reference(case) again and sees the error itself
+            pass
 
 
 def assert_error(outcomes: list[str], kind: str, phrases: list[str]) -> None:
