@@ -141,11 +141,9 @@ class GradientBuckets:
             offset += n
             if count == 0:
                 continue
-            if p.grad is None:
-                p.grad = DTensor.from_local(mean.clone(), p.device_mesh, p.placements) if isinstance(p, DTensor) \
-                    else mean.clone()
-            else:
-                _local(p.grad).copy_(mean)
+            # The mean becomes the gradient in place, a view of the bucket (as DDP's gradient_as_bucket_view):
+            # no copy back; the bucket lives as long as these views do (until zero_grad drops them).
+            p.grad = DTensor.from_local(mean, p.device_mesh, p.placements) if isinstance(p, DTensor) else mean
 
     def _reset(self, keep_synchronized: bool = False) -> None:
         for bucket in self.buckets:
