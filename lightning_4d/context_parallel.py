@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel_config import ContextParallelConfig, check_sequence_length
+from lightning_4d.multihead_attention import unsupported
 from lightning_4d.ring_attention import ring_attention, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
@@ -255,19 +256,32 @@ class _AttentionInterception(TorchFunctionMode):
 def check_attention_reachable(module: nn.Module, cp: int) -> None:
     """Refuse, before any collective, attention that context parallelism cannot turn into ring attention.
 
-    ``nn.MultiheadAttention`` computes its attention inside ``F.multi_head_attention_forward``, itself a torch
-    function: the interception handles that call, and a function mode is off while its own handler runs, so the
-    ``scaled_dot_product_attention`` inside it would see only this rank's tokens."""
+    torch's ``nn.MultiheadAttention.forward`` computes its attention inside ``F.multi_head_attention_forward``,
+    itself a torch function: a function mode is off while its own handler runs, so the interception would not see
+    the ``scaled_dot_product_attention`` inside it. :func:`~lightning_4d.parallelize.parallelize` gives each
+    instance lightning_4d's forward (:mod:`lightning_4d.multihead_attention`), whose call is intercepted; the
+    variants that forward does not compute are refused here."""
     _check_eager_attention(module, cp)
-    found = [fqn for fqn, sub in module.named_modules() if isinstance(sub, nn.MultiheadAttention)]
-    if found:
-        raise ValueError(
-            f"cp={cp}: {found[0]} is an nn.MultiheadAttention ({len(found)} in {type(module).__name__}). It computes"
-            " attention inside torch.nn.functional.multi_head_attention_forward, whose own"
-            " scaled_dot_product_attention call context parallelism cannot reach, so each rank's attention would"
-            " see only its own tokens. Use an attention module that calls"
-            " torch.nn.functional.scaled_dot_product_attention itself (Hugging Face, litgpt, torchtitan and the"
-            " example GPT do), or cp=1 (dp=N replicates the model instead).")
+    for fqn, sub in module.named_modules():
+        problem = unsupported(fqn, sub) if isinstance(sub, nn.MultiheadAttention) else None
+        if problem is not None:
+            raise ValueError(
+                f"cp={cp}: {problem}, and torch's own forward calls scaled_dot_product_attention inside"
+                " torch.nn.functional.multi_head_attention_forward, out of context parallelism's reach. Fix: build"
+                " it without that option, or use cp=1 (dp=N replicates the model instead).")
+        if _reads_its_length(sub):
+            raise ValueError(
+                f"cp={cp}: {fqn} (lightning.pytorch.demos' PositionalEncoding) adds pe[:, x.size(1)], the table's row"
+                " at the sequence length, to every token: on a shard of each sequence it would add another row than"
+                " on the whole sequence. Use cp=1 (dp=N replicates the model instead).")
+
+
+def _reads_its_length(module: nn.Module) -> bool:
+    """Lightning's demo PositionalEncoding, unless its table's rows are all alike (``pe`` is made lazily)."""
+    if type(module).__name__ != "PositionalEncoding" or not type(module).__module__.startswith("lightning.pytorch"):
+        return False
+    table = getattr(module, "pe", None)
+    return not isinstance(table, Tensor) or table.dim() < 2 or not bool((table == table[:, :1]).all())
 
 
 def _check_eager_attention(module: nn.Module, cp: int) -> None:

@@ -56,6 +56,7 @@ from lightning_4d.context_parallel import ContextParallel, check_attention_reach
 from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
 from lightning_4d.fsdp import ReshardAfterForward, ShardedUnits, apply_sharding, gathered
+from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
 from lightning_4d.tensor_parallel import (
@@ -282,6 +283,7 @@ class ParallelModel:
         self.options = options
         self.tensor_plan = plans.tensor if plans.tensor is not None and plans.tensor.enabled else None
         self.context: Optional[ContextParallel] = None
+        self._multihead: Optional[MultiheadForwards] = None  # under cp: forwards of torch's nn.MultiheadAttention
         self.checkpointed_blocks: list[int] = []  # positions in the whole model's block list
         self.compiled: Optional[Compiled] = None  # set when compile is on
         self.eager_reason: Optional[str] = None  # why compile=True left the blocks eager in this layout
@@ -309,7 +311,7 @@ class ParallelModel:
     # ----------------------------------------------------------------------------------- hooks
 
     def install_hooks(self) -> None:
-        """Context-parallel hooks on the module (again, after :meth:`remove`)."""
+        """Context-parallel hooks and forwards on the module (again, after :meth:`remove`)."""
         dims = self.mesh.dims
         if dims.cp_enabled and self.context is None:
             # Sequence parallelism splits each cp shard again over the tp ranks.
@@ -318,16 +320,24 @@ class ParallelModel:
             self.context = ContextParallel(self.module, self.mesh.group("cp"), comm=config.comm, seq_dim=config.seq_dim,
                                            batch_keys=config.batch_keys, position_modules=config.position_modules,
                                            buffers=config.buffers, sequence_parallel=sp)
+        if dims.cp_enabled and self._multihead is None:
+            # torch's nn.MultiheadAttention computes attention out of the interception's reach: lightning_4d's
+            # forward on each instance (tensor parallelism gave the ones it shards theirs already, for good).
+            self._multihead = MultiheadForwards(self.module.modules())
 
     def remove(self) -> None:
-        """Take off the hooks that only serve training: gradient buckets and context-parallel hooks. (The cut
-        and the shards stay: they are the module now.)"""
+        """Take off the hooks that only serve training: gradient buckets, context-parallel hooks and the forward
+        of torch's nn.MultiheadAttention that context parallelism set. (The cut and the shards stay: they are
+        the module now.)"""
         for buckets in self._buckets.values():
             buckets.remove()
         self._buckets.clear()
         if self.context is not None:
             self.context.remove()
             self.context = None
+        if self._multihead is not None:
+            self._multihead.remove()
+            self._multihead = None
 
     # ------------------------------------------------------------------------------------ steps
 

@@ -129,7 +129,12 @@ def _lit(**overrides) -> nn.Module:
         (lambda: M.TinyGPT(VOCAB, attention=M.CustomHeadsAttention), 2, "auto",
          ["head count of attention layers.0.attn", "divide"]),
         (M.PlainMLPStack, 2, "auto", ["nothing in PlainMLPStack", "net.0 (Linear 8->16)", "tp_plan:"]),
-        (M.TorchEncoder, 2, "auto", ["layers.0.self_attn", "nn.MultiheadAttention", "replicate"]),
+        (M.TorchEncoder, 8, "auto", ["layers.0.self_attn (MultiheadAttention) has 4 attention heads", "tp=8",
+                                     "'layers.*.self_attn': replicate"]),
+        (lambda: M.TorchEncoder(add_bias_kv=True), 2, "auto",
+         ["tp=2: layers.0.self_attn is an nn.MultiheadAttention with add_bias_kv=True", "'layers.*.self_attn': replicate"]),
+        (lambda: M.TorchEncoder(add_zero_attn=True), 2, "auto", ["with add_zero_attn=True", "replicate"]),
+        (lambda: M.TorchEncoder(kdim=16, vdim=16), 2, "auto", ["kdim=16/vdim=16 unlike embed_dim=32", "replicate"]),
         (M.TinyGPT, 2, {"layers.*.attn.q_proj": "columnwise"}, ["columnwise", "colwise, rowwise"]),
         (M.TinyGPT, 2, {"layer.*.attn.q_proj": "colwise"}, ["matches no module", "layers.0.attn.q_proj"]),
         (M.TinyGPT, 2, {"layers.*.norm1": "colwise"}, ["layers.0.norm1", "RMSNorm"]),
@@ -145,6 +150,20 @@ def test_tensor_parallel_plan_errors_on_other_code_bases(model, tp, tp_plan, nee
         plan_tensor_parallel(model(), tp, tp_plan)
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
+
+
+def test_torch_multihead_attention_is_sharded_by_heads_and_refuses_sequence_parallel():
+    """The fix of each refusal above: tp dividing the heads shards nn.MultiheadAttention by heads (in_proj and
+    out_proj) and the feed-forward beside it; a replicated one stays whole. Sequence parallelism is refused."""
+    plan = plan_tensor_parallel(M.TorchEncoder(), 2)
+    assert plan.styles["layers.0.self_attn"].style == "colwise" and plan.styles["layers.0.self_attn"].role == "multihead"
+    assert plan.styles["layers.0.self_attn.out_proj"].style == "rowwise"
+    assert plan.regions["layers.0"].inputs == ("linear1",) and plan.coverage.share > 0.98
+    kept = plan_tensor_parallel(M.TorchEncoder(add_bias_kv=True), 2, {"layers.*.self_attn": "replicate"})
+    assert "layers.0.self_attn" not in kept.styles and kept.coverage.share < 0.5
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: layers.0.self_attn is an nn.MultiheadAttention.*"
+                                         r"Use sequence_parallel=False"):
+        plan_tensor_parallel(M.TorchEncoder(), 2, sequence_parallel=True)
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,9 @@ sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, positi
 all-gather communication, and prediction (which runs on whole sequences); Hugging Face Llama with its own
 gradient checkpointing on at cp=2 and pp=2 x cp=2 (attention recomputed in backward is ring attention again). Two runs with position handling
 switched off must differ from one process, so the parity cases can tell. The model zoo at cp=2 (OPT's learned
-positions, which take ``position_ids`` after an attention mask, among them) and its refusals (Bloom's hand-computed
-ALiBi attention, nn.MultiheadAttention) with their fixes: tests/test_zoo.py.
+positions, which take ``position_ids`` after an attention mask, and torch's nn.Transformer and
+nn.TransformerEncoder, whose nn.MultiheadAttention runs lightning_4d's forward, among them) and its refusals
+(Bloom's hand-computed ALiBi attention, Lightning's demo positional encoding) with their fixes: tests/test_zoo.py.
 
 Process start-up dominates: one launch per world size. The 2-process launch also runs the cases that must
 fail (each on every rank; tests/parity_worker.py records their errors).
@@ -181,6 +182,20 @@ strategy:
                                                        position_modules=("model.*.rotary_emb",), buffers=())
     with pytest.raises(SystemExit):
         parser.parse_string("strategy: {cp_comm: p2p}")
+
+
+def test_multihead_attention_variants_its_forward_does_not_compute_are_refused():
+    """torch's nn.MultiheadAttention is reachable (parallelize gives it lightning_4d's forward, trained at cp=2
+    in tests/test_zoo.py); the variants that forward does not compute are refused before any collective."""
+    from lightning_4d.context_parallel import check_attention_reachable
+    from tests.tp_models import TorchEncoder
+
+    check_attention_reachable(TorchEncoder(), 2)
+    for options, what in ((dict(add_zero_attn=True), "add_zero_attn=True"), (dict(add_bias_kv=True), "add_bias_kv"),
+                          (dict(kdim=16, vdim=16), "kdim=16/vdim=16")):
+        with pytest.raises(ValueError, match=rf"cp=2: layers.0.self_attn is an nn.MultiheadAttention with {what}.*"
+                                             r"out of context parallelism's reach.*or use cp=1"):
+            check_attention_reachable(TorchEncoder(**options), 2)
 
 
 def test_causal_mask_detection():

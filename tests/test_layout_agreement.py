@@ -30,6 +30,7 @@ MODELS = {
     "gpt_3_heads": lambda: tiny_gpt(n_head=3, n_embd=48),
     "gpt_vocab_65": lambda: tiny_gpt(vocab_size=65),
     "gpt_2_layers": lambda: tiny_gpt(n_layer=2),
+    "torch_transformer": lambda: zoo_lm("torch_transformer"),  # nn.MultiheadAttention: fused in_proj_weight
     "llama_2_kv_heads": lambda: HFCausalLM(kind="llama", heads=4, kv_heads=2),
     "llama_3_kv_heads": lambda: HFCausalLM(kind="llama", hidden=48, heads=12, kv_heads=3),
     "nanogpt": lambda: NanoGPT(),  # fused c_attn, tied embedding and head
@@ -91,6 +92,10 @@ TABLE = [
     Row("gpt", (1, 2, 1, 2), False, "sp with pp", sp=True),
     Row("nanogpt", (1, 1, 1, 2), True, sp=True),
     Row("nanogpt", (1, 2, 2, 1), True),
+    Row("torch_transformer", (1, 1, 1, 2), True),  # in_proj_weight sharded by heads, out_proj row-wise
+    Row("torch_transformer", (1, 1, 1, 4), True),
+    Row("torch_transformer", (1, 1, 1, 8), False, "heads"),  # 4 heads
+    Row("torch_transformer", (1, 1, 2, 2), True),
 ]
 
 
@@ -170,6 +175,24 @@ def test_planner_counts_the_fused_key_value_rows_kept_whole_as_the_runtime_holds
             local += param.numel() // 2
     kv = _replicated_kv(model, 2)
     assert kv == 2 * 32 * 8 and (model.layer_matrix_params - kv) / 2 + kv == local, (model, local)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_planner_counts_torch_multihead_attention_as_the_runtime_shards_it(tp):
+    """nn.TransformerEncoderLayer at tp: every weight matrix of a block is in a module the plan shards (the
+    nn.MultiheadAttention's fused in_proj_weight by heads, out_proj, linear1, linear2), so a rank holds 1/tp of
+    them, as the planner counts; and the planner reads the head count the runtime divides."""
+    module = _module("torch_transformer")
+    model, plan = Model.from_module(module), plan_tensor_parallel(module, tp)
+    sharded = [fqn for fqn, style in plan.styles.items() if style.style in ("colwise", "rowwise")]
+    local = 0
+    for name, param in module.encoder.layers[0].named_parameters(prefix="encoder.layers.0"):
+        if param.dim() >= 2:
+            assert any(name.startswith(fqn + ".") for fqn in sharded), name
+            local += param.numel() // tp
+    attention = module.encoder.layers[0].self_attn
+    assert model.heads == attention.num_heads == 4 and model.layer_matrix_params / tp == local, (model, local)
+    assert plan.styles["encoder.layers.0.self_attn"].role == "multihead"
 
 
 @pytest.mark.parametrize(

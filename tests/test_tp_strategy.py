@@ -47,16 +47,16 @@ def _cases(layout: str, strategy: dict, models: dict) -> list[Case]:
     return [Case(f"{layout}_{name}", strategy=strategy, **spec, **LM) for name, spec in models.items()]
 
 
-# torch's nn.TransformerEncoder: its nn.MultiheadAttention is refused (tests/test_bad_inputs.py); the fix that
-# refusal names keeps it whole and shards the feed-forward, 49% of the body: it trains at parity with a warning,
-# and tp_strict refuses it (below).
+# torch's nn.TransformerEncoder: the automatic plan shards its nn.MultiheadAttention by heads (99% of the body,
+# tests/test_zoo.py); a user plan that keeps the attention whole shards only the feed-forward, 49% of the body:
+# it trains at parity with a warning, and tp_strict refuses it (below).
 ENCODER = dict(module="tests.zoo_models:TorchEncoderLM")
-ENCODER_FIX = {"encoder.layers.*.self_attn": "replicate", "encoder.layers.*.linear1": "colwise",
-               "encoder.layers.*.linear2": "rowwise"}
+ENCODER_ATTENTION_WHOLE = {"encoder.layers.*.self_attn": "replicate"}
 TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_parallel": True}, MODELS)
        + [Case("tp2_configure_model", module="tests.test_tp_strategy:MLPShardedInConfigureModel",
                strategy={"tp": 2}, **LM),
-          Case("tp2_torch_encoder_attention_replicated", strategy={"tp": 2, "tp_plan": ENCODER_FIX}, **ENCODER, **LM),
+          Case("tp2_torch_encoder_attention_replicated", strategy={"tp": 2, "tp_plan": ENCODER_ATTENTION_WHOLE},
+               **ENCODER, **LM),
           # GPT-NeoX's and Bloom's query_key_value hold q, k, v head by head: a contiguous shard is whole heads
           # (98% / 99% of the body sharded); Bloom's ALiBi bias, built for every head, gets each rank's rows.
           Case("tp2_gpt_neox_interleaved_qkv", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gpt_neox"},
@@ -119,7 +119,7 @@ FAILING_TWO["opt_sequence_parallel"] = (  # the fix, sequence_parallel=False, is
     "ValueError", ["sequence_parallel=True: model.model.decoder.layers.0 (OPTDecoderLayer) holds its MLP's linears"
                    " fc1 and fc2 beside its other modules", "Use sequence_parallel=False"])
 FAILING_TWO["under_sharded"] = (
-    _failing("under_sharded", ENCODER["module"], {"tp": 2, "tp_strict": True, "tp_plan": ENCODER_FIX}),
+    _failing("under_sharded", ENCODER["module"], {"tp": 2, "tp_strict": True, "tp_plan": ENCODER_ATTENTION_WHOLE}),
     "ValueError", ["tp=2 shards only 49% of the parameters outside the embedding and head",
                    "encoder.layers.*.self_attn (x4, 12,672)", "shard them with tp_plan entries", "tp_strict=False"])
 FAILING_FOUR = {

@@ -5,8 +5,8 @@ strategy options, nothing named) in ONE launch of 2 processes: losses per step, 
 weights within 1e-5 relative of one process, after 3 SGD steps (the third step's loss already depends on two
 updates through momentum; more steps cost time, not evidence). Where a dimension refuses a family, the refusal
 is a case that must fail on every rank with its message, and the fix the message names trains at parity in the
-same launch. Bloom under cp, nn.MultiheadAttention under tp and cp, and nn.Transformer (an encoder-decoder)
-under pp are the refusals today.
+same launch. Bloom under cp, Lightning's demo Transformer under cp (its positional encoding reads the sequence
+length) and under pp (nn.Transformer is an encoder-decoder) are the refusals today.
 
 ``TABLE`` declares what each family does under each dimension; the tests check it cell by cell, and
 ``docs/zoo_table.py`` writes ``docs/zoo.md`` from it (``test_docs_zoo_table_is_current`` fails when that file
@@ -47,42 +47,7 @@ class Refused:
     fix_text: str  # for docs/zoo.md: the fix, as a user writes it
 
 
-def _plan_text(plan: dict[str, str]) -> str:
-    return "{" + ", ".join(f"'{pattern}': {style}" for pattern, style in plan.items()) + "}"
-
-
-# nn.MultiheadAttention kept whole on every tp rank, the feed-forward beside it sharded (the plan the refusal
-# prints). nn.Transformer (Lightning's demo) holds three per decoder layer and one per encoder layer.
 _DEMO = "model.transformer."
-MHA_TP_FIX = {
-    "torch_transformer": {"encoder.layers.*.self_attn": "replicate", "encoder.layers.*.linear1": "colwise",
-                          "encoder.layers.*.linear2": "rowwise"},
-    "lightning_demo": {f"{_DEMO}encoder.layers.*.self_attn": "replicate",
-                       f"{_DEMO}decoder.layers.*.self_attn": "replicate",
-                       f"{_DEMO}decoder.layers.*.multihead_attn": "replicate",
-                       f"{_DEMO}encoder.layers.*.linear1": "colwise", f"{_DEMO}encoder.layers.*.linear2": "rowwise",
-                       f"{_DEMO}decoder.layers.*.linear1": "colwise", f"{_DEMO}decoder.layers.*.linear2": "rowwise"},
-}
-
-
-def _mha_tp(family: str, first: str, count: int, model: str) -> Refused:
-    plan = MHA_TP_FIX[family]
-    return Refused("ValueError", (f"{first} is an nn.MultiheadAttention ({count} in {model})",
-                                  "fused in_proj_weight", f"tp_plan: {_plan_text(plan)}"),
-                   fix={"tp": 2, "tp_plan": plan},
-                   why="nn.MultiheadAttention computes its heads inside F.multi_head_attention_forward from one fused"
-                       " in_proj_weight",
-                   fix_text="keep the attention whole, shard the feed-forward: the `tp_plan` the message prints")
-
-
-def _mha_cp(first: str, count: int, model: str) -> Refused:
-    return Refused("ValueError", (f"cp=2: {first} is an nn.MultiheadAttention ({count} in {model})",
-                                  "inside torch.nn.functional.multi_head_attention_forward",
-                                  "or cp=1 (dp=N replicates the model instead)"),
-                   fix={"dp": 2},
-                   why="nn.MultiheadAttention calls scaled_dot_product_attention inside"
-                       " F.multi_head_attention_forward, out of context parallelism's reach",
-                   fix_text="cp=1 (`dp=2` replicates the model instead)")
 
 
 REFUSED: dict[tuple[str, str], Refused] = {
@@ -94,10 +59,16 @@ REFUSED: dict[tuple[str, str], Refused] = {
         fix={"dp": 2},
         why="Bloom computes attention scores by hand to add ALiBi (Hugging Face's 'eager' attention, no 'sdpa')",
         fix_text="cp=1 (`dp=2` replicates the model instead)"),
-    ("torch_transformer", "tp"): _mha_tp("torch_transformer", "encoder.layers.0.self_attn", 4, "TorchEncoderLM"),
-    ("torch_transformer", "cp"): _mha_cp("encoder.layers.0.self_attn", 4, "TorchEncoderLM"),
-    ("lightning_demo", "tp"): _mha_tp("lightning_demo", f"{_DEMO}encoder.layers.0.self_attn", 12, "LightningDemoLM"),
-    ("lightning_demo", "cp"): _mha_cp(f"{_DEMO}encoder.layers.0.self_attn", 12, "LightningDemoLM"),
+    # Lightning's demo PositionalEncoding adds pe[:, x.size(1)] (the row at the sequence length, not the rows
+    # up to it) to every token: on a shard that is another row. Its 12 nn.MultiheadAttention (the decoder's
+    # cross-attention reads the sequence-sharded memory) train at cp=2 with that table's rows made alike (below).
+    ("lightning_demo", "cp"): Refused(
+        "ValueError", ("cp=2: model.pos_encoder (lightning.pytorch.demos' PositionalEncoding) adds pe[:, x.size(1)]",
+                       "Use cp=1 (dp=N replicates the model instead)"),
+        fix={"dp": 2},
+        why="Lightning's demo `PositionalEncoding` adds the table's row at the sequence length (`pe[:, x.size(1)]`)"
+            " to every token: a shard's length picks another row",
+        fix_text="cp=1 (`dp=2` replicates the model instead)"),
     # nn.Transformer: an encoder and a decoder, each a list of 4 layers. Cut at either (pp_blocks), the later
     # stage computed the decoder's target embedding (or the encoder's memory) from modules it does not hold and
     # trained a different model without an error (loss 5e-2 off at the first step): refused as an encoder-decoder.
@@ -114,6 +85,12 @@ NOTES: dict[tuple[str, str], str] = {
     ("opt", "cp"): "OPT's learned positions take `position_ids` after an attention mask: they get global positions",
     ("opt", "pp"): "OPT's `final_layer_norm`, registered before its layers, goes to the last stage, where it runs",
     ("opt", "tp"): "OPT's decoder layer holds `fc1`/`fc2` beside `self_attn`: both are sharded regions",
+    ("torch_transformer", "tp"): "`nn.MultiheadAttention`'s fused `in_proj_weight` sharded by heads (permuted"
+                                 " per rank), lightning_4d's forward on each instance; `linear1`/`linear2` a region",
+    ("torch_transformer", "cp"): "`nn.MultiheadAttention` runs lightning_4d's forward, whose attention call is"
+                                 " ring attention (causal from `is_causal`)",
+    ("lightning_demo", "tp"): "`nn.Transformer`: 12 `nn.MultiheadAttention` (self- and cross-attention) sharded by"
+                              " heads",
     ("torch_transformer", "pp"): "`nn.TransformerEncoder` reads `self.layers[0]` in its forward: each stage's list"
                                  " is numbered from 0 while it runs",
     ("gpt_neox", "tp"): "`query_key_value` holds q, k, v head by head: a contiguous shard is whole heads",
@@ -153,6 +130,9 @@ def _cases() -> tuple[list[Case], list[Case], dict[tuple[str, str], str]]:
 
 
 PARITY_CASES, FAILING_CASES, SHOWN = _cases()
+# nn.Transformer's self- and cross-attention under cp, without the demo's length-dependent position row.
+PARITY_CASES.append(Case("lightning_demo_same_position_rows-cp2", module="tests.zoo_models:LightningDemoSameRowsLM",
+                         data="tests.lm_models:token_data", strategy={"cp": 2}, max_steps=STEPS))
 BY_NAME = {case.name: case for case in PARITY_CASES}
 
 

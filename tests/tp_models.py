@@ -339,14 +339,17 @@ class MetaLlama(nn.Module):
 
 
 class TorchEncoder(nn.Module):
-    """nn.TransformerEncoderLayer: attention is nn.MultiheadAttention."""
+    """nn.TransformerEncoderLayer: attention is nn.MultiheadAttention (``attention``: its options, e.g. the
+    add_bias_kv / add_zero_attn / kdim variants tensor and context parallelism refuse)."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 32, **attention) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True) for _ in range(2)
         )
+        for layer in self.layers if attention else ():
+            layer.self_attn = nn.MultiheadAttention(dim, 4, batch_first=True, **attention)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)

@@ -93,6 +93,16 @@ class LightningDemoLM(_CausalLM):
         return self.model(input_ids, input_ids)
 
 
+class LightningDemoSameRowsLM(LightningDemoLM):
+    """``LightningDemoLM`` whose positional table has every row alike, so that ``pe[:, x.size(1)]`` (the row at
+    the sequence length) is the same on a context-parallel shard: its nn.Transformer trains at cp=2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        encoder = self.model.pos_encoder
+        encoder.pe = torch.linspace(-1, 1, encoder.dim).expand(1, encoder.max_len, -1).clone()
+
+
 class TorchEncoderLM(_CausalLM):
     """torch's own ``nn.TransformerEncoder`` (batch first, causal mask) between an embedding and a head."""
 

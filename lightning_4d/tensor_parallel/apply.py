@@ -28,6 +28,7 @@ from lightning_4d.tensor_parallel.plan import (
     _pattern,
     _under,
 )
+from lightning_4d.tensor_parallel.multihead import shard_multihead
 from lightning_4d.tensor_parallel.self_check import TensorParallelSelfCheck, _check_replicas
 from lightning_4d.tensor_parallel.styles import _distribute_params, _torch_style
 
@@ -195,9 +196,11 @@ def _grad_like_param(param: nn.Parameter) -> None:
         param.grad = grad.redistribute(placements=param.placements)
 
 
-def _fused_state_dict_hooks(module: nn.Module, layout: _FusedRows, tp: int) -> None:
-    """Checkpoints keep the original layout (q|k|v, gate|up); only the live parameter is permuted."""
-    dims = {"weight": layout.dim, "bias": 0}
+def _fused_state_dict_hooks(module: nn.Module, layout: _FusedRows, tp: int,
+                            names: tuple[str, str] = ("weight", "bias")) -> None:
+    """Checkpoints keep the original layout (q|k|v, gate|up); only the live parameter is permuted. ``names``:
+    the weight's and the bias's (nn.MultiheadAttention's in_proj_weight and in_proj_bias)."""
+    dims = {names[0]: layout.dim, names[1]: 0}
 
     def to_original(mod, state_dict, prefix, local_metadata):
         for name, dim in dims.items():
@@ -296,6 +299,9 @@ def apply_tensor_parallel(
 
     for fqn, style in plan.styles.items():
         target = module.get_submodule(fqn)
+        if isinstance(target, nn.MultiheadAttention):  # its fused in_proj by heads; out_proj has its own entry
+            shard_multihead(target, tp_mesh)
+            continue
         parallelize_module(target, tp_mesh, _torch_style(style, target))
         if style.role == "head" and plan.loss_parallel:
             target.register_forward_hook(_vocab_head_output)

@@ -30,6 +30,7 @@ from lightning_4d.tensor_parallel.plan import (
     _pattern,
     _under,
 )
+from lightning_4d.tensor_parallel.multihead import plan_multihead
 from lightning_4d.tensor_parallel.user_plan import _matches, _parse_user_plan
 
 # (column-wise children, row-wise child); checked by shapes after matching names.
@@ -53,6 +54,7 @@ _MLP_PRESETS = (
     (("fc_1", "fc_2"), "proj"),  # litgpt LLaMAMLP
     (("fc",), "proj"),  # litgpt GptNeoxMLP
     (("fc1",), "fc2"),
+    (("linear1",), "linear2"),  # torch's nn.TransformerEncoderLayer / nn.TransformerDecoderLayer
 )
 _FUSED_MLP_PRESETS = (("gate_up_proj", "down_proj"),)  # Hugging Face Phi-3: gate|up in one linear
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
@@ -255,25 +257,7 @@ def plan_tensor_parallel(
     if tp_size == 1:
         return plan
 
-    unshardable = [fqn for fqn, m in modules.items()
-                   if isinstance(m, nn.MultiheadAttention) and not _under(fqn, replicated)]
-    if unshardable:
-        # Every such attention at once (nn.Transformer has three per decoder layer and one per encoder layer), and
-        # the feed-forward beside it, linear1 and linear2 in torch's layers: a plan that works as printed.
-        fix = {_pattern(fqn): "replicate" for fqn in unshardable}
-        for fqn in unshardable:
-            parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-            if all(isinstance(modules.get(_child(parent, name)), nn.Linear) for name in ("linear1", "linear2")):
-                fix.update({_pattern(_child(parent, "linear1")): "colwise",
-                            _pattern(_child(parent, "linear2")): "rowwise"})
-        raise ValueError(
-            f"{unshardable[0]} is an nn.MultiheadAttention ({len(unshardable)} in {type(module).__name__}): it computes"
-            " its heads inside F.multi_head_attention_forward from one fused in_proj_weight, which cannot be sharded"
-            " without changing its code. Fix: use an attention module built from nn.Linear q/k/v projections, or keep"
-            " it replicated and shard only the feed-forward, e.g. tp_plan: {"
-            + ", ".join(f"'{pattern}': {style}" for pattern, style in fix.items()) + "}."
-        )
-
+    plan_multihead(plan, modules, replicated)  # torch's nn.MultiheadAttention: fused in_proj by heads
     for fqn, region in _regions(modules, replicated, divide):
         m = modules[fqn]
         if region.loose and sequence_parallel:

@@ -31,7 +31,7 @@ def _check_replicas(module: nn.Module, plan: TensorParallelPlan) -> dict[str, nn
     kinds: set[type] = set()
     for fqn, style in plan.styles.items():
         if (
-            style.role not in ("attention", "mlp", "user")
+            style.role not in ("attention", "mlp", "multihead", "user")
             or style.style not in ("colwise", "rowwise")
             or "." not in fqn
         ):
