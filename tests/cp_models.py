@@ -127,7 +127,7 @@ class CheckpointedLlama(HFCausalLM):
 
     def __init__(self):
         super().__init__()
-        self.model.activation_checkpointing_enable()
+        self.model.gradient_checkpointing_enable()
 
 
 class SlidingWindowMistral(pl.LightningModule):

@@ -176,7 +176,7 @@ strategy:
   cp_position_modules: ["model.*.rotary_emb"]
   cp_buffers: []
 """)
-    strategy = parser.instantiate(config).strategy
+    strategy = parser.instantiate_classes(config).strategy
     assert strategy.cp_config == ContextParallelConfig(cp=2, comm="allgather", seq_dim=1,
                                                        batch_keys=("input_ids", "labels"),
                                                        position_modules=("model.*.rotary_emb",), buffers=())

@@ -82,7 +82,7 @@ def test_yaml_snippet_builds_the_strategy(where, strategy):
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(FourDStrategy, "strategy")
     config = parser.parse_object({"strategy": strategy.get("init_args", {})})
-    assert isinstance(parser.instantiate(config).strategy, FourDStrategy), where
+    assert isinstance(parser.instantiate_classes(config).strategy, FourDStrategy), where
 
 
 def test_api_reference_is_current_and_complete():

@@ -303,7 +303,7 @@ def test_schedule_names_accept_torch_spelling_and_yaml():
     config = parser.parse_args(["--strategy.pp=2", "--strategy.pp_schedule=interleaved_1f1b",
                                 "--strategy.pp_microbatches=8", "--strategy.pp_split_points=[1, 2, 3]",
                                 "--strategy.pp_blocks=model.layers"])
-    pipeline = parser.instantiate(config).strategy.pp_config
+    pipeline = parser.instantiate_classes(config).strategy.pp_config
     assert (pipeline.num_microbatches, pipeline.split_points, pipeline.blocks) == (8, (1, 2, 3), "model.layers")
 
 
