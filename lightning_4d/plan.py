@@ -231,16 +231,18 @@ def _tokens(training: Training, layout: Layout) -> float:
     return training.seq_len / layout.cp * training.global_batch / layout.data_parallel / _microbatches(training, layout)
 
 
-def _replicated_kv(model: Model, tp: int) -> int:
-    """Per block, the k and v weights tensor parallelism keeps whole on every rank when tp exceeds the
-    key/value heads (each rank then uses one key/value head)."""
-    return 2 * model.hidden * model.kv_heads * (model.hidden // model.heads) if model.kv_heads < tp else 0
+def _replicated_kv(model: Model, tp: int, held: bool = False) -> int:
+    """Per block, the k and v weights tensor parallelism leaves unsharded when tp exceeds the key/value heads
+    (each rank then uses one key/value head). ``held``: what a rank holds of them, all of separate k and v
+    projections, of a fused q|k|v projection the rows of the one key/value head it reads."""
+    heads = 1 if held and model.fused_qkv else model.kv_heads
+    return 2 * model.hidden * heads * (model.hidden // model.heads) if model.kv_heads < tp else 0
 
 
 def _stage_params(model: Model, layout: Layout, stage: int, layers: int) -> float:
     tp, last = layout.tp, layout.pp - 1
-    kv = _replicated_kv(model, tp)
-    params = layers * ((model.layer_matrix_params - kv) / tp + kv + model.layer_vector_params)
+    kv, held = _replicated_kv(model, tp), _replicated_kv(model, tp, held=True)
+    params = layers * ((model.layer_matrix_params - kv) / tp + held + model.layer_vector_params)
     if stage == 0:
         params += model.embedding_params / tp
     if stage == last:

@@ -53,6 +53,9 @@ class Model:
     head_params: int  # output head, vocabulary-parallel, last stage; 0 when tied to the embedding
     other_params: int  # final norm, position tables, ...: last stage, whole
     gated_mlp: bool = False  # SwiGLU-style: gate and up projections, their product feeds down
+    # q, k and v in one projection: with fewer key/value heads than tp each rank holds one key/value head's k and
+    # v rows (separate k and v projections are kept whole, every key/value head)
+    fused_qkv: bool = False
 
     @property
     def params(self) -> int:
@@ -127,6 +130,7 @@ class Model:
         vocab, hidden = token.num_embeddings, token.embedding_dim
         block = next(iter(blocks.children()))
         attention = _attention_sizes(block)
+        fused_qkv = bool(attention and attention[2])
         heads = attention[0] if attention else _find_int(block, HEAD_ATTRIBUTES) or _find_int(module,
                                                                                              HEAD_ATTRIBUTES)
         if heads is None:
@@ -154,19 +158,20 @@ class Model:
                    layer_matrix_params=sum(p.numel() for p in block_params if p.dim() >= 2),
                    layer_vector_params=sum(p.numel() for p in block_params if p.dim() < 2),
                    embedding_params=embedding_params, head_params=head_params, other_params=other,
-                   gated_mlp=len(expanding) >= 2)
+                   gated_mlp=len(expanding) >= 2, fused_qkv=fused_qkv)
 
 
-def _attention_sizes(block: Any) -> Optional[tuple[int, int]]:
-    """(heads, key/value heads) of the first attention region tensor parallelism finds in ``block``, as it
-    counts them (names and shapes, head size from the module's attributes); None when it finds none."""
+def _attention_sizes(block: Any) -> Optional[tuple[int, int, bool]]:
+    """(heads, key/value heads, fused q|k|v) of the first attention region tensor parallelism finds in ``block``,
+    as it counts them (names and shapes, head size from the module's attributes); None when it finds none."""
     from lightning_4d.tensor_parallel.discovery import find_regions
 
     try:
         regions = find_regions(block)
     except ValueError:  # an attention whose head count tensor parallelism cannot read: fall back to attributes
         return None
-    return next(((r.heads, r.kv_heads) for r in regions.values() if r.kind == "attention" and r.heads), None)
+    return next(((r.heads, r.kv_heads, r.fused is not None) for r in regions.values()
+                 if r.kind == "attention" and r.heads), None)
 
 
 def _find_int(module: Any, names: Sequence[str]) -> Optional[int]:

@@ -35,6 +35,7 @@ MODELS = {
     "llama_3_kv_heads": lambda: HFCausalLM(kind="llama", hidden=48, heads=12, kv_heads=3),
     "nanogpt": lambda: NanoGPT(),  # fused c_attn, tied embedding and head
     "gpt_bigcode": lambda: zoo_lm("gpt_bigcode"),  # multi-query: one key/value head in a fused c_attn
+    "torchtitan": lambda: zoo_lm("torchtitan_llama3"),  # 4 heads, 2 key/value heads, wqkv fused by group
 }
 
 
@@ -69,6 +70,9 @@ TABLE = [
     Row("llama_3_kv_heads", (1, 1, 1, 4), False, "kv heads"),  # 4 is neither a divisor nor a multiple of 3
     Row("gpt_bigcode", (1, 1, 1, 2), True),  # its one key/value head's k and v rows kept whole on every rank
     Row("gpt_bigcode", (1, 1, 1, 4), True, sp=True),
+    Row("torchtitan", (1, 1, 1, 2), True),  # whole key/value groups of qkv_linear.wqkv per rank
+    Row("torchtitan", (1, 1, 1, 4), True),  # its group's k and v rows whole on the two ranks reading them
+    Row("torchtitan", (1, 1, 1, 8), False, "heads"),
     Row("llama_2_kv_heads", (1, 1, 2, 2), True, sp=True),
     Row("gpt", (1, 1, 2, 1), True),
     Row("gpt", (1, 1, 2, 1), False, "seq vs 2*cp", seq=10),
@@ -157,24 +161,32 @@ def test_planner_counts_heads_as_tensor_parallelism_does():
     assert (model.heads, model.kv_heads) == (attention.heads, attention.kv_heads) == (4, 2)
 
 
-def test_planner_counts_the_fused_key_value_rows_kept_whole_as_the_runtime_holds_them():
-    """GPTBigCode at tp=2: the planner's weight matrices of a block on one rank are what the runtime's shards
-    hold, the k and v rows of the multi-query c_attn whole (``permutation`` lists the rows the ranks hold)."""
+@pytest.mark.parametrize(("name", "tp", "attention", "held"), [
+    ("gpt_bigcode", 2, "model.transformer.h.0.attn", 2 * 32 * 8),  # its one key/value head: k and v whole
+    ("torchtitan", 4, "model.layers.0.attention", 2 * 32 * 8),  # of 2 key/value heads, the rank's one
+])
+def test_planner_counts_the_fused_key_value_rows_kept_whole_as_the_runtime_holds_them(name, tp, attention, held):
+    """The planner's weight matrices of a block on one rank are what the runtime's shards hold, with fewer
+    key/value heads than tp: of the fused q|k|v projection, the k and v rows of the key/value head each rank
+    reads (``permutation`` lists the rows the ranks hold)."""
     from lightning_4d.plan import _replicated_kv
 
-    module = _module("gpt_bigcode")
-    model, plan = Model.from_module(module), plan_tensor_parallel(module, 2)
-    attention = plan.regions["model.transformer.h.0.attn"]
+    module = _module(name)
+    model, plan = Model.from_module(module), plan_tensor_parallel(module, tp)
+    region = plan.regions[attention]
+    fused = f"{attention}.{region.inputs[0]}."
+    block = module.get_submodule(attention.rsplit(".", 1)[0])
     local = 0
-    for name, param in module.model.transformer.h[0].named_parameters():
+    for param_name, param in block.named_parameters(prefix=attention.rsplit(".", 1)[0]):
         if param.dim() < 2:
             continue  # the planner counts vectors whole
-        if name.startswith("attn.c_attn."):
-            local += param.numel() * len(attention.fused.permutation(2)) // sum(attention.fused.widths()) // 2
+        if param_name.startswith(fused):
+            local += param.numel() * len(region.fused.permutation(tp)) // sum(region.fused.widths()) // tp
         else:
-            local += param.numel() // 2
-    kv = _replicated_kv(model, 2)
-    assert kv == 2 * 32 * 8 and (model.layer_matrix_params - kv) / 2 + kv == local, (model, local)
+            local += param.numel() // tp
+    kv = _replicated_kv(model, tp)
+    assert model.fused_qkv and _replicated_kv(model, tp, held=True) == held
+    assert (model.layer_matrix_params - kv) / tp + held == local, (model, local)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -62,6 +62,28 @@ def _hf(kind: str, tp: int) -> nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
+def _torchtitan(fused: bool = True) -> nn.Module:
+    """torchtitan's Llama3Model (4 heads, 2 key/value heads), its q, k, v one level down in ``qkv_linear``: fused
+    by key/value group in ``wqkv``, or (``fused=False``) in ``wq``, ``wk``, ``wv``."""
+    from functools import partial
+
+    from torchtitan.models.common.config_utils import make_gqa_config
+
+    from tests.zoo_models import _torchtitan_llama3_config
+
+    config = _torchtitan_llama3_config()
+    if not fused:
+        init = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+        for layer in config.layers:
+            attention = layer.attention
+            layer.attention = make_gqa_config(
+                dim=32, n_heads=attention.n_heads, n_kv_heads=attention.n_kv_heads, wqkv_param_init=init,
+                wo_param_init=init, inner_attention=attention.inner_attention, rope=attention.rope)
+    model = config.build()
+    model.init_states()
+    return model
+
+
 def _example_gpt() -> nn.Module:
     from lightning_4d.demos.gpt import GPT
 
@@ -79,11 +101,13 @@ BUILDERS = {
     "hf_qwen3": lambda tp: _hf("hf_qwen3", tp),
     "hf_bigcode": lambda tp: _hf("hf_bigcode", tp),
     "hf_bigcode_mha": lambda tp: _hf("hf_bigcode_mha", tp),
+    "torchtitan": lambda tp: _torchtitan(),
+    "torchtitan_unfused": lambda tp: _torchtitan(fused=False),
     "encoder": lambda tp: M.TorchEncoder(VOCAB),
     "custom_heads": lambda tp: M.TinyGPT(VOCAB, attention=M.CustomHeadsAttention),
 }
 FAMILIES = ("tinygpt", "example_gpt", "nanogpt", "litgpt", "meta_llama", "hf_llama", "hf_gpt2", "hf_qwen3",
-            "hf_bigcode")
+            "hf_bigcode", "torchtitan")
 
 
 # --------------------------------------------------------------------------- worker side
@@ -296,6 +320,7 @@ def _suite(world: int) -> dict:
             {"layers.*.self_attn": "replicate", "layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"},
         )
         cases["hf_bigcode_mha"] = _case("hf_bigcode_mha", False)
+        cases["torchtitan_unfused"] = _case("torchtitan_unfused", False)  # qkv_linear.wq, wk, wv
         cases["custom_heads_divide"] = _case("custom_heads", True, {"layers.*.attn": {"divide": ["heads"]}})
         cases["pipeline_stage_held"] = lambda mesh: _pipeline_stage(mesh, held={"layers.0", "layers.1"})
         cases["wrong_head_count"] = _wrong_head_count
@@ -305,6 +330,7 @@ def _suite(world: int) -> dict:
         "tinygpt_sp": _case("tinygpt", True),
         "nanogpt_sp": _case("nanogpt", True),
         "meta_llama": _case("meta_llama", False),
+        "torchtitan_kv_whole": _case("torchtitan", False),  # 2 key/value heads < tp=4: wqkv's k and v rows whole
         "clip_over_pipeline": lambda mesh: _clip_over_pipeline(world),
     }
 
@@ -383,13 +409,13 @@ def _assert_parity(record: dict) -> None:
         assert record["accuracy_type"] == "Tensor"
 
 
-@pytest.mark.parametrize("name", [*PARITY_2, "hf_bigcode_mha"])
+@pytest.mark.parametrize("name", [*PARITY_2, "hf_bigcode_mha", "torchtitan_unfused"])
 def test_parity_tp2(tp2, name):
     for record in _records(tp2, name):
         _assert_parity(record)
 
 
-@pytest.mark.parametrize("name", ["tinygpt_sp", "nanogpt_sp", "meta_llama"])
+@pytest.mark.parametrize("name", ["tinygpt_sp", "nanogpt_sp", "meta_llama", "torchtitan_kv_whole"])
 def test_parity_tp4(tp4, name):
     for record in _records(tp4, name):
         _assert_parity(record)
@@ -581,6 +607,45 @@ def test_multi_query_fused_projection_shards_q_and_keeps_k_and_v_whole():
     # Without multi-query, GPTBigCode's c_attn holds q, k, v head by head, as GPT-NeoX's query_key_value does.
     mha = plan_tensor_parallel(_hf("hf_bigcode_mha", 2), 2).regions["transformer.h.0.attn"]
     assert mha.interleaved and mha.fused is None and not mha.kv_replicated
+
+
+def test_torchtitan_fused_projection_one_level_down_is_sharded_by_key_value_group():
+    """torchtitan 0.3's GQAttention holds q|k|v in ``qkv_linear.wqkv``, rows by key/value group (each group's q
+    heads, then its k and v), which its FusedQKVLinear views as ``[groups, heads_per_kv + 2, head_dim]``."""
+    from lightning_4d.tensor_parallel import GroupedQKVLayout
+    from tests.zoo_models import zoo_lm
+
+    lm = zoo_lm("torchtitan_llama3")
+    plan = plan_tensor_parallel(lm, 2)
+    text = plan.describe()
+    assert ("attention model.layers.*.attention (x4) [qkv_linear.wqkv -> wo] fused, whole key/value groups per"
+            " rank: heads 4->2, kv heads 2->1, head_dim 8; local n_heads=2, n_kv_heads=1") in text, text
+    assert plan.coverage.share >= 0.9 and "sharded   99% of the parameters outside the embedding and head" in text
+    plan.coverage.check(2, strict=True)
+    assert plan.styles["model.layers.0.attention.qkv_linear.wqkv"].style == "colwise"
+    assert plan.styles["model.layers.0.attention.wo"].style == "rowwise"
+    layout = plan.regions["model.layers.0.attention"].fused
+    assert layout == GroupedQKVLayout(q_per_kv=2, kv_heads=2, head_dim=8, dim=0) and not layout.moves(2)
+    # 2 key/value heads < tp=4: each rank its q head and its group's k and v, sized for the module's view.
+    four = plan_tensor_parallel(lm, 4)
+    assert four.regions["model.layers.0.attention"].kv_replicated
+    assert four.attributes["model.layers.0.attention.qkv_linear"] == {"heads_per_kv": 1, "r_dim": 3}
+    assert ("fused, q rows sharded and permuted per rank: heads 4->1, kv heads 2 < tp: the k and v rows of"
+            " qkv_linear.wqkv whole on every rank") in four.describe()
+    # The rows are torchtitan's: its state-dict hook splits them into wq, wk, wv as the layout's segments.
+    fused = lm.model.layers["0"].attention.qkv_linear
+    with torch.no_grad():
+        fused.wqkv.weight.copy_(torch.arange(64.0).unsqueeze(1).expand(64, 32))
+    saved = fused.state_dict()
+    segments = torch.arange(64).split(layout.widths())
+    for name, part in (("wq", 0), ("wk", 1), ("wv", 2)):
+        assert saved[f"{name}.weight"][:, 0].long().tolist() == torch.cat(segments[part::3]).tolist(), name
+    small = GroupedQKVLayout(q_per_kv=2, kv_heads=2, head_dim=1, dim=0)  # rows q0 q1 k0 v0 | q2 q3 k1 v1
+    assert small.permutation(2).tolist() == list(range(8))
+    assert small.permutation(4).tolist() == [0, 2, 3, 1, 2, 3, 4, 6, 7, 5, 6, 7]
+    assert small.repeated(4) == [(1, 1, 2), (2, 1, 2)]
+    rows = torch.arange(8.0).unsqueeze(1)
+    assert torch.equal(small.to_original(small.to_tp(rows, 4, 0), 4, 0), rows)
 
 
 def test_fused_gate_up_rows_give_each_rank_its_half_of_gate_and_up():

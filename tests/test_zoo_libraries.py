@@ -10,8 +10,11 @@ from tests.parity import Case, assert_parity, reference, report_difference, trai
 from tests.zoo_models import LIBRARY_FAMILIES
 
 LAYOUTS = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "cp2": {"cp": 2}, "pp2": {"pp": 2}}
+# torchtitan's fused qkv_linear.wqkv is sharded by key/value group: tp=2 shards 99% of its body, so under-sharding
+# is an error there.
+STRICT = {("tp2", "torchtitan_llama3"): {"tp": 2, "tp_strict": True}}
 CASES = [Case(f"{layout}_{family}", module="tests.zoo_models:zoo_lm", module_kwargs={"family": family},
-              data="tests.lm_models:token_data", strategy=strategy, max_steps=4)
+              data="tests.lm_models:token_data", strategy=STRICT.get((layout, family), strategy), max_steps=4)
          for family in LIBRARY_FAMILIES for layout, strategy in LAYOUTS.items()]
 
 

@@ -88,14 +88,15 @@ from lightning_4d.tensor_parallel.apply import apply_tensor_parallel
 from lightning_4d.tensor_parallel.config import TensorParallelConfig
 from lightning_4d.tensor_parallel.discovery import find_regions, plan_tensor_parallel
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
-from lightning_4d.tensor_parallel.plan import (STYLES, FusedGateUpLayout, FusedQKVLayout, ModuleStyle, Region,
-                                              TensorParallelPlan)
+from lightning_4d.tensor_parallel.plan import (STYLES, FusedGateUpLayout, FusedQKVLayout, GroupedQKVLayout,
+                                              ModuleStyle, Region, TensorParallelPlan)
 from lightning_4d.tensor_parallel.self_check import TensorParallelCheckError, TensorParallelSelfCheck
 
 __all__ = [
     "STYLES",
     "FusedGateUpLayout",
     "FusedQKVLayout",
+    "GroupedQKVLayout",
     "ModuleStyle",
     "Region",
     "TensorParallelCheckError",

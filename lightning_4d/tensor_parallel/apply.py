@@ -23,6 +23,7 @@ from lightning_4d.tensor_parallel.plan import (
     Region,
     TensorParallelPlan,
     _FusedRows,
+    _child,
     _linear_shape,
     _parameter_owners,
     _pattern,
@@ -228,6 +229,26 @@ def _fused_state_dict_hooks(module: nn.Module, layout: _FusedRows, tp: int,
     module.register_load_state_dict_pre_hook(to_tp)
 
 
+def _global_sizes_in_state_dict(region: nn.Module, held: dict[str, dict[str, int]]) -> None:
+    """Size attributes of modules inside ``region`` hold their global values while its state dict is saved or
+    loaded: such a module's own state-dict hooks may read them on the original, unsharded rows (torchtitan's
+    FusedQKVLinear reshapes wqkv by heads_per_kv and r_dim to rename it wq/wk/wv). The region's hooks run
+    before and after those of the modules inside it."""
+    modules = {holder: region.get_submodule(holder) for holder in held}
+    local = {holder: dict(attrs) for holder, attrs in held.items()}
+    original = {holder: {name: getattr(modules[holder], name) for name in attrs} for holder, attrs in held.items()}
+
+    def use(values: dict[str, dict[str, int]]) -> None:
+        for holder, attrs in values.items():
+            for name, value in attrs.items():
+                setattr(modules[holder], name, value)
+
+    region.register_state_dict_pre_hook(lambda *_: use(original))
+    region.register_state_dict_post_hook(lambda *_: use(local))
+    region.register_load_state_dict_pre_hook(lambda *_: use(original))
+    region.register_load_state_dict_post_hook(lambda *_: use(local))
+
+
 def _common_prefix(fqns: Iterable[str]) -> str:
     parts = [f.split(".") if f else [] for f in fqns]
     prefix = []
@@ -280,7 +301,7 @@ def apply_tensor_parallel(
 
     for fqn, region in plan.regions.items():
         owner = module.get_submodule(fqn)
-        if region.fused is not None:
+        if region.fused is not None and region.fused.moves(tp):
             fused = owner.get_submodule(region.inputs[0])
             for name, dim in (("weight", region.fused.dim), ("bias", 0)):
                 param = getattr(fused, name, None)
@@ -288,6 +309,11 @@ def apply_tensor_parallel(
                     permuted = region.fused.to_tp(param.detach(), tp, dim)
                     fused.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
             _fused_state_dict_hooks(fused, region.fused, tp)
+    for fqn, region in plan.regions.items():  # before the attributes are set: it keeps their global values
+        held = {holder: plan.attributes[_child(fqn, holder)] for holder in region.holders
+                if _child(fqn, holder) in plan.attributes}
+        if held:
+            _global_sizes_in_state_dict(module.get_submodule(fqn), held)
     for fqn, attrs in plan.attributes.items():
         for name, value in attrs.items():
             setattr(module.get_submodule(fqn), name, value)

@@ -19,6 +19,7 @@ from lightning_4d.tensor_parallel.plan import (
     Coverage,
     FusedGateUpLayout,
     FusedQKVLayout,
+    GroupedQKVLayout,
     ModuleStyle,
     Region,
     TensorParallelPlan,
@@ -38,6 +39,7 @@ _ATTENTION_PRESETS = (
     (("q_proj", "k_proj", "v_proj"), "o_proj"),  # Hugging Face Llama/Mistral/Qwen, lightning_4d/demos/gpt.py
     (("q_proj", "k_proj", "v_proj"), "out_proj"),
     (("wq", "wk", "wv"), "wo"),  # Meta / torchtitan Llama
+    (("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "wo"),  # torchtitan 0.3 GQAttention, fuse_qkv=False
 )
 _FUSED_ATTENTION_PRESETS = (
     ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
@@ -47,6 +49,9 @@ _FUSED_ATTENTION_PRESETS = (
 # Fused q|k|v laid out head by head (head 0's q, k, v, then head 1's, ...): a contiguous column-wise shard
 # already holds whole heads, so nothing is permuted.
 _INTERLEAVED_ATTENTION_PRESETS = (("query_key_value", "dense"),)  # Hugging Face GPT-NeoX, Bloom
+# Fused q|k|v one level down, laid out by key/value group (each group's q heads, then its k and v): torchtitan
+# 0.3's GQAttention holds a FusedQKVLinear as qkv_linear, which views wqkv's output [groups, q_per_kv + 2, head_dim].
+_GROUPED_ATTENTION_PRESETS = (("qkv_linear.wqkv", "wo"),)
 _MLP_PRESETS = (
     (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face, lightning_4d/demos/gpt.py (up_proj only)
     (("w1", "w3"), "w2"),  # Meta / torchtitan
@@ -61,7 +66,8 @@ _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
-_KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv")  # query heads per key/value head
+_KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "heads_per_kv")  # q heads per kv head
+_GROUP_ROWS_ATTRS = ("r_dim",)  # heads per group of a grouped fused projection: its q heads, k and v (torchtitan)
 
 
 def _head_geometry(module: nn.Module, q_width: int) -> tuple[int, int] | None:
@@ -81,9 +87,10 @@ def _head_geometry(module: nn.Module, q_width: int) -> tuple[int, int] | None:
 def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> Region | None:
     linears = {n: _linear_shape(c) for n, c in module.named_children() if _linear_shape(c) is not None}
     for qkv, out in _ATTENTION_PRESETS:
-        if out in linears and all(n in linears for n in qkv):
-            (width, q_w), (k_in, k_w), (v_in, v_w) = (linears[n] for n in qkv)
-            o_in, o_out = linears[out]
+        shapes = {n: linears.get(n) or _nested_linear(module, n) for n in (*qkv, out)}
+        if all(shapes.values()):
+            (width, q_w), (k_in, k_w), (v_in, v_w) = (shapes[n] for n in qkv)
+            o_in, o_out = shapes[out]
             if k_in == v_in == width == o_out and k_w == v_w and o_in == q_w:
                 return _attention_region(fqn, module, qkv, out, width, q_w, k_w, None, divide)
     for fused, out in _FUSED_ATTENTION_PRESETS:
@@ -93,6 +100,16 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
                 return _interleaved_region(fqn, module, fused, out, width, q_w, divide)  # GPTBigCode without MQA
             if o_out == width and total > q_w and (total - q_w) % 2 == 0:
                 return _attention_region(fqn, module, (fused,), out, width, q_w, (total - q_w) // 2, fused, divide)
+    for fused, out in _GROUPED_ATTENTION_PRESETS:
+        shape = _nested_linear(module, fused)
+        if shape is not None and out in linears:
+            (width, total), (q_w, o_out) = shape, linears[out]
+            if o_out == width and total > q_w and (total - q_w) % 2 == 0:
+                region = _attention_region(fqn, module, (fused,), out, width, q_w, (total - q_w) // 2, fused, divide)
+                if region is not None and region.fused is not None and region.heads % region.kv_heads == 0:
+                    layout = GroupedQKVLayout(region.heads // region.kv_heads, region.kv_heads, region.head_dim,
+                                              region.fused.dim)
+                    return replace(region, fused=layout)
     for fused, out in _INTERLEAVED_ATTENTION_PRESETS:
         if fused in linears and out in linears:
             (width, total), (o_in, o_out) = linears[fused], linears[out]
@@ -117,6 +134,13 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
                 _head_norms(fqn, module, (*present, out), None)
                 return Region("mlp", present, out, width, inner)
     return _generic_mlp(module, linears)
+
+
+def _nested_linear(module: nn.Module, name: str) -> tuple[int, int] | None:
+    try:
+        return _linear_shape(module.get_submodule(name))
+    except AttributeError:
+        return None
 
 
 def _interleaved_region(
@@ -171,7 +195,7 @@ def _attention_region(
         )
         if kv_heads != heads and kv_heads not in declared_kv:
             return None  # e.g. a cross-attention k|v projection: no q segment, do not guess a layout
-        layout = FusedQKVLayout(heads, kv_heads, head_dim, 1 if _is_conv1d(getattr(module, fused)) else 0)
+        layout = FusedQKVLayout(heads, kv_heads, head_dim, 1 if _is_conv1d(module.get_submodule(fused)) else 0)
     norms = _head_norms(fqn, module, (*inputs, out), head_dim)
     return Region("attention", inputs, out, width, q_width, heads, kv_heads, head_dim, layout, norms)
 
@@ -181,7 +205,7 @@ def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_
     norms = []
     for name, child in module.named_modules():
         params = list(child.parameters(recurse=False))
-        if not params or (name and name.split(".")[0] in projections):
+        if not params or (name and _under(name, projections)):
             continue
         if name and "norm" in type(child).__name__.lower() and head_dim and all(p.numel() == head_dim for p in params):
             norms.append(name)
@@ -211,6 +235,8 @@ def _local_sizes(fqn: str, source: Any, region: Region, tp: int) -> dict[str, in
     kv = {name: 1 for name, value in _int_attrs(source, _KV_HEAD_ATTRS).items() if value == region.kv_heads}
     groups = {name: region.heads // tp for name, value in _int_attrs(source, _KV_GROUP_ATTRS).items()
               if value == region.heads // region.kv_heads}
+    groups.update({name: region.heads // tp + 2 for name, value in _int_attrs(source, _GROUP_ROWS_ATTRS).items()
+                   if value == region.heads // region.kv_heads + 2})
     return {**_divided(fqn, {n: v for n, v in attrs.items() if n not in kv}, tp), **kv, **groups}
 
 
@@ -283,6 +309,10 @@ def plan_tensor_parallel(
                 plan.attributes[fqn] = attrs
             if config_attrs:
                 plan.config_attributes[fqn] = config_attrs
+            for holder in region.holders:  # a module between the attention and its projection (qkv_linear)
+                held = _local_sizes(_child(fqn, holder), m.get_submodule(holder), region, tp_size)
+                if held:
+                    plan.attributes[_child(fqn, holder)] = held
     for fqn, names in divide.items():
         attrs = _int_attrs(modules[fqn], names)
         missing = [n for n in names if n not in attrs]

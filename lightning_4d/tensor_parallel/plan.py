@@ -62,6 +62,10 @@ class _FusedRows(ABC):
             start += width // n
         return found
 
+    def moves(self, tp: int) -> bool:
+        """Whether the live rows differ from the original ones (else nothing is permuted or hooked)."""
+        return True
+
     def to_tp(self, tensor: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
         return tensor.index_select(dim, self.permutation(tp).to(tensor.device))
 
@@ -91,6 +95,42 @@ class FusedQKVLayout(_FusedRows):
 
     def pieces(self, tp: int) -> list[int]:
         return [tp, min(self.kv_heads, tp), min(self.kv_heads, tp)]
+
+
+@dataclass(frozen=True)
+class GroupedQKVLayout(_FusedRows):
+    """Rows of a fused attention projection laid out by key/value group: for each of ``kv_heads`` groups its
+    ``q_per_kv`` query heads, then its k head, then its v head, ``head_dim`` rows each (torchtitan's
+    ``FusedQKVLinear.wqkv``, viewed as ``[groups, q_per_kv + 2, head_dim]``). With ``kv_heads`` divisible by
+    tp a contiguous shard already holds whole groups: nothing is permuted. With fewer key/value heads than
+    ranks, rank r holds its group's share of query heads and that group's k and v whole (group
+    ``r * kv_heads // tp``, as ``FusedQKVLayout`` gives the ranks their key/value head)."""
+
+    q_per_kv: int
+    kv_heads: int
+    head_dim: int
+    dim: int
+
+    def widths(self) -> list[int]:
+        return [self.q_per_kv * self.head_dim, self.head_dim, self.head_dim] * self.kv_heads
+
+    def permutation(self, tp: int) -> torch.Tensor:
+        rows = torch.arange(sum(self.widths())).view(self.kv_heads, -1)
+        if self.kv_heads % tp == 0:
+            return rows.flatten()
+        copies = tp // self.kv_heads  # ranks sharing one group
+        q_rows = self.q_per_kv * self.head_dim
+        return torch.cat([torch.cat([rows[r // copies, :q_rows].chunk(copies)[r % copies], rows[r // copies, q_rows:]])
+                          for r in range(tp)])
+
+    def repeated(self, tp: int) -> list[tuple[int, int, int]]:
+        if self.kv_heads % tp == 0:
+            return []
+        start = self.q_per_kv * self.head_dim // (tp // self.kv_heads)
+        return [(start, self.head_dim, self.kv_heads), (start + self.head_dim, self.head_dim, self.kv_heads)]
+
+    def moves(self, tp: int) -> bool:
+        return self.kv_heads % tp != 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +182,12 @@ class Region:
     @property
     def replicated_kv_projections(self) -> tuple[str, ...]:
         return self.inputs[1:] if self.kv_replicated else ()
+
+    @property
+    def holders(self) -> list[str]:
+        """The modules between the region and its projections (``qkv_linear`` of ``qkv_linear.wqkv``)."""
+        names = [name.split(".") for name in (*self.inputs, self.output)]
+        return sorted({".".join(parts[:i]) for parts in names for i in range(1, len(parts))}, key=len)
 
     @property
     def tp_summed(self) -> tuple[str, ...]:
@@ -270,11 +316,14 @@ class TensorParallelPlan:
             else:
                 size = f"intermediate {region.inner}->{region.inner // tp}"
             fused = (" fused, q rows sharded and permuted per rank" if region.fused and region.kv_replicated else
+                     " fused, whole key/value groups per rank" if region.fused and not region.fused.moves(tp) else
                      " fused, permuted per rank" if region.fused else
                      " fused, interleaved per head" if region.interleaved else "")
             attrs = {
                 **self.attributes.get(fqn, {}),
                 **{f"config.{k}": v for k, v in self.config_attributes.get(fqn, {}).items()},
+                **{f"{holder}.{k}": v for holder in region.holders
+                   for k, v in self.attributes.get(_child(fqn, holder), {}).items()},
             }
             local = ("; local " + ", ".join(f"{k}={v}" for k, v in attrs.items())) if attrs else ""
             norms = f"; grads of {', '.join(region.head_norms)} summed over tp" if region.head_norms else ""
@@ -302,7 +351,7 @@ class TensorParallelPlan:
                 note = " (logits vocab-sharded inside tensor_parallel_context, gathered elsewhere)"
             lines.append(f"  {role:<9} {', '.join(patterns)}: {text}{note}")
         for fqn, attrs in self.attributes.items():
-            if fqn not in self.regions:
+            if not _under(fqn, self.regions):
                 lines.append(f"  divide    {fqn}: local {', '.join(f'{k}={v}' for k, v in attrs.items())}")
         if self.replicated:
             lines.append(f"  replicate {', '.join(self.replicated)}")

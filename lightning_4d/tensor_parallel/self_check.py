@@ -36,7 +36,9 @@ def _check_replicas(module: nn.Module, plan: TensorParallelPlan) -> dict[str, nn
             or "." not in fqn
         ):
             continue
-        parent_fqn = fqn.rsplit(".", 1)[0]
+        # A region's projection one level down (torchtitan's qkv_linear.wqkv) is checked in the region: the module
+        # between them returns this rank's heads only.
+        parent_fqn = max((r for r in plan.regions if fqn.startswith(r + ".")), key=len, default=fqn.rsplit(".", 1)[0])
         parent = module.get_submodule(parent_fqn)
         if (
             isinstance(module.get_submodule(fqn), nn.Embedding)
