@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
+from lightning_4d._attention_kernels import attention_kernels
 from lightning_4d.context_parallel_config import ContextParallelConfig, check_sequence_length
 from lightning_4d.multihead_attention import unsupported
 from lightning_4d.ring_attention import ring_attention, zigzag_positions
@@ -260,8 +261,20 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
     itself a torch function: a function mode is off while its own handler runs, so the interception would not see
     the ``scaled_dot_product_attention`` inside it. :func:`~lightning_4d.parallelize.parallelize` gives each
     instance lightning_4d's forward (:mod:`lightning_4d.multihead_attention`), whose call is intercepted; the
-    variants that forward does not compute are refused here."""
+    variants that forward does not compute are refused here. A module calling another
+    kernel (``flex_attention``, a variable-length kernel: torchtitan's default FlexAttention, its
+    VarlenAttention) is found in its code and refused likewise."""
     _check_eager_attention(module, cp)
+    kernels = attention_kernels(module)
+    if kernels:
+        fqn, (kind, kernel) = next(iter(kernels.items()))
+        raise ValueError(
+            f"cp={cp}: {fqn or 'the module'} ({kind}) computes attention with {kernel} ({len(kernels)} in"
+            f" {type(module).__name__}), not through torch.nn.functional.scaled_dot_product_attention (the one call"
+            " context parallelism turns into ring attention), so each rank's attention would see only its own"
+            " tokens. Fix: build the model with an attention that calls scaled_dot_product_attention (torchtitan:"
+            " model_registry(flavor, attn_backend='sdpa'), i.e. inner_attention=ScaledDotProductAttention.Config()),"
+            " or use cp=1 (dp=N replicates the model instead).")
     for fqn, sub in module.named_modules():
         problem = unsupported(fqn, sub) if isinstance(sub, nn.MultiheadAttention) else None
         if problem is not None:

@@ -36,3 +36,36 @@ def test_context_parallelism_finds_torchtitans_rotary_cache():
     assert find_position_buffers(zoo_lm("torchtitan_llama3")) == [f"model.layers.{i}.attention.rope.cache"
                                                                    for i in range(4)]
     assert find_position_buffers(zoo_lm("litgpt_llama")) == ["model.cos", "model.sin"]
+
+
+def test_context_parallelism_refuses_torchtitans_flex_and_varlen_attention_before_any_collective():
+    """torchtitan's default inner attention is FlexAttention (``model_registry(flavor, attn_backend="flex")``),
+    and it has VarlenAttention: neither calls F.scaled_dot_product_attention, so at cp=2 each rank would attend
+    over its own shard only. Refused from the modules' code, naming the module and the fix; the SDPA build (the
+    fix, trained at cp=2 above) passes."""
+    import pytest
+    from torchtitan.models.common import ScaledDotProductAttention
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    from lightning_4d.context_parallel import check_attention_reachable
+    from tests.zoo_models import _torchtitan_llama3_config, zoo_lm
+
+    def build(inner):
+        config = _torchtitan_llama3_config()
+        for layer in config.layers:
+            layer.attention.inner_attention = inner
+        return config.build()
+
+    for inner, kernel in ((FlexAttention.Config(), "torch.nn.attention.flex_attention.flex_attention"),
+                          (VarlenAttention.Config(), "torch.nn.attention.varlen.varlen_attn")):
+        name = type(inner).__qualname__.split(".")[0]
+        with pytest.raises(ValueError) as refused:
+            check_attention_reachable(build(inner), 2)
+        assert str(refused.value).startswith(
+            f"cp=2: layers.0.attention.inner_attention ({name}) computes attention with {kernel} (4 in Llama3Model),"
+            " not through torch.nn.functional.scaled_dot_product_attention"), refused.value
+        assert ("model_registry(flavor, attn_backend='sdpa'), i.e. inner_attention=ScaledDotProductAttention.Config()),"
+                " or use cp=1") in str(refused.value)
+    check_attention_reachable(build(ScaledDotProductAttention.Config()), 2)
+    for family in LIBRARY_FAMILIES:
+        check_attention_reachable(zoo_lm(family), 2)
