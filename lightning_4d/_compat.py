@@ -290,3 +290,12 @@ def hf_attention_implementation(model: Any) -> Optional[str]:
 
 def hf_supports_sdpa(model: Any) -> bool:
     return bool(getattr(model, "_supports_sdpa", False))
+
+
+# A layer's own checkpointing (``gradient_checkpointing_enable``): transformers keeps the checkpoint function
+# it calls around each layer's ``__call__`` as a private attribute, a ``functools.partial`` of torch's checkpoint.
+def hf_reentrant_checkpointing(layer: Any) -> bool:
+    """Whether a transformers layer checkpoints itself with ``use_reentrant=True``."""
+    function = getattr(layer, "_gradient_checkpointing_func", None)
+    return bool(getattr(layer, "gradient_checkpointing", False)) and \
+        getattr(function, "keywords", {}).get("use_reentrant") is True

@@ -125,9 +125,9 @@ class LabelsLlama(HFCausalLM):
 class CheckpointedLlama(HFCausalLM):
     """Hugging Face Llama with activation checkpointing: attention runs again during backward."""
 
-    def __init__(self):
+    def __init__(self, use_reentrant: bool = False):
         super().__init__()
-        self.model.gradient_checkpointing_enable()
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
 class SlidingWindowMistral(pl.LightningModule):

@@ -42,6 +42,13 @@ FAILING = {
                        strategy={"dp": 2, "activation_checkpointing": "full"}, max_steps=1),
                   "ValueError", ["activation_checkpointing works on the module's blocks",
                                  "activation_checkpointing='none'"]),
+    # Reentrant: the received activation would get no gradient (the fix, use_reentrant=False, is pp2 in OWN).
+    "pp2_hf_reentrant": (Case("pp2_hf_reentrant", module="tests.cp_models:CheckpointedLlama",
+                              module_kwargs={"use_reentrant": True}, data="tests.lm_models:token_data",
+                              strategy={"pp": 2}, max_steps=1),
+                         "ValueError", ["pp=2: model.model.layers.0 (LlamaDecoderLayer) checkpoints itself with"
+                                        " use_reentrant=True", "{'use_reentrant': False}",
+                                        "activation_checkpointing='full'"]),
 }
 
 
@@ -64,7 +71,7 @@ def test_the_modules_own_checkpointing_matches_one_process(two, case):
 
 
 @pytest.mark.parametrize("name", FAILING)
-def test_a_module_without_blocks_is_refused(two, name):
+def test_what_cannot_be_checkpointed_is_refused(two, name):
     _, errors = two
     _, kind, phrases = FAILING[name]
     assert_error(errors[name], kind, phrases)

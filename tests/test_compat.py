@@ -123,6 +123,20 @@ def _hf_attention():
     assert compat.hf_attention_implementation(nn.Linear(1, 1)) is None
 
 
+def _hf_reentrant_checkpointing():
+    # What the pipeline's refusal of a layer's own reentrant checkpoint reads (tests/test_activation_checkpointing).
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layer = model.model.layers[0]
+    assert not compat.hf_reentrant_checkpointing(layer)
+    for reentrant in (False, True):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        assert compat.hf_reentrant_checkpointing(layer) is reentrant
+
+
 CHECKS = {
     "torch ParallelStyle._apply/_prepare_input_fn/_prepare_output_fn": _parallel_style_hooks,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(+_backward)": _flash_cpu_matches_sdpa,
@@ -147,6 +161,7 @@ CHECKS = {
     "FSDP2 state: _lazy_init, _state_ctx.all_states, _fsdp_param_groups, post_backward, the final callback":
         _fsdp_internals,
     "transformers PreTrainedModel._supports_sdpa, PretrainedConfig._attn_implementation": _hf_attention,
+    "transformers GradientCheckpointingLayer._gradient_checkpointing_func": _hf_reentrant_checkpointing,
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),

@@ -141,6 +141,21 @@ def _check_not_encoder_decoder(module: nn.Module, pp: int) -> None:
                 " instead).")
 
 
+def _check_no_reentrant_checkpoint(blocks: Sequence[object], path: str, pp: int) -> None:
+    """Refuse blocks that checkpoint themselves reentrantly around their ``__call__`` (Hugging Face's
+    ``gradient_checkpointing_enable`` with ``use_reentrant=True``): the stage's first block then runs under
+    ``torch.no_grad`` with the received activation swapped in by a hook inside the checkpoint, which takes
+    gradients for its own inputs only, so the previous stage would get none and train wrong without an error."""
+    for index, block in enumerate(blocks):
+        if isinstance(block, nn.Module) and compat.hf_reentrant_checkpointing(block):
+            raise ValueError(
+                f"pp={pp}: {path}.{index} ({type(block).__name__}) checkpoints itself with use_reentrant=True: a"
+                " reentrant checkpoint computes gradients for its own inputs only, so the activation a pipeline"
+                " stage receives would get none. Use gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}) (Hugging Face's default), or FourDStrategy(activation_checkpointing="
+                "'full') in its place.")
+
+
 def check_blocks(blocks: Sequence[object], path: str, config: PipelineConfig) -> None:
     """Refuse a block list the layout cannot split: fewer blocks than stages, split points past the end, or
     one block object repeated (a stage cannot hold part of a shared block)."""
@@ -178,6 +193,7 @@ class PipelinePlan:
         _check_not_encoder_decoder(module, config.pp)
         path, container = find_blocks(module, config.blocks)
         check_blocks(_blocks_in(container), path, config)
+        _check_no_reentrant_checkpoint(_blocks_in(container), path, config.pp)
         roles: dict[int, set[str]] = {}
         places: dict[int, list[tuple[str, str]]] = {}
         after = False

@@ -68,6 +68,12 @@ class _Running:
     injected: bool = False
 
 
+def _identity(tensor: Tensor) -> tuple:
+    """A tensor by its memory: a reentrant checkpoint recomputes from detached copies (new objects, the same
+    storage)."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
+
+
 class _MetricRef(NamedTuple):
     """A logged torchmetrics Metric, by its module name (the object itself cannot cross processes)."""
 
@@ -122,6 +128,9 @@ class PipelineRunner:
         self._logs = StepLogs(module)
         self._running: Optional[_Running] = None
         self._ready: dict[int, Tensor] = {}  # micro-batch 0's activation, when a new batch shape ran it early
+        # What _inject swapped in during this training step, by the tensor it replaced: a checkpointed block's
+        # recomputation during backward gets the same activation again (see _inject).
+        self._injected: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._outputs: dict[int, Any] = {}
         self._forward_caches: dict[str, list[Any]] = {}
         self._boundary: Optional[tuple] = None
@@ -167,6 +176,7 @@ class PipelineRunner:
                     schedule = self._schedule(training, shape_key(micro[0]))
                     schedule.step(index, mb=index, target=index, return_outputs=False)
             finally:
+                self._injected.clear()
                 self._pending = self._take_grads()
                 for p, grad in zip(self._params, earlier):
                     p.grad = grad
@@ -255,13 +265,24 @@ class PipelineRunner:
         return torch.zeros((), device=self.device)  # the forward-only schedule needs a tensor
 
     def _inject(self, block: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        """The received activation in place of the block's input. A block forward outside the stage's run is a
+        checkpoint's recomputation during backward: a model's own checkpointing (Hugging Face's wraps each
+        layer's ``__call__``, so this hook runs inside it) recomputes from the input it was first called with,
+        which this hook replaced then; it gets the same activation again, not the locally computed one."""
+        first = None if args else next(iter(inspect.signature(block.forward).parameters))
+        given = args[0] if args else kwargs.get(first)
         running = self._running
         if running is None or running.hidden is None:
-            return None
-        hidden, running.hidden, running.injected = running.hidden, None, True
+            replay = self._injected.get(_identity(given)) if isinstance(given, Tensor) else None
+            if replay is None:
+                return None
+            hidden = replay[1]
+        else:
+            hidden, running.hidden, running.injected = running.hidden, None, True
+            if self._training and isinstance(given, Tensor):
+                self._injected[_identity(given)] = (given, hidden)  # kept alive: its storage is the key
         if args:
             return (hidden, *args[1:]), kwargs
-        first = next(iter(inspect.signature(block.forward).parameters))
         return args, {**kwargs, first: hidden}
 
     def _stop(self, block: nn.Module, args: tuple, output: Any) -> None:
