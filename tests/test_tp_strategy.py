@@ -57,21 +57,11 @@ TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_p
                strategy={"tp": 2}, **LM),
           Case("tp2_torch_encoder_attention_replicated", strategy={"tp": 2, "tp_plan": ENCODER_ATTENTION_WHOLE},
                **ENCODER, **LM),
-          # GPT-NeoX's and Bloom's query_key_value hold q, k, v head by head: a contiguous shard is whole heads
-          # (98% / 99% of the body sharded); Bloom's ALiBi bias, built for every head, gets each rank's rows.
-          Case("tp2_gpt_neox_interleaved_qkv", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gpt_neox"},
-               strategy={"tp": 2, "tp_strict": True}, **LM),
-          Case("tp2_bloom_interleaved_qkv_alibi", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "bloom"},
-               strategy={"tp": 2, "tp_strict": True}, **LM),
+          # The zoo's families train at tp=2 under tp_strict in tests/test_zoo.py (unclipped); the two whose
+          # k and v stay whole on both ranks also here, clipped: the norm must count those rows once.
           # Gemma's one key/value head: k and v whole on both ranks, q and o sharded.
           Case("tp2_gemma_one_kv_head", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "gemma"},
                strategy={"tp": 2}, **LM),
-          # OPT's decoder layer holds fc1/fc2 beside self_attn: both are regions (95% of the body sharded).
-          Case("tp2_opt_mlp_beside_attention", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "opt"},
-               strategy={"tp": 2, "tp_strict": True}, **LM),
-          # Phi-3's fused qkv_proj and gate_up_proj, permuted per rank (99% of the body sharded).
-          Case("tp2_phi3_fused_projections", module="tests.zoo_models:zoo_lm", module_kwargs={"family": "phi3"},
-               strategy={"tp": 2, "tp_strict": True}, **LM),
           # GPTBigCode's multi-query c_attn: q rows sharded by heads, the one key/value head's k and v rows whole
           # on both ranks with their gradients summed (94% of the body sharded).
           Case("tp2_gpt_bigcode_multi_query", module="tests.zoo_models:zoo_lm",
@@ -113,7 +103,7 @@ FAILING_TWO = {
                     "TensorParallelCheckError", ["self-check failed for transformer.h.0.attn",
                                                  "output differs from its unsharded copy"]),
 }
-FAILING_TWO["opt_sequence_parallel"] = (  # the fix, sequence_parallel=False, is tp2_opt_mlp_beside_attention
+FAILING_TWO["opt_sequence_parallel"] = (  # the fix, sequence_parallel=False, is opt-tp2 in tests/test_zoo.py
     _failing("opt_sequence_parallel", "tests.zoo_models:zoo_lm", {"tp": 2, "sequence_parallel": True},
              {"family": "opt"}),
     "ValueError", ["sequence_parallel=True: model.model.decoder.layers.0 (OPTDecoderLayer) holds its MLP's linears"

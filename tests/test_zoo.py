@@ -1,7 +1,8 @@
 """The model zoo (``tests/zoo_models.py``) under each dimension at 2 against one process, and its refusals.
 
-Every family, unchanged inside a plain LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default
-strategy options, nothing named) in ONE launch of 2 processes: losses per step, logged train_loss and final
+Every family (Hugging Face, litgpt, torchtitan, torch's and Lightning's own), unchanged inside a plain
+LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
+tp_strict) in ONE launch of 2 processes: losses per step, logged train_loss and final
 weights within 1e-5 relative of one process, after 3 SGD steps (the third step's loss already depends on two
 updates through momentum; more steps cost time, not evidence). Where a dimension refuses a family, the refusal
 is a case that must fail on every rank with its message, and the fix the message names trains at parity in the
@@ -27,9 +28,13 @@ from tests import zoo_models
 from tests.parity import Case, assert_error, assert_parity, reference, report_difference, train_layout_with_failures
 from tests.test_parity_matrix import ZOO_FAMILIES as FOUR_D_FAMILIES
 
-# The families of the zoo: tiny configs of library classes (see tests/zoo_models.py).
-ZOO = zoo_models.FAMILIES
+# The families of the zoo: tiny configs of library classes (see tests/zoo_models.py): Hugging Face, torch and
+# Lightning's own, litgpt and torchtitan.
+ZOO = zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES
 DIMENSIONS = ("dp", "tp", "cp", "pp")
+# Each dimension at 2, nothing else named; tensor parallelism strict: a family whose automatic plan shards less
+# than 90% of its body is refused, so a cell at parity cannot come from a model left mostly whole.
+CELL = {dim: {dim: 2, **({"tp_strict": True} if dim == "tp" else {})} for dim in DIMENSIONS}
 STEPS = 3
 # Also trained at dp=2 x pp=2 x cp=2 x tp=2 in tests/test_parity_matrix.py (Llama as tests.lm_models' HFCausalLM).
 FOUR_D = ("llama", *FOUR_D_FAMILIES)
@@ -119,7 +124,7 @@ def _cases() -> tuple[list[Case], list[Case], dict[tuple[str, str], str]]:
         for dim in DIMENSIONS:
             cell = TABLE[family][dim]
             name = f"{family}-{dim}2"
-            strategy = {dim: 2} if cell == PARITY else cell.fix
+            strategy = CELL[dim] if cell == PARITY else cell.fix
             if cell != PARITY:
                 failing.append(_case(family, name, {dim: 2}))
                 name += "-fix"
@@ -162,7 +167,7 @@ def test_every_cell_is_declared_and_run():
     assert set(SHOWN) == {(f, d) for f in ZOO for d in DIMENSIONS}
     for (family, dim), name in SHOWN.items():
         if TABLE[family][dim] == PARITY:
-            assert BY_NAME[name].strategy == {dim: 2}, (family, dim, BY_NAME[name].strategy)
+            assert BY_NAME[name].strategy == CELL[dim], (family, dim, BY_NAME[name].strategy)
 
 
 # ------------------------------------------------------------------------------ without processes
