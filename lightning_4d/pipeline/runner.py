@@ -68,12 +68,6 @@ class _Running:
     injected: bool = False
 
 
-def _identity(tensor: Tensor) -> tuple:
-    """A tensor by its memory: a reentrant checkpoint recomputes from detached copies (new objects, the same
-    storage)."""
-    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)
-
-
 class _MetricRef(NamedTuple):
     """A logged torchmetrics Metric, by its module name (the object itself cannot cross processes)."""
 
@@ -128,9 +122,9 @@ class PipelineRunner:
         self._logs = StepLogs(module)
         self._running: Optional[_Running] = None
         self._ready: dict[int, Tensor] = {}  # micro-batch 0's activation, when a new batch shape ran it early
-        # What _inject swapped in during this training step, by the tensor it replaced: a checkpointed block's
-        # recomputation during backward gets the same activation again (see _inject).
-        self._injected: dict[tuple, tuple[Tensor, Tensor]] = {}
+        # What _inject swapped in during this training step, by the id of the tensor it replaced: a checkpointed
+        # block's recomputation during backward (non-reentrant: called with the same objects) gets it again.
+        self._injected: dict[int, tuple[Tensor, Tensor]] = {}
         self._outputs: dict[int, Any] = {}
         self._forward_caches: dict[str, list[Any]] = {}
         self._boundary: Optional[tuple] = None
@@ -273,14 +267,14 @@ class PipelineRunner:
         given = args[0] if args else kwargs.get(first)
         running = self._running
         if running is None or running.hidden is None:
-            replay = self._injected.get(_identity(given)) if isinstance(given, Tensor) else None
+            replay = self._injected.get(id(given)) if isinstance(given, Tensor) else None
             if replay is None:
                 return None
             hidden = replay[1]
         else:
             hidden, running.hidden, running.injected = running.hidden, None, True
             if self._training and isinstance(given, Tensor):
-                self._injected[_identity(given)] = (given, hidden)  # kept alive: its storage is the key
+                self._injected[id(given)] = (given, hidden)  # kept alive, so that its id stays its own
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, first: hidden}
