@@ -295,7 +295,8 @@ def hf_supports_sdpa(model: Any) -> bool:
 # A layer's own checkpointing (``gradient_checkpointing_enable``): transformers keeps the checkpoint function
 # it calls around each layer's ``__call__`` as a private attribute, a ``functools.partial`` of torch's checkpoint.
 def hf_reentrant_checkpointing(layer: Any) -> bool:
-    """Whether a transformers layer checkpoints itself with ``use_reentrant=True``."""
+    """Whether a transformers layer checkpoints itself reentrantly: ``use_reentrant=True``, or not given in
+    ``gradient_checkpointing_kwargs`` (torch's checkpoint then defaults to reentrant)."""
     function = getattr(layer, "_gradient_checkpointing_func", None)
     return bool(getattr(layer, "gradient_checkpointing", False)) and \
-        getattr(function, "keywords", {}).get("use_reentrant") is True
+        getattr(function, "keywords", {}).get("use_reentrant", True) is not False

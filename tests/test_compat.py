@@ -132,9 +132,11 @@ def _hf_reentrant_checkpointing():
     model = transformers.AutoModelForCausalLM.from_config(config)
     layer = model.model.layers[0]
     assert not compat.hf_reentrant_checkpointing(layer)
-    for reentrant in (False, True):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        assert compat.hf_reentrant_checkpointing(layer) is reentrant
+    for kwargs, reentrant in (({"use_reentrant": False}, False), ({"use_reentrant": True}, True), ({}, True)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # {}: torch's default, reentrant
+        assert compat.hf_reentrant_checkpointing(layer) is reentrant, kwargs
+    model.gradient_checkpointing_enable()  # Hugging Face's default: non-reentrant
+    assert not compat.hf_reentrant_checkpointing(layer)
 
 
 CHECKS = {

@@ -27,6 +27,7 @@ EarlyStopping see the same keys on every rank and rank 0 (a first stage) logs th
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -123,8 +124,10 @@ class PipelineRunner:
         self._running: Optional[_Running] = None
         self._ready: dict[int, Tensor] = {}  # micro-batch 0's activation, when a new batch shape ran it early
         # What _inject swapped in during this training step, by the id of the tensor it replaced: a checkpointed
-        # block's recomputation during backward (non-reentrant: called with the same objects) gets it again.
-        self._injected: dict[int, tuple[Tensor, Tensor]] = {}
+        # block's recomputation during backward (non-reentrant: called with the same objects) gets it again. An
+        # entry lives as long as the replaced tensor does (a checkpoint keeps it until its backward; otherwise
+        # nothing does), so no micro-batch's activation is held longer than without it.
+        self._injected: dict[int, tuple[weakref.ref, Tensor]] = {}
         self._outputs: dict[int, Any] = {}
         self._forward_caches: dict[str, list[Any]] = {}
         self._boundary: Optional[tuple] = None
@@ -268,13 +271,14 @@ class PipelineRunner:
         running = self._running
         if running is None or running.hidden is None:
             replay = self._injected.get(id(given)) if isinstance(given, Tensor) else None
-            if replay is None:
+            if replay is None or replay[0]() is not given:
                 return None
             hidden = replay[1]
         else:
             hidden, running.hidden, running.injected = running.hidden, None, True
             if self._training and isinstance(given, Tensor):
-                self._injected[id(given)] = (given, hidden)  # kept alive, so that its id stays its own
+                key = id(given)
+                self._injected[key] = (weakref.ref(given, lambda _, key=key: self._injected.pop(key, None)), hidden)
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, first: hidden}
