@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
 META_FILE = "meta.pt"
@@ -68,13 +68,19 @@ def _renamed_by_hooks(model: nn.Module, state: Mapping[str, Any]) -> bool:
     return any(key not in names and not key.endswith("._extra_state") for key in state)  # get_extra_state()'s key
 
 
-def _set_model_state(model: nn.Module, state: dict[str, Any], strict: bool, full: bool = False) -> None:
+def _set_model_state(model: nn.Module, state: dict[str, Any], held: Mapping[str, Any], strict: bool,
+                     full: bool = False) -> None:
     """``set_model_state_dict``, or the model's own ``load_state_dict`` (whose hooks undo the renaming) where
-    :func:`model_state` took its own ``state_dict()``."""
-    if _renamed_by_hooks(model, model.state_dict()):
-        model.load_state_dict(state, strict=strict)
-    else:
+    :func:`model_state` took its own ``state_dict()``; ``held`` is what :func:`model_state` gave. ``full``: plain
+    tensors, the same on every rank; where the model holds a DTensor each rank takes its own part of them."""
+    if not _renamed_by_hooks(model, held):
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=full, strict=strict))
+        return
+    if full:
+        state = {key: distribute_tensor(value, held[key].device_mesh, held[key].placements, src_data_rank=None)
+                 if isinstance(held.get(key), DTensor) and not isinstance(value, DTensor) else value
+                 for key, value in state.items()}
+    model.load_state_dict(state, strict=strict)
 
 
 # Optimizer state flattened to one entry per parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``):
@@ -167,7 +173,7 @@ def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
                     del flat[key]
         state[f"optimizer_{index}"] = flat
     dcp.load(state, checkpoint_id=path)
-    _set_model_state(model, state["state_dict"], strict)
+    _set_model_state(model, state["state_dict"], state["state_dict"], strict)  # loaded in place: its keys are held's
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"],
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
@@ -219,7 +225,7 @@ def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True,
     _check_model_fits(held, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict, whole_model)
     if whole_model is not None:  # a pipeline stage takes its own part of the whole model
         full = {key: value for key, value in full.items() if key in held}
-    _set_model_state(model, dict(full), strict, full=True)
+    _set_model_state(model, dict(full), held, strict, full=True)
 
 
 class _Shape:

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Union
 
 import pytest
 
 from tests import zoo_models
-from tests.parity import Case, assert_error, assert_parity, reference, report_difference, train_layout_with_failures
+from tests.parity import (Case, assert_error, assert_exact_resume, assert_parity, reference, report_difference,
+                          train_layout_with_failures)
 from tests.test_parity_matrix import ZOO_FAMILIES as FOUR_D_FAMILIES
 
 # The families of the zoo: tiny configs of library classes (see tests/zoo_models.py): Hugging Face, torch and
@@ -141,9 +142,36 @@ PARITY_CASES.append(Case("lightning_demo_same_position_rows-cp2", module="tests.
 BY_NAME = {case.name: case for case in PARITY_CASES}
 
 
+# torchtitan's state-dict hooks rename its fused wqkv (saved as wq/wk/wv), so its checkpoints take the module's own
+# state_dict/load_state_dict: in the same launch, at tp=2, a checkpoint at step 2 resumed exactly, and weights of
+# another seed loaded from a plain state_dict file (init_from) against one process starting from the same file.
+TITAN = "torchtitan_llama3"
+OTHER_SEED = 4321
+
+
+def _titan_state_cases(workdir: Path) -> tuple[Case, Case, Case]:
+    import lightning.pytorch as pl
+    import torch
+
+    pl.seed_everything(OTHER_SEED, verbose=False)
+    weights = workdir / "torchtitan_other_seed.pt"
+    torch.save(zoo_models.zoo_lm(TITAN).state_dict(), weights)
+    resumed = replace(_case(TITAN, f"{TITAN}-tp2-resumed", CELL["tp"]), max_steps=4, resume_at=2)
+    from_file = _case(TITAN, f"{TITAN}-tp2-init_from_file", {**CELL["tp"], "init_from": str(weights)})
+    one_process = replace(from_file, module="tests.zoo_models:zoo_lm_from",
+                          module_kwargs={"family": TITAN, "weights": str(weights)}, strategy={})
+    return resumed, from_file, one_process
+
+
 @pytest.fixture(scope="module")
-def zoo():
-    return train_layout_with_failures(PARITY_CASES, FAILING_CASES, 2, timeout=600)
+def titan_state(tmp_path_factory):
+    return _titan_state_cases(tmp_path_factory.mktemp("titan"))
+
+
+@pytest.fixture(scope="module")
+def zoo(titan_state):
+    resumed, from_file, _ = titan_state
+    return train_layout_with_failures(PARITY_CASES + [resumed, from_file], FAILING_CASES, 2, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(BY_NAME))
@@ -160,6 +188,16 @@ def test_refusal_names_the_module_and_a_fix_that_trains(zoo, family, dim):
     assert_error(zoo[1][f"{family}-{dim}2"], refused.error, list(refused.phrases))
     fix = BY_NAME[SHOWN[family, dim]]  # the message's fix (refused.fix), trained in the same launch
     assert_parity(fix, reference(fix), zoo[0][fix.name])
+
+
+def test_torchtitans_renamed_state_resumes_exactly_and_loads_from_a_file(zoo, titan_state):
+    resumed, from_file, one_process = titan_state
+    records = zoo[0]
+    assert_exact_resume(records[resumed.name])
+    assert_parity(resumed, reference(resumed), records[resumed.name])
+    expected = reference(one_process)  # starts from the file's weights, as init_from does
+    assert abs(expected["losses"][0] - reference(from_file)["losses"][0]) > 1e-3, "the file's weights are the seed's"
+    assert_parity(from_file, expected, records[from_file.name])
 
 
 def test_every_cell_is_declared_and_run():

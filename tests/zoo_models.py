@@ -236,3 +236,10 @@ def zoo_lm(family: str = "llama") -> _CausalLM:
         return TorchEncoderLM()
     return HFZooLM(family)
 
+
+def zoo_lm_from(family: str, weights: str) -> _CausalLM:
+    """``zoo_lm(family)`` starting from the weights of a saved ``state_dict``: the single-process side of a case
+    that starts from the same file through ``FourDStrategy(init_from=...)``."""
+    module = zoo_lm(family)
+    module.load_state_dict(torch.load(weights, weights_only=True))
+    return module
