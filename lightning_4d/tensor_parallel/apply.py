@@ -310,10 +310,10 @@ def apply_tensor_parallel(
                     fused.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
             _fused_state_dict_hooks(fused, region.fused, tp)
     for fqn, region in plan.regions.items():  # before the attributes are set: it keeps their global values
-        held = {holder: plan.attributes[_child(fqn, holder)] for holder in region.holders
-                if _child(fqn, holder) in plan.attributes}
-        if held:
-            _global_sizes_in_state_dict(module.get_submodule(fqn), held)
+        global_sizes = {holder: plan.attributes[_child(fqn, holder)] for holder in region.holders
+                        if _child(fqn, holder) in plan.attributes}
+        if global_sizes:
+            _global_sizes_in_state_dict(module.get_submodule(fqn), global_sizes)
     for fqn, attrs in plan.attributes.items():
         for name, value in attrs.items():
             setattr(module.get_submodule(fqn), name, value)

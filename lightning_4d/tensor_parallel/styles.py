@@ -69,6 +69,10 @@ class _OwnWeights(TorchFunctionMode):
         self.locals = [(p.to_local(), p) for p in self.module.parameters(recurse=False) if isinstance(p, DTensor)]
         return super().__enter__()
 
+    def __exit__(self, *exc_info):
+        self.locals = []  # no reference to this step's local views outside the forward
+        return super().__exit__(*exc_info)
+
     def _weight(self, value):
         if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             for local, param in self.locals:
