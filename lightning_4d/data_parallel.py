@@ -15,6 +15,12 @@ with parameters that got no gradient last, where they cannot hold back the bucke
 A parameter may have no gradient on some ranks (unused in that forward). Each bucket carries one count per
 parameter, so the mean treats a missing gradient as zero and a parameter unused on every rank keeps
 ``grad=None``, as it would in a single process.
+
+A bucket's flat buffer is allocated once and kept, as DDP keeps its buckets: a fresh buffer per step costs the
+allocator (and on CPU the page faults) of a full gradient copy every step. Each gradient is copied into its
+slice the moment it is ready and then *is* that slice (as DDP's ``gradient_as_bucket_view``): the tensor
+autograd made is freed at once, and a gradient kept across ``zero_grad(set_to_none=False)`` or accumulation is
+accumulated in place and needs no copy at all.
 """
 
 from __future__ import annotations
@@ -38,9 +44,26 @@ def _local(tensor: Tensor) -> Tensor:
 @dataclass
 class _Bucket:
     params: list[Tensor]
-    ready: set[int] = field(default_factory=set)
-    flat: Optional[Tensor] = None
+    ready: set[int] = field(default_factory=set)  # slots whose gradient is already in the flat buffer
+    flat: Optional[Tensor] = None  # every gradient, then one count per parameter; allocated once
+    views: list[Tensor] = field(default_factory=list)  # each parameter's gradient inside ``flat``
     work: Optional[dist.Work] = None
+
+    def allocate(self) -> None:
+        if self.flat is not None:
+            return
+        shapes = [_local(p) for p in self.params]
+        sizes = [t.numel() for t in shapes]
+        self.flat = shapes[0].new_empty(sum(sizes) + len(sizes))
+        pieces = self.flat[:sum(sizes)].split(sizes)
+        self.views = [piece.view_as(t) for piece, t in zip(pieces, shapes)]
+
+
+def _as_grad_of(param: Tensor, local: Tensor) -> Tensor:
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride())
+    return local
 
 
 class GradientBuckets:
@@ -66,7 +89,7 @@ class GradientBuckets:
     def _set_order(self, order: list[int]) -> None:
         self.order = order
         self.buckets = _fill_buckets([self.params[i] for i in order], self._cap_bytes)
-        self._bucket_index = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._slot = {id(p): (i, slot) for i, b in enumerate(self.buckets) for slot, p in enumerate(b.params)}
 
     def begin(self, overlap: bool = True) -> None:
         """Arm the buckets: the coming backward is the last before an optimizer step. ``overlap=False``: reduce
@@ -77,14 +100,15 @@ class GradientBuckets:
     def _on_grad_ready(self, param: Tensor) -> None:
         if not self.overlap:
             return
-        index = self._bucket_index[id(param)]
+        index, slot = self._slot[id(param)]
         bucket = self.buckets[index]
         if bucket.work is not None:
             raise RuntimeError(
                 "A gradient changed after its bucket was all-reduced: backward ran twice before one optimizer"
                 " step. Call backward once per optimizer step, or use accumulate_grad_batches."
             )
-        bucket.ready.add(id(param))
+        bucket.allocate()
+        self._adopt(param, bucket, slot)  # again if it fires again (a reentrant checkpoint): a no-op or a copy
         if self._arrivals is not None:
             self._arrivals.append(self._position[id(param)])
         while self._next < len(self.buckets) and len(self.buckets[self._next].ready) == len(
@@ -93,16 +117,27 @@ class GradientBuckets:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    @staticmethod
+    def _adopt(param: Tensor, bucket: _Bucket, slot: int) -> None:
+        """The gradient moves into its slice of the bucket and from now on is that slice."""
+        view, local = bucket.views[slot], _local(param.grad)
+        if local.data_ptr() != view.data_ptr():
+            view.copy_(local)
+            param.grad = _as_grad_of(param, view)
+        bucket.ready.add(slot)
+
     def _launch(self, bucket: _Bucket) -> None:
-        pieces = []
+        bucket.allocate()
         counts = []
-        for p in bucket.params:
-            grad = p.grad
-            pieces.append(_local(p).new_zeros(_local(p).numel()) if grad is None else _local(grad).reshape(-1))
-            counts.append(0.0 if grad is None else 1.0)
-        reference = _local(bucket.params[0])
-        pieces.append(torch.tensor(counts, dtype=reference.dtype, device=reference.device))
-        bucket.flat = torch.cat(pieces)
+        for slot, p in enumerate(bucket.params):
+            if slot not in bucket.ready:
+                if p.grad is None:
+                    bucket.views[slot].zero_()
+                    counts.append(0.0)
+                    continue
+                self._adopt(p, bucket, slot)
+            counts.append(1.0)
+        bucket.flat[-len(counts):].copy_(torch.tensor(counts, dtype=bucket.flat.dtype))
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def synchronize(self) -> None:
@@ -118,7 +153,7 @@ class GradientBuckets:
         self._next = len(self.buckets)
         for bucket in self.buckets:
             bucket.work.wait()
-            self._unflatten(bucket)
+            self._finish(bucket)
         self._reset(keep_synchronized=True)
         if after_armed_backward and self._arrivals is not None:
             self._rebuild_in_arrival_order()
@@ -131,24 +166,17 @@ class GradientBuckets:
         self._set_order(order.tolist())
         self._arrivals = None
 
-    def _unflatten(self, bucket: _Bucket) -> None:
-        flat = bucket.flat.div_(self.group_size)
-        counts = flat[-len(bucket.params):]
-        offset = 0
-        for p, count in zip(bucket.params, counts.tolist()):
-            n = _local(p).numel()
-            mean = flat[offset:offset + n].view_as(_local(p))
-            offset += n
-            if count == 0:
-                continue
-            # The mean becomes the gradient in place, a view of the bucket (as DDP's gradient_as_bucket_view):
-            # no copy back; the bucket lives as long as these views do (until zero_grad drops them).
-            p.grad = DTensor.from_local(mean, p.device_mesh, p.placements) if isinstance(p, DTensor) else mean
+    def _finish(self, bucket: _Bucket) -> None:
+        """The sums become means in place; so do the gradients, which are views of the bucket."""
+        bucket.flat.div_(self.group_size)
+        counts = bucket.flat[-len(bucket.params):].tolist()
+        for slot, (p, count) in enumerate(zip(bucket.params, counts)):
+            if count and slot not in bucket.ready:  # no gradient here, one elsewhere: the mean of the others
+                p.grad = _as_grad_of(p, bucket.views[slot])
 
     def _reset(self, keep_synchronized: bool = False) -> None:
         for bucket in self.buckets:
             bucket.ready.clear()
-            bucket.flat = None
             bucket.work = None
         self._next = 0
         self.synchronized = keep_synchronized

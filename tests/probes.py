@@ -39,6 +39,20 @@ class GradientCommTrace(Callback):
         return {"comm": self.calls}
 
 
+class GradientStorage(Callback):
+    """At every optimizer step, the address of the memory each parameter's gradient lives in."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append({name: p.grad.untyped_storage().data_ptr() for name, p in pl_module.named_parameters()
+                           if p.grad is not None})
+
+    def parity_extras(self, trainer):
+        return {"grad_storage": self.steps}
+
+
 class BatchTrace(Callback):
     """Gathers, from every rank, a fingerprint of each training batch it received."""
 
@@ -95,6 +109,17 @@ def rank_seeded_classifier():
 
     torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
     return Classifier()
+
+
+def classifier_zeroing_in_place():
+    """The classifier with ``zero_grad(set_to_none=False)``: its gradient tensors live across steps."""
+    from tests.models import Classifier
+
+    class ZeroingInPlace(Classifier):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            optimizer.zero_grad(set_to_none=False)
+
+    return ZeroingInPlace()
 
 
 class DieWhileSaving(Callback):

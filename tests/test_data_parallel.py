@@ -19,7 +19,12 @@ TWO = [
     Case("dp2_accumulate_clip", **MODEL, strategy={"dp": 2}, max_steps=16, callbacks=COMM,
          trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
     Case("dp2_bucket_per_param", **MODEL, strategy={"dp": 2, "bucket_mb": 1e-6}, max_steps=8, callbacks=COMM),
-    Case("dp2_one_bucket", **MODEL, strategy={"dp": 2, "bucket_mb": 1e4}, max_steps=8, callbacks=COMM),
+    Case("dp2_one_bucket", **MODEL, strategy={"dp": 2, "bucket_mb": 1e4}, max_steps=8,
+         callbacks=COMM + ["tests.probes:GradientStorage"]),
+    # Gradients kept across steps and zeroed in place, accumulated over two micro-batches.
+    Case("dp2_zero_grad_in_place", module="tests.probes:classifier_zeroing_in_place", data=MODEL["data"],
+         strategy={"dp": 2, "bucket_mb": 1e4}, max_steps=8, trainer={"accumulate_grad_batches": 2},
+         callbacks=["tests.probes:GradientStorage"]),
     Case("dp2_resumed_mid_epoch", **MODEL, strategy={"dp": 2}, max_steps=16, resume_at=12),
     # Built without a common seed: every rank starts from rank 0's weights, as with DDP (checked by debug=True).
     Case("dp2_unseeded", module="tests.probes:rank_seeded_classifier", data=MODEL["data"],
@@ -50,7 +55,7 @@ def four_on_two_nodes():
 
 
 @pytest.mark.parametrize("name", ["dp2", "dp2_accumulate_clip", "dp2_bucket_per_param", "dp2_one_bucket",
-                                  "dp2_debug"])
+                                  "dp2_zero_grad_in_place", "dp2_debug"])
 def test_dp2_matches_single_process(two, name):
     case = CASES[name]
     epoch_metrics = ("train_acc", "val_loss", "val_acc") if case.trainer.get("limit_val_batches") else ("train_acc",)
@@ -88,6 +93,21 @@ def test_all_reduce_runs_inside_backward_and_only_before_optimizer_steps(two):
     # (16 optimizer steps = 32 batches = four epochs of 8 batches; one default-size bucket per step.)
     batches = [batch for batch, _, _ in two["dp2_accumulate_clip"]["extras"]["comm"]]
     assert batches == [1, 3, 5, 7] * 4, batches
+
+
+def test_gradients_are_views_of_one_bucket_kept_across_steps(two):
+    """The averaged gradients the optimizer sees live in the bucket's buffer, the same one every step (as DDP's
+    gradient_as_bucket_view): no buffer is allocated per step, and gradients zeroed in place are accumulated
+    into it directly."""
+    for name in ("dp2_one_bucket", "dp2_zero_grad_in_place"):
+        steps = two[name]["extras"]["grad_storage"]
+        assert len(steps) == 8, name
+        # The first step builds the buckets in registration order, then rebuilds them in arrival order.
+        for step, storages in enumerate(steps[1:], start=1):
+            assert sorted(storages) == [f"net.{i}.{kind}" for i in (0, 2, 4) for kind in ("bias", "weight")]
+            buffers = set(storages.values())
+            assert len(buffers) == 1, f"{name} step {step}: gradients in {len(buffers)} buffers, not one bucket"
+            assert storages == steps[1], f"{name} step {step}: the bucket was reallocated"
 
 
 def test_resume_continues_exactly(two):
