@@ -34,7 +34,7 @@ from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.fsdp import check_reshard_after_forward, param_dtype_for
-from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
+from lightning_4d.faults import attach as attach_fault_tolerance, destroy_process_groups_at_exit, report_failure
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
@@ -189,6 +189,7 @@ class FourDStrategy(ModelParallelStrategy):
             # A module the pipeline cannot cut, or that sharding refuses, fails here, before any process group.
             make_plans(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config)
         compat.setup_distributed(self)
+        destroy_process_groups_at_exit()
         self.mesh = self.parallel_dims.build(self.root_device.type)
         compat.set_device_mesh(self, self.mesh.mesh)
         if self.global_rank == 0:  # the table is O(world) lines: only the rank that prints it builds it

@@ -153,3 +153,36 @@ def test_the_comparison_of_last_collectives_says_what_they_show():
            " are in no collective" in compare({0: waiting, 1: done})
     assert compare({0: waiting, 1: dict(waiting)}) == " Every rank waits in the same call: a peer is slow or stuck inside it."
     assert compare({0: done, 1: None}) == ""
+
+
+_EXIT_SCRIPT = """
+import atexit, json, sys
+import torch.distributed as dist
+from lightning_4d.faults import destroy_process_groups_at_exit, report_failure
+out, port, raised = sys.argv[1], sys.argv[2], sys.argv[3] == "raised"
+# Registered first, so it runs last (atexit is last in, first out): what the strategy's handler left behind.
+atexit.register(lambda: open(out, "w").write(json.dumps(dist.is_initialized())))
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+destroy_process_groups_at_exit()
+destroy_process_groups_at_exit()  # once per process, however many Trainers set up
+dist.all_reduce(__import__("torch").ones(3))
+if raised:
+    report_failure(0, RuntimeError("the step failed"), 1, linger=0)
+"""
+
+
+@pytest.mark.parametrize("outcome", ["finished", "raised"])
+def test_process_groups_are_destroyed_at_exit_unless_the_run_raised(tmp_path, outcome):
+    """Gloo's threads must not outlive a successful run into interpreter finalization (SIGABRT there); after a
+    failure the groups are left alone, since destroying them waits for collectives no peer may finish."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.parity import ROOT, child_env
+
+    out = tmp_path / "initialized.json"
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(out), str(free_port()), outcome], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(out.read_text()) is (outcome == "raised"), done.stderr[-3000:]

@@ -16,6 +16,7 @@ prints its own last few collectives.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 import traceback
@@ -34,6 +35,27 @@ class RaisedOnEveryRank(RuntimeError):
     """An error every rank raises together from the same gathered facts (so no rank failed "first")."""
 
 
+_raised = False  # this process is leaving on an exception: its collectives may never finish
+_exit_registered = False
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Once per process, when the strategy has made its process groups: destroy them at interpreter exit, while
+    Python is still whole. Left to the end, gloo's worker threads drop their last references to tensors while
+    the interpreter finalizes, and a run that succeeded aborts with SIGABRT ('terminate called without an
+    active exception', pytorch/pytorch#190489). Not after an exception: destroying waits for this rank's
+    unfinished collectives, which a failure may have left with no peer to finish them."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_destroy_unless_raised)
+
+
+def _destroy_unless_raised() -> None:
+    if dist.is_initialized() and not _raised:
+        dist.destroy_process_group()
+
+
 def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
     """Record this rank's failure if it is the first; otherwise print the first one (best effort).
 
@@ -41,6 +63,8 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
     reported before it exits and takes the store with it; with heartbeats running, a rank whose heartbeat
     stopped is not waited for.
     """
+    global _raised
+    _raised = True
     store = default_store()
     heartbeat = liveness.current()
     if isinstance(exception, (Preempted, RaisedOnEveryRank)):  # every rank leaves together, on purpose
