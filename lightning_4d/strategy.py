@@ -34,7 +34,8 @@ from lightning_4d.context_parallel_config import ContextParallelConfig
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.fsdp import check_reshard_after_forward, param_dtype_for
-from lightning_4d.faults import attach as attach_fault_tolerance, destroy_process_groups_at_exit, report_failure
+from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
+from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size

@@ -158,7 +158,7 @@ def test_the_comparison_of_last_collectives_says_what_they_show():
 _EXIT_SCRIPT = """
 import atexit, json, sys
 import torch.distributed as dist
-from lightning_4d.faults import destroy_process_groups_at_exit, report_failure
+from lightning_4d.faults.report import destroy_process_groups_at_exit, report_failure
 out, port, raised = sys.argv[1], sys.argv[2], sys.argv[3] == "raised"
 # Registered first, so it runs last (atexit is last in, first out): what the strategy's handler left behind.
 atexit.register(lambda: open(out, "w").write(json.dumps(dist.is_initialized())))

@@ -7,8 +7,7 @@ from lightning_4d.faults.callback import (BatchShapeMismatchError, FaultToleranc
                                          broadcast_buffers)
 from lightning_4d.faults.liveness import EXIT_RANK_LOST, EXIT_STALLED, Heartbeat
 from lightning_4d.faults.preemption import EXIT_PREEMPTED, Preempted
-from lightning_4d.faults.report import destroy_process_groups_at_exit, report_failure
+from lightning_4d.faults.report import report_failure
 
 __all__ = ["EXIT_PREEMPTED", "EXIT_RANK_LOST", "EXIT_STALLED", "BatchShapeMismatchError", "FaultTolerance",
-           "Heartbeat", "Preempted", "UnevenDataError", "attach", "broadcast_buffers", "destroy_process_groups_at_exit",
-           "report_failure"]
+           "Heartbeat", "Preempted", "UnevenDataError", "attach", "broadcast_buffers", "report_failure"]
