@@ -13,8 +13,9 @@ so that neither profits from a quieter moment of this shared machine:
 Per run and rank: the median wall time and the median CPU time (this process, ``time.process_time``) of a
 training step after 3 warm-up steps, and the peak resident-memory growth above what the process held right
 before the model was built (``lightning_4d.telemetry.PeakMemory``; glibc's mmap threshold is fixed so that
-freed tensors leave the resident set). Reported: per pair the ratio FourD / Lightning of each figure in every
-round (the slower rank of each run), its minimum, median and maximum; the result goes to
+freed tensors leave the resident set). A round runs the pair as A B B A and averages each strategy's two runs
+(the slower rank of each run), so that a drift of the shared machine's speed cancels. Reported: per pair the
+ratio FourD / Lightning of each figure in every round, its minimum, median and maximum; the result goes to
 ``bench/results/data_parallel_vs_lightning.json`` and, with matplotlib, its plot to the ``.png`` beside it.
 """
 
@@ -106,10 +107,16 @@ def main() -> None:
     for pair in args.pairs:
         runs = {name: [] for name in PAIRS[pair]}
         for round_ in range(args.rounds):
-            # Every other round the other strategy goes first: the first run of a process pays one-time costs.
+            # A round runs A B B A (B A A B every other round: the first run of a process pays one-time costs)
+            # and takes each strategy's mean: a machine that speeds up or slows down during the round weighs
+            # on both alike.
             order = list(PAIRS[pair].items())
-            for name, (module_class, make_strategy) in (order if round_ % 2 == 0 else order[::-1]):
-                runs[name].append(run(module_class, make_strategy, args.steps, args.width))
+            first, second = order if round_ % 2 == 0 else order[::-1]
+            figures = {name: [] for name in PAIRS[pair]}
+            for name, (module_class, make_strategy) in (first, second, second, first):
+                figures[name].append(run(module_class, make_strategy, args.steps, args.width))
+            for name, pair_runs in figures.items():
+                runs[name].append({key: statistics.mean(r[key] for r in pair_runs) for key in pair_runs[0]})
         lightning, fourd = runs.values()
         ratios = {key: [f[key] / l[key] for f, l in zip(fourd, lightning)] for key in ("wall_s", "cpu_s", "peak_mib")}
         results[pair] = {"runs": runs, "fourd_over_lightning": {
