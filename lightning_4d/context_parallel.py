@@ -264,7 +264,7 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
     variants that forward does not compute are refused here. A module calling another
     kernel (``flex_attention``, a variable-length kernel: torchtitan's default FlexAttention, its
     VarlenAttention) is found in its code and refused likewise."""
-    _check_eager_attention(module, cp)
+    _check_hugging_face_attention(module, cp)
     kernels = attention_kernels(module)
     if kernels:
         fqn, (kind, kernel) = next(iter(kernels.items()))
@@ -297,11 +297,14 @@ def _reads_its_length(module: nn.Module) -> bool:
     return not isinstance(table, Tensor) or table.dim() < 2 or not bool((table == table[:, :1]).all())
 
 
-def _check_eager_attention(module: nn.Module, cp: int) -> None:
-    """A Hugging Face model that runs attn_implementation='eager' computes its softmax by hand (Bloom always: it
-    adds ALiBi to the scores itself): refused here, naming its attention, rather than after the first step."""
+def _check_hugging_face_attention(module: nn.Module, cp: int) -> None:
+    """A Hugging Face model runs the attention its ``attn_implementation`` names; only 'sdpa' calls
+    scaled_dot_product_attention. 'eager' computes its softmax by hand (Bloom always: it adds ALiBi to the scores
+    itself); 'flex_attention', 'flash_attention_2' and the like call their own kernels. Refused here, naming the
+    attention, rather than training each rank on its own tokens only."""
     for fqn, model in module.named_modules():
-        if compat.hf_attention_implementation(model) != "eager":
+        implementation = compat.hf_attention_implementation(model)
+        if implementation in (None, "sdpa"):
             continue
         attention = next((f"{fqn}.{name}".lstrip(".") + f" ({type(sub).__name__})"
                           for name, sub in model.named_modules() if type(sub).__name__.endswith("Attention")),
@@ -310,9 +313,10 @@ def _check_eager_attention(module: nn.Module, cp: int) -> None:
                if compat.hf_supports_sdpa(model) else
                f"{type(model).__name__} offers no attn_implementation='sdpa' (it computes its attention scores"
                " itself, e.g. with an ALiBi bias): use cp=1 (dp=N replicates the model instead).")
+        how = "by hand" if implementation == "eager" else "with its own kernel"
         raise ValueError(
-            f"cp={cp}: {attention} computes attention by hand ({fqn or 'the module'} ({type(model).__name__}) runs"
-            " Hugging Face's attn_implementation='eager'), not through"
+            f"cp={cp}: {attention} computes attention {how} ({fqn or 'the module'} ({type(model).__name__}) runs"
+            f" Hugging Face's attn_implementation={implementation!r}), not through"
             " torch.nn.functional.scaled_dot_product_attention, so context parallelism cannot make it ring attention"
             f" and each rank would see only its own tokens. {fix}")
 

@@ -211,17 +211,21 @@ def test_every_cell_is_declared_and_run():
 # ------------------------------------------------------------------------------ without processes
 
 
-def test_eager_hugging_face_attention_is_refused_with_sdpa_as_the_fix():
-    """A model that could run 'sdpa' but was loaded with 'eager' (the refusal Bloom gets names cp=1 only): the
-    fix it names is what every other Hugging Face family of the zoo does, trained above at cp=2."""
+@pytest.mark.parametrize("implementation, how", [("eager", "by hand"), ("flex_attention", "with its own kernel")])
+def test_hugging_face_attention_other_than_sdpa_is_refused_with_sdpa_as_the_fix(implementation, how):
+    """A model that could run 'sdpa' but was loaded with 'eager' (the refusal Bloom gets names cp=1 only) or with
+    'flex_attention' (its own kernel, out of ring attention's reach): the fix it names is what every other Hugging
+    Face family of the zoo does, trained above at cp=2."""
     import transformers
 
     from lightning_4d.context_parallel import check_attention_reachable
 
-    eager = transformers.AutoModelForCausalLM.from_config(zoo_models._hf_config("llama"), attn_implementation="eager")
-    with pytest.raises(ValueError, match=r"cp=2: model.layers.0.self_attn \(LlamaAttention\) computes attention by "
-                                         r"hand.*Load it with attn_implementation='sdpa', or use cp=1"):
-        check_attention_reachable(eager, 2)
+    model = transformers.AutoModelForCausalLM.from_config(zoo_models._hf_config("llama"),
+                                                          attn_implementation=implementation)
+    with pytest.raises(ValueError, match=rf"cp=2: model.layers.0.self_attn \(LlamaAttention\) computes attention {how}"
+                                         rf" .*attn_implementation='{implementation}'.*Load it with"
+                                         r" attn_implementation='sdpa', or use cp=1"):
+        check_attention_reachable(model, 2)
     check_attention_reachable(zoo_models.zoo_lm("llama"), 2)  # the zoo's, loaded with 'sdpa'
 
 
