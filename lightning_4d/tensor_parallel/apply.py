@@ -176,15 +176,21 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
 
 def _sum_repeated_rows(rows: list[tuple[int, int, int, int]], group: dist.ProcessGroup, grad: DTensor) -> DTensor:
     """Sum over the ranks holding them the gradient rows that ``copies`` ranks of ``group`` hold alike (rank r
-    holds piece ``r // copies``): one all-reduce of each piece in its slot of a zeroed buffer."""
+    holds piece ``r // copies``): each range goes into its slot of its own segment of one zeroed buffer, and one
+    all-reduce sums them all (k and v: one collective, not two)."""
     local = grad.to_local().clone()
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    for dim, start, length, copies in rows:
-        part = local.narrow(dim, start, length)
-        slots = part.new_zeros(tp // copies, *part.shape)
-        slots[rank // copies] = part
-        dist.all_reduce(slots, group=group)
-        part.copy_(slots[rank // copies])
+    parts = [(local.narrow(dim, start, length), copies) for dim, start, length, copies in rows]
+    buffer = local.new_zeros(sum(tp // copies * part.numel() for part, copies in parts))
+    slots, offset = [], 0
+    for part, copies in parts:
+        segment = buffer.narrow(0, offset, tp // copies * part.numel()).view(tp // copies, *part.shape)
+        slots.append(segment[rank // copies])
+        slots[-1].copy_(part)
+        offset += segment.numel()
+    dist.all_reduce(buffer, group=group)
+    for (part, _), slot in zip(parts, slots):
+        part.copy_(slot)
     return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False)
 
 
