@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_4d import checkpoint  # noqa: E402
+from lightning_4d.checkpoint import sharded  # noqa: E402
 
 
 def _model(mb: float) -> nn.Module:
@@ -61,7 +62,7 @@ def main() -> None:
         size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
         verify = _best(lambda: checkpoint.verify(path), args.repeats)
         load = _best(lambda: checkpoint.load(path, model, [optimizer]), args.repeats)
-        unverified = _best(lambda: checkpoint._load_shards(path, model, [optimizer], True, None, verified=True),
+        unverified = _best(lambda: sharded._load_shards(path, model, [optimizer], True, None, verified=True),
                            args.repeats)
     print(f"checkpoint {size:.0f} MiB on disk; best of {args.repeats}:")
     print(f"  verify (checksum pass)   {verify:7.3f} s  ({size / verify:.0f} MiB/s)")

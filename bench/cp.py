@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from bench.common import command, write  # noqa: E402
 from bench.report import table  # noqa: E402
-from lightning_4d.ring_attention import ring_attention  # noqa: E402
+from lightning_4d.context_parallel.ring_attention import ring_attention  # noqa: E402
 
 VARIANTS = ("single", "ring", "allgather")
 TIMEOUT_S = 900

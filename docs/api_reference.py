@@ -52,11 +52,12 @@ def render() -> str:
         module = importlib.import_module(module_name)
         entries = public_names(module)
         summary = (inspect.getdoc(module) or "").split("\n\n")[0].replace("\n", " ")
-        if not entries and module_name != "lightning_4d":
+        exports = getattr(module, "__all__", None) if hasattr(module, "__path__") else None
+        if not entries and not exports:
             continue
         lines += [f"## `{module_name}`", "", summary, ""]
-        if module_name == "lightning_4d":
-            lines += ["Exports: " + ", ".join(f"`{name}`" for name in lightning_4d.__all__), ""]
+        if exports:  # a package: the names it offers, wherever they are defined
+            lines += ["Exports: " + ", ".join(f"`{name}`" for name in exports), ""]
         for name, value in entries:
             kind = "class" if inspect.isclass(value) else "def"
             lines += [f"### `{kind} {name}{_signature(value)}`", "", inspect.getdoc(value) or "", ""]

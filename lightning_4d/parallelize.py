@@ -52,10 +52,9 @@ from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
-from lightning_4d.context_parallel import ContextParallel, check_attention_reachable
-from lightning_4d.context_parallel_config import ContextParallelConfig
-from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, GradientBuckets
-from lightning_4d.fsdp import ReshardAfterForward, ShardedUnits, apply_sharding, gathered
+from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
+from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
+                                        apply_sharding, gathered)
 from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
@@ -65,6 +64,7 @@ from lightning_4d.tensor_parallel import (
     TensorParallelSelfCheck,
     apply_tensor_parallel,
     plan_tensor_parallel,
+    tensor_parallel_context,
 )
 
 _ATTRIBUTE = "_lightning_4d_parallel"
@@ -125,7 +125,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     ``reshard_after_forward``, ``reduce_scatter_every_batch`` and ``param_dtype`` (compute dtype of FSDP's mixed
-    precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.fsdp`).
+    precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
@@ -351,7 +351,7 @@ class ParallelModel:
         attention and positions (not for prediction, which runs on whole sequences)."""
         with ExitStack() as stack:
             if self.tensor_plan is not None:
-                stack.enter_context(self.tensor_plan.step_context())
+                stack.enter_context(tensor_parallel_context(self.tensor_plan))
             if self.context is not None and not predicting:
                 stack.enter_context(self.context.step_context())
             yield
@@ -393,7 +393,7 @@ class ParallelModel:
         if self.pipeline is not None:
             self.pipeline.commit_gradients()
         else:
-            with self.tensor_plan.step_context() if self.tensor_plan is not None else nullcontext():
+            with tensor_parallel_context(self.tensor_plan) if self.tensor_plan is not None else nullcontext():
                 run_backward()
         if self._armed is not None:
             self._armed.synchronize()

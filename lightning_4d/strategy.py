@@ -28,12 +28,12 @@ from typing_extensions import override
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
-from lightning_4d.compile import CompileConfig
 from lightning_4d.arguments import positive, refuse_unknown
-from lightning_4d.context_parallel_config import ContextParallelConfig
-from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
+from lightning_4d.checkpoint.resumable_loader import TrainLoaders
+from lightning_4d.compile import CompileConfig
+from lightning_4d.context_parallel import ContextParallelConfig
+from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, check_reshard_after_forward, param_dtype_for
 from lightning_4d.desync import DesyncMonitor
-from lightning_4d.fsdp import check_reshard_after_forward, param_dtype_for
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
@@ -41,7 +41,6 @@ from lightning_4d.launcher import ForkLauncher, check_start_method
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
-from lightning_4d.resumable_loader import TrainLoaders
 from lightning_4d.telemetry import Telemetry
 from lightning_4d.tensor_parallel import TensorParallelConfig
 
@@ -64,7 +63,7 @@ class FourDStrategy(ModelParallelStrategy):
         dp_shard, reshard_after_forward, reduce_scatter_every_batch: ranks that shard each replica's parameters,
             gradients and optimizer state (FSDP2; HSDP with ``dp > 1``; ``"auto"`` fills the world), whether a
             block frees its gathered weights after forward (``"auto"``: all but the last), and whether every
-            batch of ``accumulate_grad_batches`` reduce-scatters (less memory); see :mod:`lightning_4d.fsdp`.
+            batch of ``accumulate_grad_batches`` reduce-scatters (less memory); see :mod:`lightning_4d.data_parallel.fsdp`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout, init_timeout: how long a collective may wait before the waiting ranks fail and print what
             every rank was last doing: once training runs (2 minutes), and while the run starts and around
@@ -73,7 +72,7 @@ class FourDStrategy(ModelParallelStrategy):
         init_from: weights to start from, in any layout: a lightning-4d checkpoint directory, a Lightning
             checkpoint file, or a file with a plain ``state_dict``.
         cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers: see
-            :class:`~lightning_4d.context_parallel_config.ContextParallelConfig` (``None``: found by name).
+            :class:`~lightning_4d.context_parallel.config.ContextParallelConfig` (``None``: found by name).
         pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the schedule (``gpipe``,
             ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``,
             ``dualpipev``), micro-batches (``None``: ``2 * pp``), the block list to cut, where stages begin and
@@ -154,7 +153,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
         self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check, tp_strict)
-        self.tp_config.check_with_pipeline(self.pp_config)
+        self.tp_config.check_with_pipeline(self.pp_config.pp)
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.compile_config = CompileConfig.build(compile)
         self.parallel_dims: Optional[ParallelDims] = None

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_4d import FourDStrategy, checkpoint
+from lightning_4d.checkpoint import sharded
 from lightning_4d.faults import FaultTolerance, Preempted
 from tests.models import Classifier, classification_data
 
@@ -155,15 +156,15 @@ class SignalAtRandom(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.armed and self.where == "mid-save" and trainer.global_step == self.step:
-            original = checkpoint._write_checksums
+            original = sharded._write_checksums
 
             def signal_while_saving(*args, **kwargs):
-                checkpoint._write_checksums = original
+                sharded._write_checksums = original
                 os.kill(os.getpid(), signal.SIGTERM)  # delivered right here, inside the save
                 time.sleep(self.delay)
                 return original(*args, **kwargs)
 
-            checkpoint._write_checksums = signal_while_saving
+            sharded._write_checksums = signal_while_saving
             self.armed = False
 
 

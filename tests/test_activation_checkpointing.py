@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
-from lightning_4d.plan import Layout, Model, Training, estimate, kept_bytes_per_layer
+from lightning_4d.planner import Layout, Model, Training, estimate, kept_bytes_per_layer
 from tests.lm_models import tiny_gpt, token_data
 from tests.parity import Case, assert_error, assert_parity, reference, train_layout_with_failures
 

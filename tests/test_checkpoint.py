@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_4d import FourDStrategy, checkpoint
-from lightning_4d.export import export_checkpoint
+from lightning_4d.checkpoint import export_checkpoint
 from tests.models import Classifier, classification_data
 from tests.lm_models import tiny_gpt
 from tests.parity import ROOT, Case, after_step, assert_parity, reference, run_layout, train, train_layout

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy
-from lightning_4d.context_parallel_config import ContextParallelConfig
+from lightning_4d.context_parallel.config import ContextParallelConfig
 from lightning_4d.context_parallel import (
     check_sequence_length,
     find_position_buffers,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy
-from lightning_4d.context_parallel_config import ContextParallelConfig
+from lightning_4d.context_parallel.config import ContextParallelConfig
 from lightning_4d.pipeline import SCHEDULES, PipelineConfig, PipelinePlan
 from lightning_4d.pipeline.microbatch import split_batch
-from lightning_4d.plan import PP_SCHEDULES, Layout, Model, Training, layout_problems
+from lightning_4d.planner import PP_SCHEDULES, Layout, Model, Training, layout_problems
 from lightning_4d.tensor_parallel import TensorParallelConfig, plan_tensor_parallel
 from lightning_4d.tensor_parallel.discovery import find_regions
 from tests.lm_models import HFCausalLM, NanoGPT, tiny_gpt
@@ -125,7 +125,7 @@ def _runtime(row: Row) -> Optional[str]:
         if tp > 1:
             plan_tensor_parallel(module, tp, sequence_parallel=row.sp)
         if cp > 1:
-            ContextParallelConfig(cp).check_sequence_length(row.seq, tensor_parallel)
+            ContextParallelConfig(cp).check_sequence_length(row.seq, tensor_parallel.sequence_shards)
     except ValueError as error:
         return str(error)
     return None
@@ -169,7 +169,7 @@ def test_planner_counts_the_fused_key_value_rows_kept_whole_as_the_runtime_holds
     """The planner's weight matrices of a block on one rank are what the runtime's shards hold, with fewer
     key/value heads than tp: of the fused q|k|v projection, the k and v rows of the key/value head each rank
     reads (``permutation`` lists the rows the ranks hold)."""
-    from lightning_4d.plan import _replicated_kv
+    from lightning_4d.planner.estimate import _replicated_kv
 
     module = _module(name)
     model, plan = Model.from_module(module), plan_tensor_parallel(module, tp)
@@ -215,12 +215,12 @@ def test_planner_counts_torch_multihead_attention_as_the_runtime_shards_it(tp):
         (lambda: TensorParallelConfig(2, sequence_parallel=1), r"sequence_parallel=1 must be true or false"),
         (lambda: TensorParallelConfig(2, sequence_parallel=True).check_with_pipeline(2),
          r"sequence_parallel=True with pp=2 is not supported"),
-        (lambda: TensorParallelConfig(2, sequence_parallel=True).check_with_pipeline(PipelineConfig(4)),
+        (lambda: TensorParallelConfig(2, sequence_parallel=True).check_with_pipeline(PipelineConfig(4).pp),
          r"sequence_parallel=True with pp=4 is not supported"),
         (lambda: ContextParallelConfig(2, comm="ulysses"), r"cp_comm='ulysses' is not a communication mode"),
         (lambda: ContextParallelConfig(2, batch_keys="input_ids"), r"cp_batch_keys='input_ids' must be a list"),
         (lambda: ContextParallelConfig(-2), r"cp=-2 is not a valid size"),
-        (lambda: ContextParallelConfig(2).check_sequence_length(12, TensorParallelConfig(2, sequence_parallel=True)),
+        (lambda: ContextParallelConfig(2).check_sequence_length(12, TensorParallelConfig(2, sequence_parallel=True).sequence_shards),
          r"multiples of 2\*cp\*tp = 2\*2\*2 = 8, but the batch has length 12"),
     ],
 )
@@ -234,7 +234,7 @@ def test_typed_configs_hold_their_values():
     assert tp.enabled and tp.sequence_shards == 2
     assert tp.plan_kwargs() == dict(tp_plan={"lm_head": "replicate"}, sequence_parallel=True, loss_parallel=False)
     assert TensorParallelConfig(2, "none", sequence_parallel=True).sequence_shards == 1  # off: nothing to shard
-    tp.check_with_pipeline(PipelineConfig(1))  # sequence parallelism without a pipeline: no refusal
+    tp.check_with_pipeline(PipelineConfig(1).pp)  # sequence parallelism without a pipeline: no refusal
     TensorParallelConfig(2).check_with_pipeline(4)  # a pipeline without sequence parallelism: no refusal
     cp = ContextParallelConfig(4, batch_keys=["input_ids", 0])
-    assert cp.batch_keys == ("input_ids", 0) and cp.sequence_multiple(tp) == 16 and cp.sequence_multiple() == 8
+    assert cp.batch_keys == ("input_ids", 0) and cp.sequence_multiple(tp.sequence_shards) == 16 and cp.sequence_multiple() == 8

@@ -7,7 +7,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from lightning_4d.context_parallel_config import ContextParallelConfig
+from lightning_4d.context_parallel.config import ContextParallelConfig
 from lightning_4d.parallel_dims import ParallelDims
 from lightning_4d.parallelize import make_plans, parallelize
 from lightning_4d.pipeline import PipelineConfig

@@ -96,7 +96,7 @@ class PredictTestExport(Callback):
     process (it must hold every stage's final weights, nothing stale)."""
 
     def parity_extras(self, trainer):
-        from lightning_4d.export import read_checkpoint
+        from lightning_4d.checkpoint import read_checkpoint
 
         predictions = trainer.predict(trainer.lightning_module, dataloaders=_held_out())
         tested = trainer.test(trainer.lightning_module, dataloaders=_held_out(), verbose=False)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_4d.demos.gpt import GPT
-from lightning_4d.plan import (
+from lightning_4d.planner import (
     AC_MODES,
     Layout,
     Model,
@@ -28,9 +28,9 @@ from lightning_4d.plan import (
     all_layouts,
     estimate,
     layout_problems,
-    main,
     plan,
 )
+from lightning_4d.planner.cli import main
 from lightning_4d.telemetry import PeakMemory
 from tests.lm_models import token_data
 from tests.parity import Case, train_layout

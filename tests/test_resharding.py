@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_4d import checkpoint
-from lightning_4d.export import export_checkpoint
+from lightning_4d.checkpoint import export_checkpoint
 from tests.lm_models import HFCausalLM, token_data
 from tests.parity import ROOT, Case, after_step, assert_exact_resume, assert_parity, reference, train, train_layout
 

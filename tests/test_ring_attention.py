@@ -1,4 +1,4 @@
-"""Tests for lightning_4d.ring_attention.
+"""Tests for lightning_4d.context_parallel.ring_attention.
 
 The distributed cases run on CPU/gloo. Process start-up dominates on small machines, so
 one 4-process world is launched once, cp groups of size 4, 2 and 1 are carved out of it,
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.cp import LiveStorage
-from lightning_4d.ring_attention import (
+from lightning_4d.context_parallel.ring_attention import (
     _CpuFlashKernel,
     _MathKernel,
     _RingAttention,

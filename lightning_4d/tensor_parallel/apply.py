@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_4d import _compat as compat
@@ -22,7 +22,6 @@ from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _repl
 from lightning_4d.tensor_parallel.plan import (
     Region,
     TensorParallelPlan,
-    _FusedRows,
     _child,
     _linear_shape,
     _parameter_owners,
@@ -31,7 +30,7 @@ from lightning_4d.tensor_parallel.plan import (
 )
 from lightning_4d.tensor_parallel.multihead import shard_multihead
 from lightning_4d.tensor_parallel.self_check import TensorParallelSelfCheck, _check_replicas
-from lightning_4d.tensor_parallel.styles import _distribute_params, _torch_style
+from lightning_4d.tensor_parallel.styles import _distribute_params, _fused_state_dict_hooks, _torch_style
 
 _HIDDEN_ARG_NAMES = ("hidden_states", "x", "hidden", "input", "inputs", "query")
 # Per-head attention biases built for every head outside the attention and passed in, batch and heads flattened
@@ -203,36 +202,6 @@ def _grad_like_param(param: nn.Parameter) -> None:
         param.grad = grad.redistribute(placements=param.placements)
 
 
-def _fused_state_dict_hooks(module: nn.Module, layout: _FusedRows, tp: int,
-                            names: tuple[str, str] = ("weight", "bias")) -> None:
-    """Checkpoints keep the original layout (q|k|v, gate|up); only the live parameter is permuted. ``names``:
-    the weight's and the bias's (nn.MultiheadAttention's in_proj_weight and in_proj_bias)."""
-    dims = {names[0]: layout.dim, names[1]: 0}
-
-    def to_original(mod, state_dict, prefix, local_metadata):
-        for name, dim in dims.items():
-            value = state_dict.get(prefix + name)
-            if isinstance(value, DTensor):
-                full = layout.to_original(value.full_tensor(), tp, dim)
-                state_dict[prefix + name] = distribute_tensor(
-                    full, value.device_mesh, value.placements, src_data_rank=None
-                )
-            elif value is not None:
-                state_dict[prefix + name] = layout.to_original(value, tp, dim)
-
-    def to_tp(mod, state_dict, prefix, *args):
-        for name, dim in dims.items():
-            value, param = state_dict.get(prefix + name), getattr(mod, name, None)
-            if value is None or param is None:
-                continue
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            permuted = layout.to_tp(full, tp, dim)
-            if isinstance(param, DTensor):
-                permuted = distribute_tensor(permuted, param.device_mesh, param.placements, src_data_rank=None)
-            state_dict[prefix + name] = permuted
-
-    module.register_state_dict_post_hook(to_original)
-    module.register_load_state_dict_pre_hook(to_tp)
 
 
 def _global_sizes_in_state_dict(region: nn.Module, held: dict[str, dict[str, int]]) -> None:

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 from lightning_4d.parallel_dims import ParallelDims
-
-if TYPE_CHECKING:
-    from lightning_4d.pipeline.config import PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -50,10 +47,9 @@ class TensorParallelConfig:
         """How many parts sequence parallelism splits each context-parallel shard of a sequence into."""
         return self.tp if self.sequence_parallel and self.enabled else 1
 
-    def check_with_pipeline(self, pipeline: Union[PipelineConfig, int]) -> None:
-        """The cross-dimension rule: sequence parallelism cannot cross a pipeline stage boundary. ``pipeline``:
-        the ``PipelineConfig``, or the pipeline size."""
-        pp = pipeline if isinstance(pipeline, int) else pipeline.pp
+    def check_with_pipeline(self, pp: int) -> None:
+        """The cross-dimension rule: sequence parallelism cannot cross a pipeline stage boundary (``pp``: the
+        pipeline size)."""
         if self.sequence_parallel and pp > 1:
             raise ValueError(f"sequence_parallel=True with pp={pp} is not supported: sequence parallelism keeps the"
                              " hidden state split over the tp ranks as a DTensor, and a pipeline stage sends a plain"

@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -23,9 +23,6 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d._compat import tree_flatten, tree_map
-
-if TYPE_CHECKING:
-    from lightning_4d.tensor_parallel.plan import TensorParallelPlan
 
 _local = threading.local()
 
@@ -145,8 +142,9 @@ class _VocabShardedLogits(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def tensor_parallel_context(plan: TensorParallelPlan) -> Iterator[None]:
-    """Wrap every step (forward and loss) and every backward of a model sharded with ``plan``.
+def tensor_parallel_context(plan: Any) -> Iterator[None]:
+    """Wrap every step (forward and loss) and every backward of a model sharded with ``plan`` (a
+    ``TensorParallelPlan``: its ``enabled``, ``sequence_parallel`` and ``loss_parallel`` are read).
 
     Inside, LM-head logits stay vocab-sharded for cross entropy (``plan.loss_parallel``) and,
     with sequence parallelism, plain tensors that meet sequence-sharded activations, also in

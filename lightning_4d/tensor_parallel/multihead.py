@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from lightning_4d.multihead_attention import install, unsupported
 from lightning_4d.tensor_parallel.plan import FusedQKVLayout, ModuleStyle, TensorParallelPlan, _child, _pattern, _under
-from lightning_4d.tensor_parallel.styles import _distribute_params
+from lightning_4d.tensor_parallel.styles import _distribute_params, _fused_state_dict_hooks
 
 ROLE = "multihead"  # the role of an nn.MultiheadAttention's entries in a plan (itself column-wise, out_proj row-wise)
 _NAMES = ("in_proj_weight", "in_proj_bias")
@@ -55,8 +55,6 @@ def shard_multihead(module: nn.MultiheadAttention, mesh: DeviceMesh) -> None:
     """Permute ``in_proj_weight``/``in_proj_bias`` by heads and shard them over ``mesh`` (each rank its heads'
     q, k and v rows), give the instance lightning_4d's forward; ``out_proj`` is styled row-wise on its own.
     Collective-free: every rank holds the same weights (broadcast before)."""
-    from lightning_4d.tensor_parallel.apply import _fused_state_dict_hooks
-
     tp, rows = mesh.size(), layout(module)
     for name in _NAMES:
         param = getattr(module, name)

@@ -9,7 +9,6 @@ vocabulary the other modules of the package share (module shapes, FQN patterns).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
@@ -22,7 +21,6 @@ import torch.nn as nn
 from lightning.fabric.utilities import rank_zero_warn
 
 from lightning_4d import _compat as compat
-from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 _SEQUENCE_DIM = 1
@@ -251,10 +249,6 @@ class TensorParallelPlan:
     @property
     def enabled(self) -> bool:
         return self.tp_size > 1 and bool(self.styles)
-
-    def step_context(self) -> contextlib.AbstractContextManager[None]:
-        """``tensor_parallel_context(self)``, so that a strategy can enter the plan like its other step components."""
-        return tensor_parallel_context(self)
 
     def restricted_to(self, module: nn.Module, held: Collection[str] | None = None) -> TensorParallelPlan:
         """The entries of this plan that ``module`` holds, so that a plan made on the whole model applies to a

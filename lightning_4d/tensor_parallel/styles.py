@@ -14,8 +14,9 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
-from lightning_4d.tensor_parallel.plan import _SEQUENCE_DIM, ModuleStyle, _is_conv1d
+from lightning_4d.tensor_parallel.plan import _SEQUENCE_DIM, ModuleStyle, _FusedRows, _is_conv1d
 from lightning_4d.tensor_parallel.user_plan import _parse_layout
+
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
@@ -109,3 +110,35 @@ def _torch_style(style: ModuleStyle, module: nn.Module) -> nn.Module:
         inp = Replicate()  # token ids are never sharded
     keep_dtensor = isinstance(out, Shard)  # sequence-sharded output stays a DTensor between regions
     return _Rowwise(input_layouts=inp, output_layouts=out, use_local_output=not keep_dtensor)
+
+
+def _fused_state_dict_hooks(module: nn.Module, layout: _FusedRows, tp: int,
+                            names: tuple[str, str] = ("weight", "bias")) -> None:
+    """Checkpoints keep the original layout (q|k|v, gate|up); only the live parameter is permuted. ``names``:
+    the weight's and the bias's (nn.MultiheadAttention's in_proj_weight and in_proj_bias)."""
+    dims = {names[0]: layout.dim, names[1]: 0}
+
+    def to_original(mod, state_dict, prefix, local_metadata):
+        for name, dim in dims.items():
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor):
+                full = layout.to_original(value.full_tensor(), tp, dim)
+                state_dict[prefix + name] = distribute_tensor(
+                    full, value.device_mesh, value.placements, src_data_rank=None
+                )
+            elif value is not None:
+                state_dict[prefix + name] = layout.to_original(value, tp, dim)
+
+    def to_tp(mod, state_dict, prefix, *args):
+        for name, dim in dims.items():
+            value, param = state_dict.get(prefix + name), getattr(mod, name, None)
+            if value is None or param is None:
+                continue
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            permuted = layout.to_tp(full, tp, dim)
+            if isinstance(param, DTensor):
+                permuted = distribute_tensor(permuted, param.device_mesh, param.placements, src_data_rank=None)
+            state_dict[prefix + name] = permuted
+
+    module.register_state_dict_post_hook(to_original)
+    module.register_load_state_dict_pre_hook(to_tp)

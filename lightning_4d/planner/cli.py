@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from lightning_4d._cli import CLASS_SYNTAX, fail
-from lightning_4d.plan import (
+from lightning_4d.planner.estimate import (
     AC_MODES,
     OPTIMIZER_STATES,
     PP_SCHEDULES,

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
+from lightning_4d.context_parallel.ring_attention import _nearest_multiples
 from lightning_4d.parallel_dims import ParallelDims
-from lightning_4d.ring_attention import _nearest_multiples
-
-if TYPE_CHECKING:
-    from lightning_4d.tensor_parallel.config import TensorParallelConfig
 
 COMM_MODES = ("ring", "allgather")
 _EXAMPLES = {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.wpe", "cp_buffers": "model.cos"}
@@ -55,16 +52,14 @@ class ContextParallelConfig:
                                  f" e.g. {name}=[{_EXAMPLES[name]!r}].")
             object.__setattr__(self, field, tuple(value))
 
-    def sequence_multiple(self, tensor_parallel: Optional[TensorParallelConfig] = None) -> int:
-        """Sequence lengths must be multiples of this: two zigzag chunks per cp rank, each split again over
-        the tp ranks under sequence parallelism."""
-        return 2 * self.cp * (tensor_parallel.sequence_shards if tensor_parallel is not None else 1)
+    def sequence_multiple(self, sequence_shards: int = 1) -> int:
+        """Sequence lengths must be multiples of this: two zigzag chunks per cp rank, each split again into
+        ``sequence_shards`` (``TensorParallelConfig.sequence_shards``: tp under sequence parallelism)."""
+        return 2 * self.cp * sequence_shards
 
-    def check_sequence_length(self, length: int, tensor_parallel: Optional[TensorParallelConfig] = None,
-                              where: str = "the batch") -> None:
+    def check_sequence_length(self, length: int, sequence_shards: int = 1, where: str = "the batch") -> None:
         """Refuse a sequence length the zigzag split (and sequence parallelism) cannot divide evenly."""
-        sp = tensor_parallel.sequence_shards if tensor_parallel is not None else 1
-        check_sequence_length(length, self.cp, sp, where)
+        check_sequence_length(length, self.cp, sequence_shards, where)
 
 
 def check_sequence_length(length: int, cp: int, sequence_parallel: int = 1, where: str = "the batch") -> None:

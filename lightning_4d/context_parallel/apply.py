@@ -1,7 +1,7 @@
 """Context parallelism for an unchanged module: sharded sequences, global positions, ring attention.
 
 The ``cp`` ranks of a context-parallel group receive the same samples and each keeps a zigzag shard of every
-sequence (:func:`~lightning_4d.ring_attention.zigzag_positions`). The module's own code then runs on
+sequence (:func:`~lightning_4d.context_parallel.ring_attention.zigzag_positions`). The module's own code then runs on
 ``L / cp`` tokens per sequence, and three things it does would silently mean something else on a shard, so
 they are adjusted while a step runs:
 
@@ -22,11 +22,7 @@ plain torch and works without a Trainer.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import fnmatch
-import inspect
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, Optional, Union
 
@@ -38,88 +34,14 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
-from lightning_4d._attention_kernels import attention_kernels
-from lightning_4d.context_parallel_config import ContextParallelConfig, check_sequence_length
-from lightning_4d.multihead_attention import unsupported
-from lightning_4d.ring_attention import ring_attention, zigzag_positions
+from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequence_paths
+from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
+from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
+from lightning_4d.context_parallel.ring_attention import ring_attention, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
-# Automatic detection, by the last part of the name: learned position embeddings (nn.Embedding) ...
-POSITION_EMBEDDING_NAMES = ("wpe", "pos_emb", "pos_embedding", "position_embedding", "position_embeddings",
-                            "embed_positions")
-# ... and per-position tables that code slices by length (litgpt's cos/sin, torchtitan's freqs_cis), and a
-# rotary module's ``cache`` (torchtitan's RoPE modules since 0.3: ``layers.0.attention.rope.cache``).
-POSITION_BUFFER_NAMES = ("cos", "sin", "cos_cached", "sin_cached", "freqs_cis")
-ROTARY_CACHE_NAMES = ("cache",)
 _SDPA = F.scaled_dot_product_attention
 
-
-# ------------------------------------------------------------------------------------- module discovery
-
-
-def find_position_modules(module: nn.Module, patterns: Optional[Sequence[str]] = None) -> dict[str, str]:
-    """Modules whose position input gets global positions: FQN -> the name of that input.
-
-    ``patterns`` are globs over FQNs; ``None`` detects learned position embeddings by name
-    (:data:`POSITION_EMBEDDING_NAMES`) and rotary embeddings (``*rotary*`` with a ``position_ids`` input).
-    """
-    found = {}
-    for fqn, sub in module.named_modules():
-        last = fqn.rsplit(".", 1)[-1]
-        if patterns is None:
-            if isinstance(sub, nn.Embedding) and last in POSITION_EMBEDDING_NAMES:
-                found[fqn] = _position_argument(fqn, sub)
-            elif "rotary" in last.lower() and "position_ids" in _forward_parameters(sub):
-                found[fqn] = "position_ids"
-        elif fqn and any(fnmatch.fnmatchcase(fqn, p) for p in patterns):
-            found[fqn] = _position_argument(fqn, sub)
-    for pattern in patterns or ():
-        if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in found):
-            raise ValueError(f"cp_position_modules: {pattern!r} matches no module of {type(module).__name__};"
-                             f" module names look like {_examples(n for n, _ in module.named_modules() if n)}.")
-    return found
-
-
-def _position_argument(fqn: str, sub: nn.Module) -> str:
-    """The forward argument that carries positions: ``position_ids`` where the forward has one (OPT's learned
-    embedding, an ``nn.Embedding`` subclass, takes an attention mask first and positions by that name), else
-    an embedding's ``input``."""
-    parameters = _forward_parameters(sub)
-    if "position_ids" in parameters:
-        return "position_ids"
-    if isinstance(sub, nn.Embedding) and "input" in parameters:
-        return "input"
-    raise ValueError(f"cp_position_modules: {fqn} ({type(sub).__name__}) takes neither `position_ids` nor, as an"
-                     f" nn.Embedding, `input` (its forward takes {', '.join(parameters) or 'nothing'}), so it has no"
-                     " position input to map; name the module that receives the positions instead.")
-
-
-def find_position_buffers(module: nn.Module, patterns: Optional[Sequence[str]] = None) -> list[str]:
-    """FQNs of buffers indexed by position on dim 0; ``None`` detects them by name (:data:`POSITION_BUFFER_NAMES`,
-    and a ``cache`` of a module named like a rotary embedding)."""
-    names = [fqn for fqn, _ in module.named_buffers()]
-    if patterns is None:
-        return [fqn for fqn in names if fqn.rsplit(".", 1)[-1] in POSITION_BUFFER_NAMES or _rotary_cache(fqn)]
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(fqn, pattern) for fqn in names):
-            raise ValueError(f"cp_buffers: {pattern!r} matches no buffer of {type(module).__name__}; its buffers"
-                             f" are {_examples(names)}.")
-    return [fqn for fqn in names if any(fnmatch.fnmatchcase(fqn, p) for p in patterns)]
-
-
-def _rotary_cache(fqn: str) -> bool:
-    owner, _, name = fqn.rpartition(".")
-    last = owner.rsplit(".", 1)[-1].lower()
-    return name in ROTARY_CACHE_NAMES and ("rope" in last or "rotary" in last)
-
-
-def _forward_parameters(module: nn.Module) -> list[str]:
-    return list(inspect.signature(module.forward).parameters)
-
-
-def _examples(names: Iterator[str] | list[str], limit: int = 8) -> str:
-    names = list(names)
-    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "") if names else "(none)"
 
 
 def _shifts_labels(module: nn.Module) -> bool:
@@ -138,72 +60,6 @@ def _sliding_windows(module: nn.Module) -> dict[str, int]:
                 and any("sliding" in str(kind) for kind in layer_types)):
             windows[f"{fqn or 'the module'} ({type(sub).__name__})"] = window
     return windows
-
-
-# ------------------------------------------------------------------------------------------- batches
-
-
-def _map_tensors(value: Any, fn: Callable[[str, Tensor], Tensor], path: tuple[str, ...] = ()) -> Any:
-    """``value`` with every tensor replaced by ``fn(dotted path, tensor)``; containers keep their types."""
-    if isinstance(value, Tensor):
-        return fn(".".join(path), value)
-    if isinstance(value, MutableMapping):
-        out = copy.copy(value)
-        for key, item in value.items():
-            out[key] = _map_tensors(item, fn, (*path, str(key)))
-        return out
-    if isinstance(value, Mapping):
-        return type(value)({key: _map_tensors(item, fn, (*path, str(key))) for key, item in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(item, fn, (*path, name)) for name, item in zip(value._fields, value)))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(item, fn, (*path, str(i))) for i, item in enumerate(value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _map_tensors(getattr(value, f.name), fn, (*path, f.name))
-                  for f in dataclasses.fields(value) if f.init}
-        return dataclasses.replace(value, **fields)
-    return value
-
-
-def _tensors(batch: Any) -> dict[str, Tensor]:
-    found: dict[str, Tensor] = {}
-
-    def record(path: str, tensor: Tensor) -> Tensor:
-        found[path] = tensor
-        return tensor
-
-    _map_tensors(batch, record)
-    return found
-
-
-def sequence_paths(batch: Any, seq_dim: int = 1,
-                   keys: Optional[Sequence[Union[str, int]]] = None) -> tuple[list[str], int]:
-    """Which tensors of ``batch`` to shard (dotted paths: ``"input_ids"``, ``"0"``) and the sequence length.
-
-    By default the first tensor with a ``seq_dim`` defines the length and every tensor with that length on
-    ``seq_dim`` is sharded; ``keys`` names them instead.
-    """
-    tensors = _tensors(batch)
-    if keys is None:
-        shaped = {path: t for path, t in tensors.items() if t.dim() > seq_dim}
-        if not shaped:
-            raise ValueError(f"Context parallelism found no tensor with a sequence dim {seq_dim} in the batch"
-                             f" (tensors: {_shapes(tensors)}); set cp_seq_dim or cp_batch_keys.")
-        length = next(iter(shaped.values())).size(seq_dim)
-        return [path for path, t in shaped.items() if t.size(seq_dim) == length], length
-    paths = [str(k) for k in keys]
-    for path in paths:
-        if path not in tensors or tensors[path].dim() <= seq_dim:
-            raise ValueError(f"cp_batch_keys: {path!r} is not a tensor with a sequence dim {seq_dim} in the batch"
-                             f" (tensors: {_shapes(tensors)}).")
-    lengths = {path: tensors[path].size(seq_dim) for path in paths}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"cp_batch_keys name tensors of different lengths on dim {seq_dim}: {lengths}.")
-    return paths, lengths[paths[0]]
-
-
-def _shapes(tensors: dict[str, Tensor]) -> str:
-    return ", ".join(f"{path or 'batch'}: {tuple(t.shape)}" for path, t in tensors.items()) or "none"
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -253,72 +109,6 @@ class _AttentionInterception(TorchFunctionMode):
         self.owner._recomputing -= compat.in_backward()
         return super().__exit__(*exc_info)
 
-
-def check_attention_reachable(module: nn.Module, cp: int) -> None:
-    """Refuse, before any collective, attention that context parallelism cannot turn into ring attention.
-
-    torch's ``nn.MultiheadAttention.forward`` computes its attention inside ``F.multi_head_attention_forward``,
-    itself a torch function: a function mode is off while its own handler runs, so the interception would not see
-    the ``scaled_dot_product_attention`` inside it. :func:`~lightning_4d.parallelize.parallelize` gives each
-    instance lightning_4d's forward (:mod:`lightning_4d.multihead_attention`), whose call is intercepted; the
-    variants that forward does not compute are refused here. A module calling another
-    kernel (``flex_attention``, a variable-length kernel: torchtitan's default FlexAttention, its
-    VarlenAttention) is found in its code and refused likewise."""
-    _check_hugging_face_attention(module, cp)
-    kernels = attention_kernels(module)
-    if kernels:
-        fqn, (kind, kernel) = next(iter(kernels.items()))
-        raise ValueError(
-            f"cp={cp}: {fqn or 'the module'} ({kind}) computes attention with {kernel} ({len(kernels)} in"
-            f" {type(module).__name__}), not through torch.nn.functional.scaled_dot_product_attention (the one call"
-            " context parallelism turns into ring attention), so each rank's attention would see only its own"
-            " tokens. Fix: build the model with an attention that calls scaled_dot_product_attention (torchtitan:"
-            " model_registry(flavor, attn_backend='sdpa'), i.e. inner_attention=ScaledDotProductAttention.Config()),"
-            " or use cp=1 (dp=N replicates the model instead).")
-    for fqn, sub in module.named_modules():
-        problem = unsupported(fqn, sub) if isinstance(sub, nn.MultiheadAttention) else None
-        if problem is not None:
-            raise ValueError(
-                f"cp={cp}: {problem}, and torch's own forward calls scaled_dot_product_attention inside"
-                " torch.nn.functional.multi_head_attention_forward, out of context parallelism's reach. Fix: build"
-                " it without that option, or use cp=1 (dp=N replicates the model instead).")
-        if _reads_its_length(sub):
-            raise ValueError(
-                f"cp={cp}: {fqn} (lightning.pytorch.demos' PositionalEncoding) adds pe[:, x.size(1)], the table's row"
-                " at the sequence length, to every token: on a shard of each sequence it would add another row than"
-                " on the whole sequence. Use cp=1 (dp=N replicates the model instead).")
-
-
-def _reads_its_length(module: nn.Module) -> bool:
-    """Lightning's demo PositionalEncoding, unless its table's rows are all alike (``pe`` is made lazily)."""
-    if type(module).__name__ != "PositionalEncoding" or not type(module).__module__.startswith("lightning.pytorch"):
-        return False
-    table = getattr(module, "pe", None)
-    return not isinstance(table, Tensor) or table.dim() < 2 or not bool((table == table[:, :1]).all())
-
-
-def _check_hugging_face_attention(module: nn.Module, cp: int) -> None:
-    """A Hugging Face model runs the attention its ``attn_implementation`` names; only 'sdpa' calls
-    scaled_dot_product_attention. 'eager' computes its softmax by hand (Bloom always: it adds ALiBi to the scores
-    itself); 'flex_attention', 'flash_attention_2' and the like call their own kernels. Refused here, naming the
-    attention, rather than training each rank on its own tokens only."""
-    for fqn, model in module.named_modules():
-        implementation = compat.hf_attention_implementation(model)
-        if implementation in (None, "sdpa"):
-            continue
-        attention = next((f"{fqn}.{name}".lstrip(".") + f" ({type(sub).__name__})"
-                          for name, sub in model.named_modules() if type(sub).__name__.endswith("Attention")),
-                         f"{fqn or 'the module'} ({type(model).__name__})")
-        fix = ("Load it with attn_implementation='sdpa', or use cp=1 (dp=N replicates the model instead)."
-               if compat.hf_supports_sdpa(model) else
-               f"{type(model).__name__} offers no attn_implementation='sdpa' (it computes its attention scores"
-               " itself, e.g. with an ALiBi bias): use cp=1 (dp=N replicates the model instead).")
-        how = "by hand" if implementation == "eager" else "with its own kernel"
-        raise ValueError(
-            f"cp={cp}: {attention} computes attention {how} ({fqn or 'the module'} ({type(model).__name__}) runs"
-            f" Hugging Face's attn_implementation={implementation!r}), not through"
-            " torch.nn.functional.scaled_dot_product_attention, so context parallelism cannot make it ring attention"
-            f" and each rank would see only its own tokens. {fix}")
 
 
 class ContextParallel:

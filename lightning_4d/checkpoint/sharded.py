@@ -10,11 +10,7 @@ that Lightning's ``ckpt_path="last"`` or a ``*.ckpt`` glob would find: the suffi
 Lightning's own metadata (loops, callbacks, schedulers) goes into ``meta.pt`` and is read back with
 ``weights_only=True``, so loading never executes code from the file.
 
-Every file of the directory has its size and CRC-32 in ``checksums.json`` (each rank checksums the shard
-files it wrote, in memory-sized chunks right after writing them). Loading verifies them first, every rank a
-share of the files, and every rank refuses a damaged checkpoint with the same message, naming each damaged
-file and the tensors in it, before any state changes. ``python -m lightning_4d.verify_checkpoint DIR``
-checks a directory offline.
+Every file is checksummed as it is written and verified before loading (:mod:`.integrity`).
 
 Under pipeline parallelism a rank's module holds only its stage (other stages' parameters are not
 parameters there at all), so each stage writes exactly the tensors it owns and nothing stale; a weight kept
@@ -23,11 +19,8 @@ by the first and the last stage (tied embedding and head) is written once, as an
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
-import zlib
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,9 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
+from lightning_4d.checkpoint.integrity import _write_checksums, verify_collective
+
 META_FILE = "meta.pt"
-CHECKSUM_FILE = "checksums.json"
-_CHUNK = 16 << 20
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
 
@@ -269,135 +261,3 @@ def full_model_state(model: nn.Module, pp_group: Optional[dist.ProcessGroup] = N
     for part in stages:
         merged.update(part)  # a weight kept by two stages (tied embedding and head) is equal on both
     return {key: value.to(device) for key, value in merged.items()}
-
-
-# ------------------------------------------------------------------------------------------ integrity
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint file does not match the size or checksum it was written with (or is missing)."""
-
-
-def _crc32(file: Path) -> str:
-    crc = 0
-    with open(file, "rb") as stream:
-        while chunk := stream.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _fingerprint(file: Path) -> dict[str, Any]:
-    return {"size": file.stat().st_size, "crc32": _crc32(file)}
-
-
-def _write_checksums(directory: Path, is_writer: bool) -> None:
-    """Collective: each rank checksums the shard files it wrote (``__<rank>_*``); the writer also its own
-    index and ``meta.pt``, gathers everyone's and writes ``checksums.json``."""
-    rank = dist.get_rank() if dist.is_initialized() else None
-    mine = {}
-    for file in sorted(directory.iterdir()):
-        if file.name == CHECKSUM_FILE or not file.is_file():
-            continue
-        own_shard = rank is None or file.name.startswith(f"__{rank}_")
-        if own_shard or (is_writer and not file.name.startswith("__")):
-            mine[file.name] = _fingerprint(file)
-    everyone: list[Any] = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    if is_writer:
-        merged = {name: value for part in everyone for name, value in part.items()}
-        text = json.dumps({"algorithm": "crc32", "files": dict(sorted(merged.items()))}, indent=1)
-        (directory / CHECKSUM_FILE).write_text(text)
-
-
-def _tensors_by_file(directory: Path) -> dict[str, list[str]]:
-    """Which tensors (by checkpoint key) have bytes in each shard file, from DCP's index (best effort: the
-    index itself may be the damaged file)."""
-    try:
-        stored = dcp.FileSystemReader(directory).read_metadata()
-    except Exception:  # noqa: BLE001  a damaged index: files are still named, tensors not
-        return {}
-    tensors = {key for key, meta in stored.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
-    names: dict[str, set[str]] = {}
-    for index, info in (stored.storage_data or {}).items():
-        if index.fqn in tensors:
-            names.setdefault(info.relative_path, set()).add(index.fqn)
-    # The model's weights first, then optimizer state.
-    return {file: sorted(keys, key=lambda k: (not k.startswith("state_dict."), k)) for file, keys in names.items()}
-
-
-def _problems(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    problems = []
-    for name, expected in files.items():
-        file = directory / name
-        if not file.is_file():
-            problems.append(f"{name}: missing")
-            continue
-        size = file.stat().st_size
-        if size != expected["size"]:
-            problems.append(f"{name}: {size} bytes, written with {expected['size']} (truncated or overwritten)")
-        elif _crc32(file) != expected["crc32"]:
-            problems.append(f"{name}: checksum mismatch (the bytes changed after writing)")
-    return problems
-
-
-def expected_files(directory: Path) -> Optional[dict[str, Any]]:
-    """The file list of ``checksums.json``; None for a checkpoint written before checksums existed."""
-    file = directory / CHECKSUM_FILE
-    if not file.is_file():
-        return None
-    try:
-        files = json.loads(file.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise CorruptCheckpointError(f"Checkpoint {directory} is damaged: {CHECKSUM_FILE} is unreadable"
-                                     f" ({error}); nothing was loaded.") from None
-    return files
-
-
-def describe_problems(directory: Path, problems: list[str]) -> str:
-    """One line for the user: each damaged file with the tensors it holds, and what to do."""
-    tensors = _tensors_by_file(directory)
-    lines = []
-    for problem in problems:
-        name = problem.split(":", 1)[0]
-        held = tensors.get(name)
-        if held:
-            shown = ", ".join(held[:8]) + (f" and {len(held) - 8} more tensors" if len(held) > 8 else "")
-            problem += f"; it holds {shown}"
-        lines.append(problem)
-    return (f"Checkpoint {directory} is damaged, refusing to load it (nothing was loaded): " + " | ".join(lines)
-            + ". Restore the files from a copy, or resume from an older checkpoint.")
-
-
-def verify(path: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> list[str]:
-    """The problems with the files of a checkpoint directory (empty when intact). ``share=(i, n)`` checks only
-    every n-th file from the i-th (a rank's part of a collective check)."""
-    directory = Path(path)
-    files = expected_files(directory)
-    if files is None:
-        return []
-    index, count = share
-    names = sorted(files)[index::count]
-    return _problems(directory, {name: files[name] for name in names})
-
-
-def verify_collective(path: str | os.PathLike) -> None:
-    """Every rank checks a share of the files and every rank raises :class:`CorruptCheckpointError` with the
-    same message if any file is damaged (a collective when a process group exists)."""
-    directory = Path(path)
-    if expected_files(directory) is None:
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[lightning-4d] {directory} has no {CHECKSUM_FILE} (written before checksums): loading it"
-                  " unverified.", file=sys.stderr, flush=True)
-        return
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        mine = verify(directory, (dist.get_rank(), dist.get_world_size()))
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        problems = sorted(p for part in everyone for p in part)
-    else:
-        problems = verify(directory)
-    if problems:
-        raise CorruptCheckpointError(describe_problems(directory, problems))
-
