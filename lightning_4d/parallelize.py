@@ -58,6 +58,7 @@ from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, Resh
 from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
+from lightning_4d.token_losses import TokenMeanLosses
 from lightning_4d.tensor_parallel import (
     TensorParallelConfig,
     TensorParallelPlan,
@@ -121,11 +122,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
                 compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
                 reshard_after_forward: ReshardAfterForward = "auto", reduce_scatter_every_batch: bool = False,
-                param_dtype: Optional[torch.dtype] = None) -> ParallelModel:
+                param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens") -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     ``reshard_after_forward``, ``reduce_scatter_every_batch`` and ``param_dtype`` (compute dtype of FSDP's mixed
     precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
+    ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.token_losses`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
@@ -133,7 +135,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     options = dict(dims=mesh.dims, pipeline=pipeline, tensor=tensor, context=context, bucket_mb=bucket_mb,
                    activation_checkpointing=activation_checkpointing, compile=compile,
                    reshard_after_forward=reshard_after_forward,
-                   reduce_scatter_every_batch=reduce_scatter_every_batch, param_dtype=param_dtype)
+                   reduce_scatter_every_batch=reduce_scatter_every_batch, param_dtype=param_dtype,
+                   loss_normalization=loss_normalization)
     existing = parallelized(module)
     if existing is not None:
         if existing.options != options:
@@ -298,6 +301,10 @@ class ParallelModel:
         # (zeros, empty lists), so the sync also spans the stages and gives every rank the last stage's values.
         self.metric_group = mesh.group("pp_dp_cp" if dims.pp_enabled else "dp_cp")
         self.pp_group = mesh.group("pp") if dims.pp_enabled else None
+        # Token-mean losses count every valid target of the batch once: summed over the ranks that split it.
+        splits_batch = dims.dp * dims.dp_shard * dims.cp > 1
+        self.token_group = mesh.group("dp_cp") if splits_batch else None
+        self.token_losses = options["loss_normalization"] == "tokens"
 
     def describe(self) -> str:
         """The plans, and under sharding the parameters this rank keeps replicated (printed by rank 0)."""
@@ -377,14 +384,20 @@ class ParallelModel:
             stack.enter_context(self.step_context(predicting))
             if self.pipeline is not None:
                 around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
-                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around)
+                token_losses = self._token_losses(deferred=True) if training else None
+                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses)
             else:
+                if training and self.token_losses:
+                    stack.enter_context(self._token_losses(deferred=False))
                 output = getattr(self.module, name)(*args, **kwargs)
         if training and self.context is not None:
             output = self.context.global_loss(output)
         if training and self.compiled is not None and not self.compiled.reported:
             self.compiled.report()  # after the first training step, once dynamo has met every graph break
         return output
+
+    def _token_losses(self, deferred: bool) -> Optional[TokenMeanLosses]:
+        return TokenMeanLosses(self.token_group, deferred) if self.token_losses else None
 
     def backward(self, run_backward: Callable[[], None]) -> None:
         """Lightning's backward: ``run_backward`` computes the gradients (already computed by the pipeline

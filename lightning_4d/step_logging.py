@@ -20,6 +20,8 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_4d.token_losses import TOKENS_ATTRIBUTE
+
 _REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN}
 
@@ -41,14 +43,19 @@ class StepLogs:
     def __init__(self, module: LightningModule) -> None:
         self.module = module
         self.records: list[dict[str, tuple[Any, dict[str, Any]]]] = []
+        # per record, the token count a logged token-mean loss averages over: micro-batches are weighted by it
+        self.weights: list[dict[str, Tensor]] = []
 
     @contextmanager
     def recording(self, index: Optional[int] = None) -> Iterator[None]:
         """Capture the logs of one micro-batch; ``index`` overwrites an earlier record (a re-run)."""
         record: dict[str, tuple[Any, dict[str, Any]]] = {}
+        weights: dict[str, Tensor] = {}
 
         def log(name: str, value: Any, **kwargs: Any) -> None:
             if isinstance(value, Tensor):
+                if getattr(value, TOKENS_ATTRIBUTE, None) is not None:
+                    weights[name] = getattr(value, TOKENS_ATTRIBUTE)
                 value = value.detach()
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = torch.tensor(float(value), device=self.module.device)  # NCCL reduces device tensors
@@ -64,22 +71,29 @@ class StepLogs:
             else:
                 self.module.log = enclosing
             if index is not None and index < len(self.records):
-                self.records[index] = record
+                self.records[index], self.weights[index] = record, weights
             else:
                 self.records.append(record)
+                self.weights.append(weights)
 
     def combined(self) -> dict[str, tuple[Any, dict[str, Any]]]:
         """Micro-batch records merged per name with each call's ``reduce_fx``; Metric objects pass through."""
         merged: dict[str, tuple[Any, dict[str, Any]]] = {}
         for name in dict.fromkeys(key for record in self.records for key in record):
             entries = [record[name] for record in self.records if name in record]
+            weights = [w[name] for w in self.weights if name in w]
             value, kwargs = entries[-1]
             if isinstance(value, Tensor):
                 stacked = torch.stack([v.float() for v, _ in entries])
                 fx = _reduce_name(kwargs)
-                value = {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.amax, "min": stacked.amin}[fx](0)
+                if fx == "mean" and len(weights) == len(entries) > 1:  # token means: ΣS / ΣN, as one process
+                    counts = torch.stack(weights).to(stacked.device, stacked.dtype)
+                    value = (stacked * counts.view(-1, *[1] * (stacked.dim() - 1))).sum(0) / counts.sum()
+                else:
+                    value = {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.amax,
+                             "min": stacked.amin}[fx](0)
             merged[name] = (value, kwargs)
-        self.records = []
+        self.records, self.weights = [], []
         return merged
 
     @staticmethod

@@ -42,6 +42,7 @@ from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.telemetry import Telemetry
+from lightning_4d.token_losses import check_normalization
 from lightning_4d.tensor_parallel import TensorParallelConfig
 
 def _step_method(name: str, precision_context: str) -> Callable[..., Any]:
@@ -85,6 +86,10 @@ class FourDStrategy(ModelParallelStrategy):
         tp_strict: raise instead of warning when the plan shards under 90% of the parameters outside the
             embedding and head.
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
+        loss_normalization: ``"tokens"``: a token-mean ``cross_entropy``/``nll_loss`` (``ignore_index``, class
+            weights; a Hugging Face model's ``labels=`` loss) weighs every valid target of the batch once, whichever
+            rank holds it, as one process does; ``"replica"``: each rank's own mean, averaged (DDPStrategy's);
+            see :mod:`lightning_4d.token_losses`.
         activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
         compile: ``torch.compile`` each block (``True``, or a dict of ``backend``/``mode``/``fullgraph``/
@@ -129,6 +134,7 @@ class FourDStrategy(ModelParallelStrategy):
         tp_self_check: bool = True,
         tp_strict: bool = False,
         loss_parallel: bool = True,
+        loss_normalization: Literal["tokens", "replica"] = "tokens",
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 2,
         compile: Union[bool, dict] = False,
@@ -154,6 +160,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
         self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check, tp_strict)
         self.tp_config.check_with_pipeline(self.pp_config.pp)
+        check_normalization(loss_normalization)
+        self.loss_normalization = loss_normalization
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.compile_config = CompileConfig.build(compile)
         self.parallel_dims: Optional[ParallelDims] = None
@@ -238,7 +246,8 @@ class FourDStrategy(ModelParallelStrategy):
                                     activation_checkpointing=self.ac_config, compile=self.compile_config,
                                     bucket_mb=self.bucket_mb, reshard_after_forward=self.reshard_after_forward,
                                     reduce_scatter_every_batch=self.reduce_scatter_every_batch,
-                                    param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
+                                    param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))),
+                                    loss_normalization=self.loss_normalization)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled:

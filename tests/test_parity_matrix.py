@@ -8,7 +8,9 @@ at step 2 and resumes in a new Trainer: the resumed run must equal the uninterru
 GPT trains there once more, 2 steps, with each activation_checkpointing mode ('full', 'selective', 'every_n'). Every
 layout with dp=2 also trains the GPT with dp_shard=2 in its place (FSDP2 sharding instead of replicas; 8 layouts,
 up to dp_shard2 x pp2 x cp2 x tp2). The full 4D layout also trains two families of the model zoo, GPT-NeoX and
-Phi-3 (tests/zoo_models.py), 2 steps each.
+Phi-3 (tests/zoo_models.py), 2 steps each. The dp2 x pp2 x cp2 layout also trains supervised fine-tuning batches
+(prompts masked with -100, tests/fine_tuning_models.py), where per-rank means gave NaN before token-mean losses
+were weighted as one process weights them (tests/test_fine_tuning.py has the smaller layouts).
 """
 
 import itertools
@@ -68,9 +70,15 @@ ZOO = [Case(f"zoo_{family}-dp2pp2cp2tp2", module="tests.zoo_models:zoo_lm", modu
        for family in ZOO_FAMILIES]
 
 
+# Masked labels in three dimensions at once: micro-batches and sequence shards without a valid label.
+FINE_TUNING = [Case("sft-dp2pp2cp2", module="tests.lm_models:tiny_gpt", data="tests.fine_tuning_models:sft_data",
+                    strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=3)]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
 def test_every_layout_matches_one_process(world_size):
-    cases = _cases(world_size) + (CHECKPOINTED + ZOO if world_size == 16 else [])
+    cases = _cases(world_size) + (CHECKPOINTED + ZOO if world_size == 16 else []) + (FINE_TUNING if world_size == 8
+                                                                                      else [])
     results = train_layout(cases, world_size, timeout=900)
     for case in cases:
         got = results[case.name]

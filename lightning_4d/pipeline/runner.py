@@ -48,6 +48,7 @@ from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_b
 from lightning_4d.pipeline.plan import PipelinePlan
 from lightning_4d.pipeline.split import split_module
 from lightning_4d.step_logging import StepLogs
+from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
 
 _CACHED_SCHEDULES = 4  # one per batch shape seen recently, for training and for evaluation
 
@@ -136,6 +137,10 @@ class PipelineRunner:
         self._call: Optional[Callable[[int], Any]] = None  # the user's step on micro-batch i, set per step
         self._training = False
         self._loss_scale = 1.0
+        self._token_losses: Optional[TokenMeanLosses] = None  # this training step's token-mean losses
+        self._token_counts: dict[int, Tensor] = {}  # micro-batch -> the count its returned loss averages over
+        self._grad_scale: Optional[float] = None  # what the step's gradients are multiplied by when committed
+        self._token_problem: Optional[str] = None  # why this step's token-mean loss cannot be weighted
 
     def hook_boundaries(self) -> None:
         """The stage-boundary hooks on the blocks, once everything else has hooked them (sharding's hooks): the
@@ -151,12 +156,14 @@ class PipelineRunner:
     # ------------------------------------------------------------------------------- one step
 
     def step(self, method: str, args: tuple, kwargs: dict, accumulate_grad_batches: int = 1,
-             around: Callable[[bool], AbstractContextManager[None]] = lambda training: nullcontext()) -> Any:
+             around: Callable[[bool], AbstractContextManager[None]] = lambda training: nullcontext(),
+             token_losses: Optional[TokenMeanLosses] = None) -> Any:
         """Run ``module.<method>`` on every micro-batch of ``args[0]`` through the pipeline; returns the step
         output on every rank (the merged outputs of the micro-batches, computed on the last stage). Training
         losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them.
         ``around(training)`` is entered around the schedule (sharded data parallelism gathers and reduces there);
-        the gradients are set aside after it."""
+        the gradients are set aside after it. ``token_losses`` (deferred): token-mean losses count every valid
+        target of the whole batch once; the step's gradients are divided by the batch's count when committed."""
         training = self._training = method == "training_step"
         n = self.config.num_microbatches
         micro = split_batch(args[0], n)
@@ -164,12 +171,14 @@ class PipelineRunner:
         self._call = lambda index: user_step(micro[index], *args[1:], **kwargs)
         counts = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         index = torch.arange(n, device=self.device)
+        self._token_losses, self._token_counts, self._token_problem = token_losses if training else None, {}, None
         if training:
+            self._grad_scale = None
             self._loss_scale = 1.0 / (n * accumulate_grad_batches)
             self._params = list(self.module.parameters())
             earlier = self._take_grads()
             try:
-                with around(True):
+                with around(True), token_losses if token_losses is not None else nullcontext():
                     schedule = self._schedule(training, shape_key(micro[0]))
                     schedule.step(index, mb=index, target=index, return_outputs=False)
             finally:
@@ -258,6 +267,7 @@ class PipelineRunner:
                 raise RuntimeError("Under pipeline parallelism training_step must return the loss (a tensor, or a"
                                    f" dict with a 'loss' tensor); it returned {type(output).__name__}. Skipping a"
                                    " batch by returning None is not supported.")
+            self._check_token_loss(index, loss)
             return loss
         return torch.zeros((), device=self.device)  # the forward-only schedule needs a tensor
 
@@ -315,22 +325,56 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------------------ step results
 
+    def _check_token_loss(self, index: int, loss: Tensor) -> None:
+        """A deferred token-mean loss divides the whole step's gradients by the batch's count, so the loss the
+        schedule backpropagates must be that loss itself (any other term would be divided too). A problem is
+        kept for :meth:`_finish`, which raises it on every stage alike."""
+        if self._token_losses is None:
+            return
+        count = getattr(loss, TOKENS_ATTRIBUTE, None)
+        if count is not None:
+            self._token_counts[index] = count
+        elif self._token_losses.counts:
+            self._token_problem = (
+                "Under pipeline parallelism with loss_normalization='tokens', training_step must return the"
+                " token-mean cross entropy it computed (F.cross_entropy / F.nll_loss with reduction='mean', or a"
+                " Hugging Face model's loss) as it is: the step returned a loss computed from it (e.g. with another"
+                " term added), whose other terms cannot be weighted like one process. Return the cross entropy"
+                " alone, or use FourDStrategy(loss_normalization='replica') (each rank's mean, as DDP).")
+
+    def _token_weighted(self, outputs: list[Any]) -> list[Any]:
+        """Each micro-batch's token-mean loss weighted by its count, so that merging (a mean) gives the batch's
+        token mean, as one process computes it."""
+        if not outputs or len(self._token_counts) != len(outputs):
+            return outputs
+        total = torch.stack(list(self._token_counts.values())).sum()
+        factors = [self._token_counts[i] * len(outputs) / total for i in range(len(outputs))]
+        return [{**out, "loss": out["loss"] * f} if isinstance(out, Mapping) else out * f
+                for out, f in zip(outputs, factors)]
+
     def _finish(self, n: int, counts: dict[str, int]) -> Any:
         payload: list[Any] = [None]
         local = None  # the source keeps its own objects; the others get copies
         if self.holds_last:
             outputs = [self._outputs.pop(i) for i in range(n)]
+            outputs = self._token_weighted(outputs)
             logs = {name: (_MetricRef(self._metric_name(value)) if not isinstance(value, Tensor) else value, kw)
                     for name, (value, kw) in self._logs.combined().items()}
             updates = {name: (compat.metric_update_count(m) - counts[name],
                               _mean_or_none(self._forward_caches.get(name, [])))
                        for name, m in self._metrics.items() if compat.metric_update_count(m) != counts[name]}
             self._forward_caches.clear()
-            local = (merge(outputs), logs, updates)
+            batch_count = self._token_losses.batch_count() if self._token_losses is not None else None
+            local = (merge(outputs), logs, updates, batch_count, self._token_problem)
             payload[0] = apply_to_collection(local, Tensor, Tensor.cpu)
         dist.broadcast_object_list(payload, src=self._last_rank, group=self.group)
-        output, logs, updates = local if local is not None else apply_to_collection(payload[0], Tensor, Tensor.to,
-                                                                                      self.device)
+        output, logs, updates, batch_count, problem = local if local is not None else apply_to_collection(
+            payload[0], Tensor, Tensor.to, self.device)
+        self._token_problem = None
+        if problem is not None:
+            raise ValueError(problem)
+        if batch_count is not None:  # every stage: the step's gradients are divided by the batch's count
+            self._grad_scale = n / batch_count
         for name, (count, forward_cache) in updates.items():
             metric = self._metrics[name]
             if not self.holds_last:
@@ -364,6 +408,8 @@ class PipelineRunner:
             raise RuntimeError("backward ran without a pipeline training_step before it; under pipeline"
                                " parallelism backward only commits the gradients the schedule computed.")
         pending, self._pending = self._pending, None
+        if self._grad_scale is not None:
+            pending = [grad * self._grad_scale if grad is not None else None for grad in pending]
         if self._ends_group is not None:
             pending = self._sum_over_ends(pending)
         for p, grad in zip(self._params, pending):
