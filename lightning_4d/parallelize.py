@@ -69,6 +69,7 @@ from lightning_4d.tensor_parallel import (
 )
 
 _ATTRIBUTE = "_lightning_4d_parallel"
+_MANUAL = None  # the key of the one set of gradient buckets under manual optimization
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,6 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
 
     ``mesh_dims``: the :class:`~lightning_4d.parallel_dims.ParallelDims` of the layout.
     """
-    if mesh_dims.dp_shard_enabled:
-        if not getattr(module, "automatic_optimization", True):
-            raise ValueError(f"FourDStrategy(dp_shard={mesh_dims.dp_shard}) needs automatic optimization, but"
-                             f" {type(module).__name__}.automatic_optimization is False: FSDP reduce-scatters the"
-                             " gradients only around the backward that precedes an optimizer step, which only"
-                             " automatic optimization marks. Use automatic optimization, or dp_shard=1 (dp=N"
-                             " replicates instead).")
     if mesh_dims.pp_enabled:
         automatic = getattr(module, "automatic_optimization", True)
         if not automatic:
@@ -291,8 +285,10 @@ class ParallelModel:
         self.compiled: Optional[Compiled] = None  # set when compile is on
         self.eager_reason: Optional[str] = None  # why compile=True left the blocks eager in this layout
         self._self_check = self_check
-        self._buckets: dict[int, GradientBuckets] = {}
+        self._buckets: dict[Optional[int], GradientBuckets] = {}  # by id(optimizer); _MANUAL: all optimizers'
         self._armed: Optional[GradientBuckets] = None
+        self._sync_blocked = False  # inside block_sync(): manual backwards accumulate this rank's gradients only
+        self._unsynchronized = False  # the gradients hold a blocked manual backward's, not synchronized since
         self.sharded: Optional[ShardedUnits] = None  # the FSDP units when dp_shard > 1
         self.replicated_params: list[nn.Parameter] = []  # kept out of FSDP: reduced by the gradient buckets
         dims = mesh.dims
@@ -399,32 +395,89 @@ class ParallelModel:
     def _token_losses(self, deferred: bool) -> Optional[TokenMeanLosses]:
         return TokenMeanLosses(self.token_group, deferred) if self.token_losses else None
 
+    @property
+    def manual(self) -> bool:
+        """The module optimizes manually (``automatic_optimization = False``): every ``manual_backward`` may be
+        the last before a step, so each synchronizes unless inside :meth:`block_sync`."""
+        return not getattr(self.module, "automatic_optimization", True)
+
     def backward(self, run_backward: Callable[[], None]) -> None:
         """Lightning's backward: ``run_backward`` computes the gradients (already computed by the pipeline
         schedule, which only commits them here); the armed buckets then finish the gradient sync, so that
-        ``on_after_backward`` sees averaged gradients, as with DDP."""
+        ``on_after_backward`` sees averaged gradients, as with DDP. Under manual optimization the gradients are
+        synchronized when this returns, as one process would have them for clipping, logging and the step."""
         if self.pipeline is not None:
             self.pipeline.commit_gradients()
         else:
-            with tensor_parallel_context(self.tensor_plan) if self.tensor_plan is not None else nullcontext():
+            with ExitStack() as stack:
+                if self.tensor_plan is not None:
+                    stack.enter_context(tensor_parallel_context(self.tensor_plan))
+                if self.manual:
+                    stack.enter_context(self._manual_backward_sync())
                 run_backward()
         if self._armed is not None:
             self._armed.synchronize()
+
+    @contextmanager
+    def _manual_backward_sync(self) -> Iterator[None]:
+        """Around a ``manual_backward``: the buckets all-reduce during backward and FSDP reduce-scatters, so the
+        gradients (everything accumulated since the last step included) are synchronized after it; inside
+        :meth:`block_sync` nothing is sent and the gradients stay this rank's until a later backward."""
+        if self._sync_blocked:
+            self._unsynchronized = True
+            yield
+            return
+        buckets = self._buckets.get(_MANUAL)
+        with self.sharded.gradient_sync() if self.sharded is not None else nullcontext():
+            if buckets is not None:
+                buckets.begin()
+            yield
+        if buckets is not None:
+            buckets.synchronize()
+        self._unsynchronized = False
+
+    @contextmanager
+    def block_sync(self) -> Iterator[None]:
+        """Manual backwards inside accumulate gradients without synchronizing them (the strategy's
+        ``block_backward_sync``); the first ``manual_backward`` outside synchronizes all of it. Under automatic
+        optimization it changes nothing: only the backward before an optimizer step synchronizes there anyway."""
+        blocked, self._sync_blocked = self._sync_blocked, True
+        try:
+            yield
+        finally:
+            self._sync_blocked = blocked
+
+    def check_synchronized(self, call: str) -> None:
+        """Refuse ``call`` (a clip, an optimizer step) on gradients a blocked manual backward left unsynchronized:
+        they would differ from one process's without a word. Local state, the same on every rank that runs the
+        same training_step: raised before any collective of ``call``."""
+        if self._unsynchronized:
+            raise RuntimeError(
+                f"{call} after a manual_backward inside block_backward_sync(), with none outside it since: the"
+                " gradients are still this rank's own, not synchronized over the data-parallel and context-parallel"
+                " ranks, so they would differ from one process's. Run the last manual_backward before each"
+                " optimizer step outside the block (it synchronizes everything accumulated), e.g. `with"
+                " self.trainer.strategy.block_backward_sync() if accumulating else nullcontext():"
+                " self.manual_backward(loss)`.")
 
     # --------------------------------------------------------------------------------- gradients
 
     def attach_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """One set of gradient buckets per optimizer, over the ``dp x cp`` ranks; with sharding only for the
-        parameters FSDP does not hold (FSDP reduces its own)."""
+        parameters FSDP does not hold (FSDP reduces its own). Under manual optimization one set for all of them:
+        a ``manual_backward`` is tied to no optimizer and may reach the parameters of several."""
         for buckets in self._buckets.values():
             buckets.remove()
         group = self.mesh.group("dp_cp")
         kept = {id(p) for p in self.replicated_params}
+        by_key = {_MANUAL: optimizers} if self.manual else {id(optimizer): [optimizer] for optimizer in optimizers}
         self._buckets = {}
-        for optimizer in optimizers:
-            params = [p for g in optimizer.param_groups for p in g["params"] if self.sharded is None or id(p) in kept]
+        self._unsynchronized = False
+        for key, owners in by_key.items():
+            params = [p for optimizer in owners for g in optimizer.param_groups for p in g["params"]
+                      if self.sharded is None or id(p) in kept]
             if params:
-                self._buckets[id(optimizer)] = GradientBuckets(params, group, self.options["bucket_mb"])
+                self._buckets[key] = GradientBuckets(params, group, self.options["bucket_mb"])
 
     def synchronizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (training step, zero_grad, backward) with its gradients averaged over the replicas.
@@ -432,7 +485,17 @@ class ParallelModel:
         Lightning calls the closure through the optimizer step only for the last micro-step of gradient
         accumulation, so only that backward communicates. Under pipelining the schedule runs a backward per
         micro-batch: the buckets then reduce everything after the step, not during backward.
+
+        Under manual optimization each ``manual_backward`` synchronized already: the step only checks that the
+        last one did (see :meth:`check_synchronized`).
         """
+        if self.manual:
+            def closure_then_check() -> Any:
+                result = closure()
+                self.check_synchronized("optimizer.step()")
+                return result
+
+            return closure_then_check
         buckets = self._buckets.get(id(optimizer))
         if buckets is None and self.sharded is None:
             return closure

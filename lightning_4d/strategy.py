@@ -9,7 +9,8 @@ group whose ranks hold different data.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -250,10 +251,7 @@ class FourDStrategy(ModelParallelStrategy):
                                     loss_normalization=self.loss_normalization)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
-        if self.parallel_dims.tp_enabled or self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled:
-            # Lightning's clipping sees this rank's shards and stage only; the norm must span the whole model.
-            self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: self.parallel.clip_grad_norm_(
-                list(self.precision_plugin.main_params(optimizer)), float(clip_val))
+        self._install_clipping()
         if self.init_from is not None:
             self.parallel.load_weights(self.init_from, strict=self.lightning_module.strict_loading)
             self.init_from = None  # once: a later validate/test/predict keeps the trained weights
@@ -261,6 +259,38 @@ class FourDStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self.parallel.attach_optimizers(self.optimizers)
         self.setup_precision_plugin()
+
+    def _install_clipping(self) -> None:
+        """Clipping on the precision plugin (Lightning's ``gradient_clip_val`` and ``self.clip_gradients``) that
+        refuses gradients a blocked manual backward left unsynchronized, and, under tp, pp or dp_shard, clips by
+        the norm over the whole model: Lightning's own sees this rank's shards and stage only."""
+        plugin, base = self.precision_plugin, type(self.precision_plugin)
+        dims = self.parallel_dims
+        whole_model = dims.tp_enabled or dims.pp_enabled or dims.dp_shard_enabled
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            self.parallel.check_synchronized("clip_gradients")
+            if whole_model:
+                self.parallel.clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val))
+            else:
+                base.clip_grad_by_norm(plugin, optimizer, clip_val)
+
+        def clip_grad_by_value(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            self.parallel.check_synchronized("clip_gradients")
+            base.clip_grad_by_value(plugin, optimizer, clip_val)
+
+        plugin.clip_grad_by_norm, plugin.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Under manual optimization, ``manual_backward`` inside accumulates this rank's gradients without
+        synchronizing them, for gradient accumulation without a sync per batch (as DDP's ``no_sync``; also entered
+        by ``optimizer.toggle_model(sync_grad=False)``). The next ``manual_backward`` outside synchronizes all
+        that accumulated; clipping or stepping before one raises. Lightning's automatic loop enters it on
+        accumulation micro-steps, which synchronize nothing here anyway."""
+        with self.parallel.block_sync() if self.parallel is not None else nullcontext():
+            yield
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:

@@ -15,11 +15,13 @@ parallel tests, on a model without such elements.
 """
 
 import math
+from contextlib import nullcontext
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from lightning_4d.demos.gpt import GPT
@@ -148,3 +150,47 @@ class HFCausalLM(_CausalLM):
 
     def forward(self, input_ids):
         return self.model(input_ids=input_ids).logits
+
+
+def gradient_norm(module: nn.Module) -> torch.Tensor:
+    """The 2-norm of all gradients, as a user writes it for tensor-parallel or sharded (DTensor) gradients:
+    Lightning's ``grad_norm`` cannot stack DTensor norms."""
+    norms = [torch.linalg.vector_norm(p.grad) for p in module.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+
+
+class ManualGPT(TinyGPT):
+    """Manual optimization as Lightning's docs write it: ``manual_backward``, a logged gradient norm
+    (:func:`gradient_norm`), norm clipping at ``clip`` and a step every ``accumulate`` batches, each batch split
+    into ``chunks`` that each run forward and ``manual_backward``; every backward but the one before the step
+    inside the strategy's ``block_backward_sync()`` (in one process: no strategy, nothing to block).
+    ``block_last``: the backward before the step too (a mistake the strategy must refuse)."""
+
+    def __init__(self, clip: float = 0.5, accumulate: int = 1, chunks: int = 1, block_last: bool = False,
+                 **config):
+        super().__init__(**config)
+        self.clip, self.accumulate, self.chunks, self.block_last = clip, accumulate, chunks, block_last
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        stepping = (batch_idx + 1) % self.accumulate == 0
+        block = getattr(self.trainer.strategy, "block_backward_sync", nullcontext)
+        losses = []
+        for index, chunk in enumerate(zip(*(part.chunk(self.chunks) for part in batch))):
+            losses.append(self._loss(chunk))
+            last = stepping and index == self.chunks - 1
+            with block() if self.block_last or not last else nullcontext():
+                self.manual_backward(losses[-1] / (self.accumulate * self.chunks))
+        loss = torch.stack(losses).mean()
+        self.log("train_loss", loss, sync_dist=True)
+        if stepping:
+            self.log("grad_norm", gradient_norm(self))
+            self.clip_gradients(optimizer, self.clip, "norm")
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+
+def manual_gpt(**options) -> ManualGPT:
+    return ManualGPT(**options, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)

@@ -241,12 +241,10 @@ def test_sizes_and_bad_input():
     assert [block_reshard(i, 2, False) for i in range(2)] == [False, False]
 
 
-def test_sharding_refuses_manual_optimization_and_resharding_every_micro_batch_before_any_collective():
+def test_sharding_takes_manual_optimization_and_refuses_resharding_every_micro_batch_before_any_collective():
     module = tiny_gpt()
-    options = dict(pipeline=PipelineConfig(1), tensor=TensorParallelConfig(1))
-    module.automatic_optimization = False
-    with pytest.raises(ValueError, match=r"dp_shard=2\) needs automatic optimization.*automatic_optimization is"):
-        make_plans(module, ParallelDims.resolve(2, dp_shard=2), **options)
+    module.automatic_optimization = False  # synchronized by each manual_backward (tests/test_manual_optimization.py)
+    make_plans(module, ParallelDims.resolve(2, dp_shard=2), pipeline=PipelineConfig(1), tensor=TensorParallelConfig(1))
     module.automatic_optimization = True
     # No process group exists here: the refusal comes before parallelize's first collective.
     with pytest.raises(ValueError, match=r"reshard_after_forward=True with dp_shard=2 and pp=2: under pipelining"):
@@ -269,13 +267,3 @@ def test_strategy_takes_dp_shard_from_yaml():
         FourDStrategy(reshard_after_forward="always")
     with pytest.raises(ValueError, match=r"dp_shard=-1 is not a valid size"):
         FourDStrategy(dp_shard=-1)
-
-
-def test_strategy_refuses_sharding_with_manual_optimization_before_any_process_group():
-    from tests.test_bad_inputs import _setup_environment
-
-    module = tiny_gpt()
-    module.automatic_optimization = False
-    with pytest.raises(ValueError, match=r"FourDStrategy\(dp_shard=2\) needs automatic optimization, but"
-                                         r" TinyGPT\.automatic_optimization is False"):
-        _setup_environment(module, dp_shard=2)
