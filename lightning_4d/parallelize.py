@@ -380,10 +380,10 @@ class ParallelModel:
             stack.enter_context(self.step_context(predicting))
             if self.pipeline is not None:
                 around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
-                token_losses = self._token_losses(deferred=True) if training else None
+                token_losses = self._token_losses(deferred=True) if not predicting else None
                 output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses)
             else:
-                if training and self.token_losses:
+                if self.token_losses and not predicting:  # validation and test losses are logged like training's
                     stack.enter_context(self._token_losses(deferred=False))
                 output = getattr(self.module, name)(*args, **kwargs)
         if training and self.context is not None:

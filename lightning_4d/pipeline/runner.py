@@ -163,7 +163,8 @@ class PipelineRunner:
         losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them.
         ``around(training)`` is entered around the schedule (sharded data parallelism gathers and reduces there);
         the gradients are set aside after it. ``token_losses`` (deferred): token-mean losses count every valid
-        target of the whole batch once; the step's gradients are divided by the batch's count when committed."""
+        target of the whole batch once; the step's gradients are divided by the batch's count when committed, and
+        the micro-batches' logged losses are combined weighted by their counts (in evaluation steps too)."""
         training = self._training = method == "training_step"
         n = self.config.num_microbatches
         micro = split_batch(args[0], n)
@@ -186,8 +187,8 @@ class PipelineRunner:
                 self._pending = self._take_grads()
                 for p, grad in zip(self._params, earlier):
                     p.grad = grad
-        else:
-            with around(False):
+        else:  # token-mean losses are only weighted for what is logged
+            with around(False), token_losses if token_losses is not None else nullcontext():
                 self._schedule(training, shape_key(micro[0])).step(index, mb=index, return_outputs=False)
         return self._finish(n, counts)
 
