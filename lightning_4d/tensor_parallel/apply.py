@@ -155,7 +155,7 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
             if param is not None:
                 rows = [(dim, start, length, tp // pieces) for start, length, pieces in region.fused.repeated(tp)]
                 setattr(param, REPEATED_ROWS, rows)
-                param.register_hook(partial(_sum_repeated_rows, rows, group))
+                _hook_trainable(param, partial(_sum_repeated_rows, rows, group))
         return
     head = rank * region.kv_heads // tp
     for name in region.replicated_kv_projections:
@@ -171,7 +171,14 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
         projection.register_forward_pre_hook(whole_input)
         projection.register_forward_hook(own_head)
         for param in projection.parameters():
-            param.register_hook(_sum_over(group))
+            _hook_trainable(param, _sum_over(group))
+
+
+def _hook_trainable(param: torch.Tensor, hook: Any) -> None:
+    """A gradient hook on ``param`` unless it is frozen: a frozen parameter gets no gradient (autograd refuses
+    the hook), and whether it is frozen is checked again before every training step (``ParallelModel``)."""
+    if param.requires_grad:
+        param.register_hook(hook)
 
 
 def _sum_repeated_rows(rows: list[tuple[int, int, int, int]], group: dist.ProcessGroup, grad: DTensor) -> DTensor:
@@ -345,7 +352,7 @@ def apply_tensor_parallel(
             _RegionHooks(fqn, owner, region, tp_mesh)
         for name in region.head_norms:
             for param in owner.get_submodule(name).parameters():
-                param.register_hook(_sum_over(group))
+                _hook_trainable(param, _sum_over(group))
         if region.kv_replicated:
             _replicated_kv(owner, region, group)
 
@@ -368,7 +375,7 @@ def apply_tensor_parallel(
         for _, m, name in tied[1:]:
             m.register_parameter(name, shared)
     for param in module.parameters():  # deduplicated, so tied parameters get one hook
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_grad_like_param)
     if not replicas:
         return None
