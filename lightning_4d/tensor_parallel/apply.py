@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_4d import _compat as compat
 from lightning_4d.clipping import REPEATED_ROWS
+from lightning_4d.tensor_parallel.adapters import row_holders
 from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _replication_exit, _vocab_head_output
 from lightning_4d.tensor_parallel.plan import (
     Region,
@@ -149,13 +150,13 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
     column-wise style sums each rank's part)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if region.fused is not None:
-        fused = attention.get_submodule(region.inputs[0])
-        for name, dim in (("weight", region.fused.dim), ("bias", 0)):
-            param = getattr(fused, name, None)
-            if param is not None:
-                rows = [(dim, start, length, tp // pieces) for start, length, pieces in region.fused.repeated(tp)]
-                setattr(param, REPEATED_ROWS, rows)
-                _hook_trainable(param, partial(_sum_repeated_rows, rows, group))
+        for holder, layout in row_holders(attention.get_submodule(region.inputs[0]), region.fused):
+            for name, dim in (("weight", layout.dim), ("bias", 0)):
+                param = getattr(holder, name, None)
+                if param is not None:
+                    rows = [(dim, start, length, tp // pieces) for start, length, pieces in layout.repeated(tp)]
+                    setattr(param, REPEATED_ROWS, rows)
+                    _hook_trainable(param, partial(_sum_repeated_rows, rows, group))
         return
     head = rank * region.kv_heads // tp
     for name in region.replicated_kv_projections:
@@ -315,13 +316,14 @@ def apply_tensor_parallel(
     for fqn, region in plan.regions.items():
         owner = module.get_submodule(fqn)
         if region.fused is not None and region.fused.moves(tp):
-            fused = owner.get_submodule(region.inputs[0])
-            for name, dim in (("weight", region.fused.dim), ("bias", 0)):
-                param = getattr(fused, name, None)
-                if param is not None:  # longer than the original where rows repeat (k and v held by several ranks)
-                    permuted = region.fused.to_tp(param.detach(), tp, dim)
-                    fused.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
-            _fused_state_dict_hooks(fused, region.fused, tp)
+            # The projection's rows, and those of each LoRA adapter's lora_B on it, in the same order.
+            for holder, layout in row_holders(owner.get_submodule(region.inputs[0]), region.fused):
+                for name, dim in (("weight", layout.dim), ("bias", 0)):
+                    param = compat.parameters_of(holder).get(name)
+                    if param is not None:  # longer than the original where rows repeat (k and v held by several)
+                        permuted = layout.to_tp(param.detach(), tp, dim)
+                        holder.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
+                _fused_state_dict_hooks(holder, layout, tp)
     for fqn, region in plan.regions.items():  # before the attributes are set: it keeps their global values
         global_sizes = {holder: plan.attributes[_child(fqn, holder)] for holder in region.holders
                         if _child(fqn, holder) in plan.attributes}
