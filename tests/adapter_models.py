@@ -20,6 +20,7 @@ LORA_TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
 }
+LORA_TARGETS["gemma"] = LORA_TARGETS["llama"]  # one key/value head: k_proj and v_proj whole at tp=2
 ADAPTER = "default"
 
 
@@ -109,15 +110,15 @@ def _saved_adapter(module: LoRALM) -> dict[str, bytes]:
 
 
 def _adapters_under_tp(module, plan) -> tuple[dict[str, str], dict[str, dict[str, int]]]:
-    """How the first adapted layer of each tensor-parallel style placed its base and adapter weights, and the
-    collectives one forward of it issues (every rank runs it: a row-wise layer all-reduces)."""
+    """How the first adapted layer of each tensor-parallel style this rank holds placed its base and adapter
+    weights, and the collectives one forward of it issues (every rank runs it: a row-wise layer all-reduces)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
 
     placements, collectives = {}, {}
+    held = dict(module.named_modules())  # under pipelining, this rank's stage (the same for its tp group)
     for style in ("colwise", "rowwise"):
-        fqn = next(f for f in plan.adapters if plan.styles[f].style == style)
-        layer = module.get_submodule(fqn)
+        layer = next(held[f] for f in plan.adapters if plan.styles[f].style == style and f in held)
         for name, param in layer.named_parameters():
             placements[f"{style}:{name}"] = str(param.placements) if isinstance(param, DTensor) else "plain"
         width = layer.base_layer.weight.to_local().shape[1]  # a row-wise layer reads its shard of the features

@@ -2,9 +2,10 @@
 
 A zoo Llama with its token embedding frozen, and ``peft.get_peft_model`` LoRA on its attention and MLP projections
 (base frozen, the optimizer over the trainable parameters), train at tp=2, cp=2, pp=2 and dp_shard=2 in ONE launch
-of 2 processes, and at tp2 x dp2 and tp2 x cp2 in one launch of 4: losses per step, logged train_loss and final
-weights within 1e-5 of one process after 3 SGD steps. Phi-3's LoRA at tp=2 covers the fused projections
-(qkv_proj, gate_up_proj), whose lora_B rows are permuted with the base rows. Every run also reports that no
+of 2 processes, and at tp2 x dp2, tp2 x cp2 and pp2 x dp_shard2 (LoRA also at pp2 x tp2) in one launch of 4:
+losses per step, logged train_loss and final weights within 1e-5 of one process after 3 SGD steps. LoRA at tp=2
+on Phi-3 covers the fused projections (qkv_proj, gate_up_proj), whose lora_B rows are permuted with the base
+rows, and on Gemma the k and v projections kept whole (one key/value head). Every run also reports that no
 frozen parameter got a gradient, optimizer state or gradient-bucket space; the adapter that peft's
 ``save_pretrained`` writes from the trained full state loads into a plain model and gives the trained logits.
 """
@@ -27,8 +28,10 @@ MODELS = {
 # tp_strict: a plan that left the adapted layers whole (under 90% of the body sharded) is an error, not a
 # run at parity that shards only the embedding and head.
 TP = {"tp": 2, "tp_strict": True}
-TWO = {"tp2": TP, "cp2": {"cp": 2}, "pp2": {"pp": 2, "pp_microbatches": 2}, "dp_shard2": {"dp_shard": 2}}
-FOUR = {"tp2dp2": {**TP, "dp": 2}, "tp2cp2": {**TP, "cp": 2}}
+PP = {"pp": 2, "pp_microbatches": 2}
+TWO = {"tp2": TP, "cp2": {"cp": 2}, "pp2": PP, "dp_shard2": {"dp_shard": 2}}
+# pp2 x dp_shard2: the frozen embedding is an FSDP unit of its own under pipelining, none of whose parameters trains.
+FOUR = {"tp2dp2": {**TP, "dp": 2}, "tp2cp2": {**TP, "cp": 2}, "pp2dp_shard2": {**PP, "dp_shard": 2}}
 
 
 def _case(model: str, layout: str, strategy: dict, **spec) -> Case:
@@ -40,8 +43,12 @@ def _cases(layouts: dict[str, dict]) -> list[Case]:
     return [_case(model, layout, strategy) for model in MODELS for layout, strategy in layouts.items()]
 
 
-PHI3_LORA = _case("lora", "phi3-tp2", TWO["tp2"], module_kwargs={"family": "phi3"})
-CASES = {2: _cases(TWO) + [PHI3_LORA], 4: _cases(FOUR)}
+# LoRA on the fused projections of Phi-3, on Gemma's k_proj and v_proj kept whole (one key/value head), and on
+# each pipeline stage's share of the plan.
+MORE = {2: [_case("lora", "phi3-tp2", TP, module_kwargs={"family": "phi3"}),
+            _case("lora", "gemma-tp2", TP, module_kwargs={"family": "gemma"})],
+        4: [_case("lora", "pp2tp2", {**PP, **TP})]}
+CASES = {size: _cases(layouts) + MORE[size] for size, layouts in ((2, TWO), (4, FOUR))}
 BY_NAME = {case.name: (size, case) for size, cases in CASES.items() for case in cases}
 # Must fail on every rank: the embedding frozen at set-up, made trainable before the second step.
 THAWED = _case("frozen_embedding", "tp2-thawed", TWO["tp2"], callbacks=["tests.adapter_models:ThawEmbedding"])
