@@ -200,8 +200,14 @@ class OwnPlacementsStyle:
 
 
 class SequenceParallelFromPlain(SequenceParallel):
-    """SequenceParallel that reads a plain input as replicated (torch's reads it as already sharded); its input
-    preparation is a private static method."""
+    """SequenceParallel that reads a plain input as replicated (torch's reads it as already sharded), and keeps a
+    frozen norm frozen (torch's makes every parameter it replicates trainable); its input preparation and its
+    partition function are private methods."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for p_name, param in module.named_parameters(recurse=False):
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
     @staticmethod
     def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):

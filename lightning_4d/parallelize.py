@@ -148,6 +148,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                          " gather them again, and zero-bubble schedules need them between the two halves of a"
                          " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
+    frozen = frozenset(name for name, p in module.named_parameters() if not p.requires_grad)
     _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
     module.to(device)
@@ -189,7 +190,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     for metric in module.modules():
         if isinstance(metric, Metric) and metric.process_group is None:
             metric.process_group = parallel.metric_group
-    parallel.frozen = frozenset(name for name, p in module.named_parameters() if not p.requires_grad)
+    parallel.frozen = frozen
+    thawed = [name for name, p in module.named_parameters() if p.requires_grad and name in frozen]
+    if thawed:  # a style that re-registers a parameter without its requires_grad would train a frozen weight
+        raise RuntimeError(f"lightning_4d made the frozen parameters {thawed[:3]} trainable while parallelizing"
+                           f" {type(module).__name__}: a bug, please report it with this message.")
     module.__dict__[_ATTRIBUTE] = parallel
     return parallel
 
