@@ -46,7 +46,8 @@ def _cases(layouts: dict[str, dict]) -> list[Case]:
 # LoRA on the fused projections of Phi-3, on Gemma's k_proj and v_proj kept whole (one key/value head), and on
 # each pipeline stage's share of the plan.
 MORE = {2: [_case("lora", "phi3-tp2", TP, module_kwargs={"family": "phi3"}),
-            _case("lora", "gemma-tp2", TP, module_kwargs={"family": "gemma"})],
+            _case("lora", "gemma-tp2", TP, module_kwargs={"family": "gemma"}),
+            _case("lora", "tp2sp", {**TP, "sequence_parallel": True})],  # its frozen norms sequence-parallel
         4: [_case("lora", "pp2tp2", {**PP, **TP})]}
 CASES = {size: _cases(layouts) + MORE[size] for size, layouts in ((2, TWO), (4, FOUR))}
 BY_NAME = {case.name: (size, case) for size, cases in CASES.items() for case in cases}
@@ -103,16 +104,17 @@ def test_saved_adapter_loads_into_a_plain_model_with_the_trained_logits(launches
 @pytest.mark.parametrize("name", [name for name in BY_NAME if name.startswith("lora-") and "tp2" in name])
 def test_adapters_follow_their_base_layers_sharding_with_no_collective_of_their_own(launches, name):
     """q_proj (colwise): lora_B sharded by rows with the base, lora_A whole, no collective in its forward.
-    o_proj (rowwise): lora_A sharded by columns with the base, lora_B whole, one all-reduce in its forward:
-    the base layer's, which the adapter's partial output joins."""
+    o_proj (rowwise): lora_A sharded by columns with the base, lora_B whole, one collective in its forward: the
+    base layer's all-reduce (reduce-scatter under sequence parallelism), which the adapter's partial output joins."""
     extras = _record(launches, name)["extras"]
+    rowwise = "reduce_scatter_tensor" if BY_NAME[name][1].strategy.get("sequence_parallel") else "all_reduce"
     assert extras["adapter_placements"] == {
         "colwise:base_layer.weight": "(Shard(dim=0),)", "colwise:lora_A.default.weight": "(Replicate(),)",
         "colwise:lora_B.default.weight": "(Shard(dim=0),)",
         "rowwise:base_layer.weight": "(Shard(dim=1),)", "rowwise:lora_A.default.weight": "(Shard(dim=1),)",
         "rowwise:lora_B.default.weight": "(Replicate(),)",
     }
-    assert extras["adapter_forward_collectives"] == {"colwise": {}, "rowwise": {"c10d_functional.all_reduce": 1}}
+    assert extras["adapter_forward_collectives"] == {"colwise": {}, "rowwise": {f"c10d_functional.{rowwise}": 1}}
 
 
 def test_a_parameter_frozen_at_setup_that_trains_later_is_refused_on_every_rank(launches):
