@@ -39,14 +39,16 @@ class FrozenEmbeddingLM(_TrainableOnly):
 
 class LoRALM(_TrainableOnly):
     """``get_peft_model`` over the zoo's family: every base weight frozen, LoRA on attention and MLP projections
-    (``use_dora``: DoRA, which tensor parallelism refuses)."""
+    (``vocabulary``: also on the token embedding and the LM head; ``use_dora``: DoRA, which tensor parallelism
+    refuses)."""
 
-    def __init__(self, family: str = "llama", use_dora: bool = False) -> None:
+    def __init__(self, family: str = "llama", vocabulary: bool = False, use_dora: bool = False) -> None:
         super().__init__(family)
         import peft
 
-        self.family = family
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS[family],
+        self.family, self.vocabulary = family, vocabulary
+        targets = LORA_TARGETS[family] + (["embed_tokens", "lm_head"] if vocabulary else [])
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets,
                                  init_lora_weights=False, use_dora=use_dora)
         self.model = peft.get_peft_model(self.model, config)
 
@@ -59,9 +61,9 @@ class ThawEmbedding(Callback):
             pl_module.model.get_input_embeddings().weight.requires_grad_(True)
 
 
-def trained_lora(family: str, weights: dict[str, torch.Tensor]) -> LoRALM:
+def trained_lora(family: str, weights: dict[str, torch.Tensor], vocabulary: bool = False) -> LoRALM:
     """A plain ``LoRALM`` holding trained weights (``full_state()`` of a run), e.g. to save its adapter."""
-    module = LoRALM(family)
+    module = LoRALM(family, vocabulary)
     module.load_state_dict(weights)
     return module
 
@@ -98,7 +100,7 @@ class FineTuneProbe(Callback):
         if isinstance(module, LoRALM):
             weights = trainer.strategy.parallel.full_state()
             if trainer.global_rank == 0:
-                extras["adapter"] = _saved_adapter(trained_lora(module.family, weights))
+                extras["adapter"] = _saved_adapter(trained_lora(module.family, weights, module.vocabulary))
         return extras
 
 

@@ -5,7 +5,8 @@ A zoo Llama with its token embedding frozen, and ``peft.get_peft_model`` LoRA on
 of 2 processes, and at tp2 x dp2, tp2 x cp2 and pp2 x dp_shard2 (LoRA also at pp2 x tp2) in one launch of 4:
 losses per step, logged train_loss and final weights within 1e-5 of one process after 3 SGD steps. LoRA at tp=2
 on Phi-3 covers the fused projections (qkv_proj, gate_up_proj), whose lora_B rows are permuted with the base
-rows, and on Gemma the k and v projections kept whole (one key/value head). Every run also reports that no
+rows, on Gemma the k and v projections kept whole (one key/value head), with sequence parallelism, and on
+the token embedding and the LM head too. Every run also reports that no
 frozen parameter got a gradient, optimizer state or gradient-bucket space; the adapter that peft's
 ``save_pretrained`` writes from the trained full state loads into a plain model and gives the trained logits.
 """
@@ -47,7 +48,8 @@ def _cases(layouts: dict[str, dict]) -> list[Case]:
 # each pipeline stage's share of the plan.
 MORE = {2: [_case("lora", "phi3-tp2", TP, module_kwargs={"family": "phi3"}),
             _case("lora", "gemma-tp2", TP, module_kwargs={"family": "gemma"}),
-            _case("lora", "tp2sp", {**TP, "sequence_parallel": True})],  # its frozen norms sequence-parallel
+            _case("lora", "tp2sp", {**TP, "sequence_parallel": True}),  # its frozen norms sequence-parallel
+            _case("lora", "vocabulary-tp2", TP, module_kwargs={"vocabulary": True})],  # on embedding and LM head
         4: [_case("lora", "pp2tp2", {**PP, **TP})]}
 CASES = {size: _cases(layouts) + MORE[size] for size, layouts in ((2, TWO), (4, FOUR))}
 BY_NAME = {case.name: (size, case) for size, cases in CASES.items() for case in cases}
@@ -83,7 +85,7 @@ def test_fine_tuning_matches_one_process(launches, name):
         assert extras[what] == [], (what, extras[what])
 
 
-@pytest.mark.parametrize("name", ["lora-tp2", "lora-phi3-tp2", "lora-pp2"])
+@pytest.mark.parametrize("name", ["lora-tp2", "lora-phi3-tp2", "lora-vocabulary-tp2", "lora-pp2"])
 def test_saved_adapter_loads_into_a_plain_model_with_the_trained_logits(launches, name, tmp_path):
     import peft
 
@@ -91,13 +93,13 @@ def test_saved_adapter_loads_into_a_plain_model_with_the_trained_logits(launches
     record = _record(launches, name)
     for file, data in record["extras"]["adapter"].items():
         (tmp_path / file).write_bytes(data)
-    family = case.module_kwargs.get("family", "llama")
-    trained = trained_lora(family, record["weights"]).eval()
+    family, vocabulary = case.module_kwargs.get("family", "llama"), case.module_kwargs.get("vocabulary", False)
+    trained = trained_lora(family, record["weights"], vocabulary).eval()
     loaded = peft.PeftModel.from_pretrained(base_lm(family, record["weights"]).model, tmp_path).eval()
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected, got = trained(tokens), loaded(input_ids=tokens).logits
-    assert (expected - trained_lora(family, reference(case)["weights"])(tokens)).abs().max() < 1e-4
+    assert (expected - trained_lora(family, reference(case)["weights"], vocabulary)(tokens)).abs().max() < 1e-4
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -135,6 +137,11 @@ def test_the_plan_printout_names_the_adapters_and_how_each_is_placed():
             " default): lora_B colwise with the base layer, lora_A whole on every rank") in text, text
     assert (f"  adapters  {layers}.self_attn.o_proj, {layers}.mlp.down_proj (LoRA default): lora_A rowwise with the"
             " base layer, lora_B whole on every rank") in text, text
+    text = plan_tensor_parallel(LoRALM("llama", vocabulary=True), 2).describe()
+    assert "  embedding model.base_model.model.model.embed_tokens.base_layer: rowwise" in text, text
+    assert ("  adapters  model.base_model.model.model.embed_tokens (LoRA default): whole on every rank beside the"
+            " sharded base layer") in text, text
+    assert "model.base_model.model.lm_head (LoRA default): lora_B colwise" in text, text
 
 
 def test_an_adapter_other_than_plain_lora_is_refused_before_any_collective_with_a_fix():

@@ -31,12 +31,14 @@ _FACTORS = {
 
 
 def adapter_names(module: nn.Module) -> tuple[str, ...]:
-    """The LoRA adapters of a peft-wrapped layer (``()`` for any other module)."""
+    """The LoRA adapters of a peft-wrapped layer (``()`` for any other module); an embedding's are tables in
+    ``lora_embedding_A``."""
     factors = [getattr(module, name, None) for name in ("lora_A", "lora_B")]
     if not isinstance(getattr(module, "base_layer", None), nn.Module) or \
             not all(isinstance(f, nn.ModuleDict) for f in factors):
         return ()
-    return tuple(factors[0].keys())
+    tables = getattr(module, "lora_embedding_A", None)
+    return tuple(factors[0].keys()) + (tuple(tables.keys()) if isinstance(tables, nn.ParameterDict) else ())
 
 
 def base_layer(module: nn.Module) -> nn.Module:
@@ -81,6 +83,8 @@ def describe_factors(style: str) -> str:
     """How the adapters on a base layer sharded ``style``-wise are placed, for the plan printout."""
     if style == "colwise":
         return "lora_B colwise with the base layer, lora_A whole on every rank (gradient summed over tp)"
+    if style == "whole":  # beside a base layer planned on its own (an embedding), whose output every rank has whole
+        return "whole on every rank beside the sharded base layer, added to its whole output"
     return ("lora_A rowwise with the base layer, lora_B whole on every rank (its partial output joins the base"
             " layer's all-reduce; gradient summed over tp)")
 

@@ -365,7 +365,10 @@ def plan_tensor_parallel(
     head = [s for s in plan.styles.values() if s.role == "head"]
     plan.loss_parallel = loss_parallel and bool(head) and head[0].output is None
     for fqn, style in plan.styles.items():
-        if style.style in ("colwise", "rowwise") and adapter_names(modules[fqn]):
+        owner, _, leaf = fqn.rpartition(".")
+        if leaf == "base_layer" and adapter_names(modules.get(owner)):  # peft's Embedding: its table planned alone
+            plan.adapters[owner] = adapter_names(modules[owner])
+        elif style.style in ("colwise", "rowwise") and adapter_names(modules[fqn]):
             check_adapters(fqn, modules[fqn], _pattern(fqn))
             plan.adapters[fqn] = adapter_names(modules[fqn])
     _check_ties(plan, module)

@@ -247,7 +247,7 @@ class TensorParallelPlan:
     loss_parallel: bool = False
     classes: dict[str, str] = field(default_factory=dict)  # planned FQN -> class name, to spot pipeline cuts
     sources: dict[str, str] = field(default_factory=dict)  # FQN -> the tp_plan key that gave it its own style
-    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # styled peft-wrapped FQN -> its adapters
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peft-wrapped FQN -> its adapters
     coverage: Coverage | None = None  # set by plan_tensor_parallel
 
     @property
@@ -369,7 +369,7 @@ class TensorParallelPlan:
         grouped: dict[str, dict[str, dict[str, None]]] = {}  # style -> parent pattern -> layer names, in order
         names: dict[str, set[str]] = {}
         for fqn, adapters in self.adapters.items():
-            style = self.styles[fqn].style
+            style = self.styles[fqn].style if fqn in self.styles else "whole"
             parent, _, layer = _pattern(fqn).rpartition(".")
             grouped.setdefault(style, {}).setdefault(parent, {})[layer] = None
             names.setdefault(style, set()).update(adapters)
