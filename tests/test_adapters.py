@@ -4,11 +4,11 @@ A zoo Llama with its token embedding frozen, and ``peft.get_peft_model`` LoRA on
 (base frozen, the optimizer over the trainable parameters), train at tp=2, cp=2, pp=2 and dp_shard=2 in ONE launch
 of 2 processes, and at tp2 x dp2, tp2 x cp2 and pp2 x dp_shard2 (LoRA also at pp2 x tp2) in one launch of 4:
 losses per step, logged train_loss and final weights within 1e-5 of one process after 3 SGD steps. LoRA at tp=2
-on Phi-3 covers the fused projections (qkv_proj, gate_up_proj), whose lora_B rows are permuted with the base
-rows, on Gemma the k and v projections kept whole (one key/value head), with sequence parallelism, and on
-the token embedding and the LM head too. Every run also reports that no
-frozen parameter got a gradient, optimizer state or gradient-bucket space; the adapter that peft's
-``save_pretrained`` writes from the trained full state loads into a plain model and gives the trained logits.
+also on Phi-3's fused projections (qkv_proj, gate_up_proj: lora_B rows permuted with the base rows), on Gemma's
+k and v projections kept whole (one key/value head), with sequence parallelism, and on the token embedding and
+the LM head. Three runs checkpoint at step 2 and resume exactly. Every run reports that no frozen parameter got
+a gradient, optimizer state or gradient-bucket space; the adapter that peft's ``save_pretrained`` writes from
+the trained full state loads into a plain model and gives the trained logits.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.adapter_models import LoRALM, base_lm, trained_lora
-from tests.parity import (Case, assert_error, assert_parity, reference, report_difference,
+from tests.parity import (Case, assert_error, assert_exact_resume, assert_parity, reference, report_difference,
                           train_layout_with_failures)
 
 STEPS = 3
@@ -40,8 +40,13 @@ def _case(model: str, layout: str, strategy: dict, **spec) -> Case:
                 **{"callbacks": PROBE, **MODELS[model], **spec})
 
 
+# Also checkpointed at step 2 and resumed in a new Trainer (model and optimizer state of the trainable part).
+RESUMED = ("lora-tp2", "frozen_embedding-dp_shard2", "lora-tp2dp2")
+
+
 def _cases(layouts: dict[str, dict]) -> list[Case]:
-    return [_case(model, layout, strategy) for model in MODELS for layout, strategy in layouts.items()]
+    return [_case(model, layout, strategy, resume_at=2 if f"{model}-{layout}" in RESUMED else None)
+            for model in MODELS for layout, strategy in layouts.items()]
 
 
 # LoRA on the fused projections of Phi-3, on Gemma's k_proj and v_proj kept whole (one key/value head), and on
@@ -83,6 +88,11 @@ def test_fine_tuning_matches_one_process(launches, name):
     assert extras["frozen"], "the model froze nothing"
     for what in ("frozen_with_grad", "frozen_in_optimizer_state", "frozen_in_buckets"):
         assert extras[what] == [], (what, extras[what])
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_run_resumed_from_its_checkpoint_equals_the_uninterrupted_one(launches, name):
+    assert_exact_resume(_record(launches, name))
 
 
 @pytest.mark.parametrize("name", ["lora-tp2", "lora-phi3-tp2", "lora-vocabulary-tp2", "lora-pp2"])
