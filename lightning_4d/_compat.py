@@ -166,8 +166,9 @@ def tensor_version(tensor: torch.Tensor) -> int:
 
 class OwnPlacementsStyle:
     """Mixin for torch's ColwiseParallel / RowwiseParallel: a module for which ``own_placements(module)`` gives
-    parameter placements (transformers' Conv1D stores its weight [in, out]) is distributed with them by
-    ``place(module, mesh, placements, src_data_rank)``, its input brought to ``own_input_layouts`` if set. The
+    parameter placements (transformers' Conv1D stores its weight [in, out]; a peft-wrapped layer's name its
+    submodules' parameters too) is distributed with them by one ``place(module, mesh, placements,
+    src_data_rank)``, its input brought to ``own_input_layouts`` if set. The
     style's ``_apply`` and its input/output preparation are private: there is no public hook for a module the
     style does not know."""
 
@@ -190,7 +191,8 @@ class OwnPlacementsStyle:
             if self.own_input_layouts is not None:
                 self.desired_input_layouts = self.own_input_layouts
             module = distribute_module(
-                module, device_mesh, lambda _, m, mesh: self.place(m, mesh, placements, self.src_data_rank),
+                module, device_mesh,
+                lambda name, m, mesh: None if name else self.place(m, mesh, placements, self.src_data_rank),
                 functools.partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
         self.applied(module)
@@ -198,8 +200,14 @@ class OwnPlacementsStyle:
 
 
 class SequenceParallelFromPlain(SequenceParallel):
-    """SequenceParallel that reads a plain input as replicated (torch's reads it as already sharded); its input
-    preparation is a private static method."""
+    """SequenceParallel that reads a plain input as replicated (torch's reads it as already sharded), and keeps a
+    frozen norm frozen (torch's makes every parameter it replicates trainable); its input preparation and its
+    partition function are private methods."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for p_name, param in module.named_parameters(recurse=False):
+            replicated = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(replicated, requires_grad=param.requires_grad))
 
     @staticmethod
     def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):

@@ -145,6 +145,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                          " gather them again, and zero-bubble schedules need them between the two halves of a"
                          " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
+    frozen = frozenset(name for name, p in module.named_parameters() if not p.requires_grad)
     _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
     module.to(device)
@@ -186,6 +187,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     for metric in module.modules():
         if isinstance(metric, Metric) and metric.process_group is None:
             metric.process_group = parallel.metric_group
+    parallel.frozen = frozen
+    thawed = [name for name, p in module.named_parameters() if p.requires_grad and name in frozen]
+    if thawed:  # a style that re-registers a parameter without its requires_grad would train a frozen weight
+        raise RuntimeError(f"lightning_4d made the frozen parameters {thawed[:3]} trainable while parallelizing"
+                           f" {type(module).__name__}: a bug, please report it with this message.")
     module.__dict__[_ATTRIBUTE] = parallel
     return parallel
 
@@ -291,6 +297,7 @@ class ParallelModel:
         self._unsynchronized = False  # the gradients hold a blocked manual backward's, not synchronized since
         self.sharded: Optional[ShardedUnits] = None  # the FSDP units when dp_shard > 1
         self.replicated_params: list[nn.Parameter] = []  # kept out of FSDP: reduced by the gradient buckets
+        self.frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False when parallelized
         dims = mesh.dims
         # torchmetrics sync over the ranks that saw different data: replicas and cp ranks (each saw its part of
         # every sequence). Under pipelining only the last stage updates metrics, the others keep default states
@@ -373,6 +380,8 @@ class ParallelModel:
         """Run the module's step method ``name`` (``training_step``, ``validation_step``, ...) as one process
         would on the whole batch; under pipelining the schedule runs the backward passes here too."""
         training = name == "training_step"
+        if training:
+            self._check_still_frozen()
         check, self._self_check = (self._self_check, None) if training else (None, self._self_check)
         with ExitStack() as stack:
             if check is not None:
@@ -400,6 +409,19 @@ class ParallelModel:
         """The module optimizes manually (``automatic_optimization = False``): every ``manual_backward`` may be
         the last before a step, so each synchronizes unless inside :meth:`block_sync`."""
         return not getattr(self.module, "automatic_optimization", True)
+
+    def _check_still_frozen(self) -> None:
+        """Refuse, before any collective of the step, a parameter frozen at set-up that trains now: tensor
+        parallelism's gradient hooks, the gradient buckets and FSDP's reduction were set up without it."""
+        thawed = [name for name, p in self.module.named_parameters() if p.requires_grad and name in self.frozen]
+        if thawed:
+            raise RuntimeError(
+                f"{', '.join(thawed[:3])}{' ...' if len(thawed) > 3 else ''} had requires_grad=False when"
+                f" FourDStrategy set up {type(self.module).__name__} and requires grad now: its gradient would miss"
+                " the reductions set up for the trainable parameters, and the layout would train another model than"
+                " one process. Fix: choose what trains before fit starts (in __init__ or configure_model); to train"
+                " it in a later phase, run that phase as another fit of a freshly built module loaded from the"
+                " checkpoint.")
 
     def backward(self, run_backward: Callable[[], None]) -> None:
         """Lightning's backward: ``run_backward`` computes the gradients (already computed by the pipeline

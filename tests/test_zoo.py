@@ -1,7 +1,7 @@
 """The model zoo (``tests/zoo_models.py``) under each dimension at 2 against one process, and its refusals.
 
-Every family (Hugging Face, litgpt, torchtitan, torch's and Lightning's own), unchanged inside a plain
-LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
+Every family (Hugging Face, litgpt, torchtitan, torch's and Lightning's own, and the Llama fine-tuned: peft
+LoRA, or its embedding frozen), unchanged inside a plain LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
 tp_strict) in ONE launch of 2 processes: losses per step, logged train_loss and final
 weights within 1e-5 relative of one process, after 3 SGD steps (the third step's loss already depends on two
 updates through momentum; more steps cost time, not evidence). Where a dimension refuses a family, the refusal
@@ -31,7 +31,7 @@ from tests.test_parity_matrix import ZOO_FAMILIES as FOUR_D_FAMILIES
 
 # The families of the zoo: tiny configs of library classes (see tests/zoo_models.py): Hugging Face, torch and
 # Lightning's own, litgpt and torchtitan.
-ZOO = zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES
+ZOO = zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES + zoo_models.FINE_TUNING_FAMILIES
 DIMENSIONS = ("dp", "tp", "cp", "pp")
 # Each dimension at 2, nothing else named; tensor parallelism strict: a family whose automatic plan shards less
 # than 90% of its body is refused, so a cell at parity cannot come from a model left mostly whole.
@@ -103,6 +103,10 @@ NOTES: dict[tuple[str, str], str] = {
     ("bloom", "tp"): "`query_key_value` head by head; the ALiBi bias, built for every head, gets each rank's rows",
     ("gemma", "tp"): "one key/value head: k and v whole on both ranks, q and o sharded",
     ("phi3", "tp"): "fused `qkv_proj` and `gate_up_proj`, permuted per rank",
+    ("llama_lora", "tp"): "peft LoRA, base frozen: on q/k/v/gate/up `lora_B` sharded with the base and `lora_A`"
+                          " whole; on o/down `lora_A` sharded with the base and `lora_B` whole (tests/test_adapters.py"
+                          " also at dp_shard=2, tp2 x dp2, tp2 x cp2 and on Phi-3's fused projections)",
+    ("llama_frozen_embedding", "tp"): "the vocabulary-sharded embedding frozen: no gradient, hook or optimizer state",
 }
 
 PARITY = "parity"

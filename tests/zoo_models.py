@@ -61,6 +61,8 @@ HF_FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gpt_neox", "opt", 
 # Other libraries' own model code (installed by the ``test`` extra, see pyproject.toml).
 LIBRARY_FAMILIES = ("litgpt_llama", "litgpt_pythia", "torchtitan_llama3")
 FAMILIES = HF_FAMILIES + ("lightning_demo", "torch_transformer")
+# Fine-tuning the zoo's Llama (tests/adapter_models.py): peft LoRA on its projections, its embedding frozen.
+FINE_TUNING_FAMILIES = ("llama_lora", "llama_frozen_embedding")
 
 
 class HFZooLM(_CausalLM):
@@ -226,6 +228,10 @@ class TorchTitanLM(_CausalLM):
 
 
 def zoo_lm(family: str = "llama") -> _CausalLM:
+    if family in FINE_TUNING_FAMILIES:
+        from tests.adapter_models import FrozenEmbeddingLM, LoRALM
+
+        return LoRALM("llama") if family == "llama_lora" else FrozenEmbeddingLM("llama")
     if family in ("litgpt_llama", "litgpt_pythia"):
         return LitGPTLM(family)
     if family == "torchtitan_llama3":

@@ -418,7 +418,7 @@ class PipelineRunner:
                 p.grad = grad if p.grad is None else p.grad + grad
 
     def _sum_over_ends(self, pending: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
-        ends = self.split.ends()
+        ends = [p for p in self.split.ends() if p.requires_grad]  # a frozen weight has no gradient to sum
         position = {id(p): i for i, p in enumerate(self._params)}  # tensor parallelism replaces parameters
         by_dtype: dict[torch.dtype, list[tuple[int, nn.Parameter]]] = {}
         for p in ends:

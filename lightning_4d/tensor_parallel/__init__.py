@@ -78,7 +78,8 @@ Integration (what a strategy calls)
 Modules, one per job
 --------------------
 ``plan`` (the plan's types), ``user_plan`` (a ``tp_plan`` mapping expanded to FQNs), ``discovery``
-(``plan_tensor_parallel``), ``styles`` (DTensor parallel styles, Conv1D included), ``loss_parallel``
+(``plan_tensor_parallel``), ``styles`` (DTensor parallel styles, Conv1D included), ``adapters`` (peft LoRA
+adapters placed with their base layers), ``loss_parallel``
 (vocabulary-sharded logits and ``tensor_parallel_context``), ``apply`` (``apply_tensor_parallel`` and its
 hooks), ``self_check`` (``TensorParallelSelfCheck``), ``config`` (``TensorParallelConfig``). Clipping over
 DTensor, plain and pipeline-split parameters is :mod:`lightning_4d.clipping`.

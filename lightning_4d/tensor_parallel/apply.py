@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_4d import _compat as compat
 from lightning_4d.clipping import REPEATED_ROWS
+from lightning_4d.tensor_parallel.adapters import row_holders
 from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _replication_exit, _vocab_head_output
 from lightning_4d.tensor_parallel.plan import (
     Region,
@@ -148,13 +149,13 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
     column-wise style sums each rank's part)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     if region.fused is not None:
-        fused = attention.get_submodule(region.inputs[0])
-        for name, dim in (("weight", region.fused.dim), ("bias", 0)):
-            param = getattr(fused, name, None)
-            if param is not None:
-                rows = [(dim, start, length, tp // pieces) for start, length, pieces in region.fused.repeated(tp)]
-                setattr(param, REPEATED_ROWS, rows)
-                param.register_hook(partial(_sum_repeated_rows, rows, group))
+        for holder, layout in row_holders(attention.get_submodule(region.inputs[0]), region.fused):
+            for name, dim in (("weight", layout.dim), ("bias", 0)):
+                param = getattr(holder, name, None)
+                if param is not None:
+                    rows = [(dim, start, length, tp // pieces) for start, length, pieces in layout.repeated(tp)]
+                    setattr(param, REPEATED_ROWS, rows)
+                    _hook_trainable(param, partial(_sum_repeated_rows, rows, group))
         return
     head = rank * region.kv_heads // tp
     for name in region.replicated_kv_projections:
@@ -170,7 +171,14 @@ def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGrou
         projection.register_forward_pre_hook(whole_input)
         projection.register_forward_hook(own_head)
         for param in projection.parameters():
-            param.register_hook(_sum_over(group))
+            _hook_trainable(param, _sum_over(group))
+
+
+def _hook_trainable(param: torch.Tensor, hook: Any) -> None:
+    """A gradient hook on ``param`` unless it is frozen: a frozen parameter gets no gradient (autograd refuses
+    the hook), and whether it is frozen is checked again before every training step (``ParallelModel``)."""
+    if param.requires_grad:
+        param.register_hook(hook)
 
 
 def _sum_repeated_rows(rows: list[tuple[int, int, int, int]], group: dist.ProcessGroup, grad: DTensor) -> DTensor:
@@ -277,13 +285,14 @@ def apply_tensor_parallel(
     for fqn, region in plan.regions.items():
         owner = module.get_submodule(fqn)
         if region.fused is not None and region.fused.moves(tp):
-            fused = owner.get_submodule(region.inputs[0])
-            for name, dim in (("weight", region.fused.dim), ("bias", 0)):
-                param = getattr(fused, name, None)
-                if param is not None:  # longer than the original where rows repeat (k and v held by several ranks)
-                    permuted = region.fused.to_tp(param.detach(), tp, dim)
-                    fused.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
-            _fused_state_dict_hooks(fused, region.fused, tp)
+            # The projection's rows, and those of each LoRA adapter's lora_B on it, in the same order.
+            for holder, layout in row_holders(owner.get_submodule(region.inputs[0]), region.fused):
+                for name, dim in (("weight", layout.dim), ("bias", 0)):
+                    param = compat.parameters_of(holder).get(name)
+                    if param is not None:  # longer than the original where rows repeat (k and v held by several)
+                        permuted = layout.to_tp(param.detach(), tp, dim)
+                        holder.register_parameter(name, nn.Parameter(permuted, requires_grad=param.requires_grad))
+                _fused_state_dict_hooks(holder, layout, tp)
     for fqn, region in plan.regions.items():  # before the attributes are set: it keeps their global values
         global_sizes = {holder: plan.attributes[_child(fqn, holder)] for holder in region.holders
                         if _child(fqn, holder) in plan.attributes}
@@ -314,7 +323,7 @@ def apply_tensor_parallel(
             _RegionHooks(fqn, owner, region, tp_mesh)
         for name in region.head_norms:
             for param in owner.get_submodule(name).parameters():
-                param.register_hook(_sum_over(group))
+                _hook_trainable(param, _sum_over(group))
         if region.kv_replicated:
             _replicated_kv(owner, region, group)
 
@@ -337,7 +346,7 @@ def apply_tensor_parallel(
         for _, m, name in tied[1:]:
             m.register_parameter(name, shared)
     for param in module.parameters():  # deduplicated, so tied parameters get one hook
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_grad_like_param)
     if not replicas:
         return None

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from lightning_4d.tensor_parallel.adapters import adapter_names, check_adapters
 from lightning_4d.tensor_parallel.plan import (
     _SEQUENCE_DIM,
     Coverage,
@@ -363,6 +364,13 @@ def plan_tensor_parallel(
         plan.styles[fqn] = style
     head = [s for s in plan.styles.values() if s.role == "head"]
     plan.loss_parallel = loss_parallel and bool(head) and head[0].output is None
+    for fqn, style in plan.styles.items():
+        owner, _, leaf = fqn.rpartition(".")
+        if leaf == "base_layer" and adapter_names(modules.get(owner)):  # peft's Embedding: its table planned alone
+            plan.adapters[owner] = adapter_names(modules[owner])
+        elif style.style in ("colwise", "rowwise") and adapter_names(modules[fqn]):
+            check_adapters(fqn, modules[fqn], _pattern(fqn))
+            plan.adapters[fqn] = adapter_names(modules[fqn])
     _check_ties(plan, module)
     plan.coverage = _coverage(plan, modules)
     planned = {*plan.styles, *plan.regions, *plan.attributes, *plan.config_attributes}

@@ -21,6 +21,7 @@ import torch.nn as nn
 from lightning.fabric.utilities import rank_zero_warn
 
 from lightning_4d import _compat as compat
+from lightning_4d.tensor_parallel.adapters import base_layer, describe_factors
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 _SEQUENCE_DIM = 1
@@ -244,6 +245,7 @@ class TensorParallelPlan:
     loss_parallel: bool = False
     classes: dict[str, str] = field(default_factory=dict)  # planned FQN -> class name, to spot pipeline cuts
     sources: dict[str, str] = field(default_factory=dict)  # FQN -> the tp_plan key that gave it its own style
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peft-wrapped FQN -> its adapters
     coverage: Coverage | None = None  # set by plan_tensor_parallel
 
     @property
@@ -279,6 +281,7 @@ class TensorParallelPlan:
             regions={f: r for f, r in self.regions.items() if f in present},
             attributes={f: a for f, a in self.attributes.items() if f in present},
             config_attributes={f: a for f, a in self.config_attributes.items() if f in present},
+            adapters={f: a for f, a in self.adapters.items() if f in present},
         )
 
     def describe(self) -> str:
@@ -347,6 +350,7 @@ class TensorParallelPlan:
         for fqn, attrs in self.attributes.items():
             if not _under(fqn, self.regions):
                 lines.append(f"  divide    {fqn}: local {', '.join(f'{k}={v}' for k, v in attrs.items())}")
+        lines += self._describe_adapters()
         if self.replicated:
             lines.append(f"  replicate {', '.join(self.replicated)}")
         if self.coverage is not None:
@@ -354,12 +358,31 @@ class TensorParallelPlan:
         return "\n".join(lines)
 
 
+    def _describe_adapters(self) -> list[str]:
+        """One line per base-layer style: the adapted layers (by pattern), their adapters and how they are placed."""
+        grouped: dict[str, dict[str, dict[str, None]]] = {}  # style -> parent pattern -> layer names, in order
+        names: dict[str, set[str]] = {}
+        for fqn, adapters in self.adapters.items():
+            style = self.styles[fqn].style if fqn in self.styles else "whole"
+            parent, _, layer = _pattern(fqn).rpartition(".")
+            grouped.setdefault(style, {}).setdefault(parent, {})[layer] = None
+            names.setdefault(style, set()).update(adapters)
+        lines = []
+        for style, parents in grouped.items():
+            layers = ", ".join(f"{parent}.{{{','.join(found)}}}" if len(found) > 1 else f"{parent}.{next(iter(found))}"
+                               for parent, found in parents.items())
+            lines.append(f"  adapters  {layers} (LoRA {', '.join(sorted(names[style]))}): {describe_factors(style)}")
+        return lines
+
+
 def _pattern(fqn: str) -> str:
     return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", fqn)
 
 
 def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of nn.Linear or of transformers' Conv1D, whose weight is stored [in, out]."""
+    """(in, out) features of nn.Linear or of transformers' Conv1D, whose weight is stored [in, out]; of the base
+    layer of a peft-wrapped one."""
+    module = base_layer(module)
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     if _is_conv1d(module):
@@ -368,6 +391,7 @@ def _linear_shape(module: nn.Module) -> tuple[int, int] | None:
 
 
 def _is_conv1d(module: nn.Module) -> bool:
+    module = base_layer(module)
     weight = getattr(module, "weight", None)
     return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
 

@@ -14,27 +14,37 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
+from lightning_4d.tensor_parallel.adapters import adapter_names, adapter_placements
 from lightning_4d.tensor_parallel.plan import _SEQUENCE_DIM, ModuleStyle, _FusedRows, _is_conv1d
 from lightning_4d.tensor_parallel.user_plan import _parse_layout
 
 
-def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None) -> None:
-    for name, param in list(module.named_parameters(recurse=False)):
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None,
+                       recurse: bool = False) -> None:
+    """Each parameter (with ``recurse``, of the submodules too; names relative to ``module``) by its placement."""
+    for name, param in list(module.named_parameters(recurse=recurse)):
+        owner, _, leaf = name.rpartition(".")
         sharded = distribute_tensor(param, mesh, [placements[name]], src_data_rank=src)
-        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.get_submodule(owner).register_parameter(leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 class _Conv1DAware(compat.OwnPlacementsStyle):
-    """Lets a linear style also take transformers' Conv1D (weight stored [in, out]): ``conv1d`` gives its
-    parameters' placements, and ``own_input_layouts`` the input layout it needs (None: the style's own)."""
+    """Lets a linear style also take transformers' Conv1D (weight stored [in, out]) and a peft-wrapped layer
+    (its adapters placed after its base layer, see ``adapters``): ``conv1d`` and ``linear`` give the base
+    layer's placements, ``own_input_layouts`` the input layout it needs (None: the style's own)."""
 
     conv1d: dict[str, Placement]
+    linear: dict[str, Placement]
+    name: str
 
     def own_placements(self, module: nn.Module) -> dict[str, Placement] | None:
+        if adapter_names(module):
+            base = self.conv1d if _is_conv1d(module) else self.linear
+            return adapter_placements(module, self.name, base)
         return self.conv1d if _is_conv1d(module) else None
 
     def place(self, module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src: int | None) -> None:
-        _distribute_params(module, mesh, placements, src)
+        _distribute_params(module, mesh, placements, src, recurse=bool(adapter_names(module)))
 
     def applied(self, module: nn.Module) -> None:
         if _own_forward(module):
@@ -91,11 +101,15 @@ class _OwnWeights(TorchFunctionMode):
 
 
 class _Colwise(_Conv1DAware, ColwiseParallel):
+    name = "colwise"
     conv1d = {"weight": Shard(1), "bias": Shard(0)}
+    linear = {"weight": Shard(0), "bias": Shard(0)}
 
 
 class _Rowwise(_Conv1DAware, RowwiseParallel):
+    name = "rowwise"
     conv1d = {"weight": Shard(0), "bias": Replicate()}
+    linear = {"weight": Shard(1), "bias": Replicate()}
     own_input_layouts = (Shard(-1),)
 
 
