@@ -9,6 +9,8 @@
   tokens already, passed as ``shift_labels`` too, as context parallelism requires).
 - ``AuxLossLM``: the token-mean loss plus a small term of its own (a custom reduction the strategy cannot see
   through); ``WeightedLossLM``: ``nll_loss`` with class weights.
+- ``ManualClipLM``: the zoo's Llama with manual optimization: ``manual_backward``, ``clip_gradients`` to a norm
+  below the real one, ``step``.
 """
 
 import torch
@@ -55,3 +57,25 @@ class WeightedLossLM(HFCausalLM):
         weight = torch.linspace(0.5, 1.5, logits.size(-1), device=logits.device)
         return F.nll_loss(F.log_softmax(logits.float(), -1).reshape(-1, logits.size(-1)), labels.reshape(-1),
                           weight=weight)
+
+
+def manual_clip_lm(family: str = "llama"):
+    """The zoo's Hugging Face model trained with manual optimization, as its users write it."""
+    from tests.zoo_models import HFZooLM
+
+    class ManualClipLM(HFZooLM):
+        def __init__(self, family: str) -> None:
+            super().__init__(family)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            loss = self._loss(batch)
+            self.manual_backward(loss)
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+            self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+            return loss
+
+    return ManualClipLM(family)

@@ -85,6 +85,14 @@ REFUSED: dict[tuple[str, str], Refused] = {
         why="nn.Transformer is an encoder-decoder: its decoder reads the encoder's output and the embedded target"
             " beside the one activation pipeline stages pass on",
         fix_text="pp=1 (`dp=2` replicates the model instead)"),
+    # Manual optimization: the pipeline schedule runs every micro-batch's backward itself.
+    ("llama_manual", "pp"): Refused(
+        "ValueError", ("FourDStrategy(pp=2) needs automatic optimization", "ManualClipLM.automatic_optimization is False",
+                       "Use automatic optimization, or pp=1."),
+        fix={"dp": 2},
+        why="the pipeline schedule runs the forward and backward of every micro-batch itself, so `manual_backward`"
+            " cannot",
+        fix_text="automatic optimization, or pp=1 (`dp=2` replicates the model instead)"),
 }
 # What the cells at parity show besides parity (knowledge the zoo's earlier homes in the suite recorded).
 NOTES: dict[tuple[str, str], str] = {
@@ -107,6 +115,12 @@ NOTES: dict[tuple[str, str], str] = {
                           " whole; on o/down `lora_A` sharded with the base and `lora_B` whole (tests/test_adapters.py"
                           " also at dp_shard=2, tp2 x dp2, tp2 x cp2 and on Phi-3's fused projections)",
     ("llama_frozen_embedding", "tp"): "the vocabulary-sharded embedding frozen: no gradient, hook or optimizer state",
+    ("llama_sft", "cp"): "supervised fine-tuning batches, each prompt masked with -100 (its length drawn from 0 to the"
+                         " whole window): sequence shards hold different numbers of answer tokens, weighted as one"
+                         " process weighs them (docs/fine_tuning.md; tests/test_fine_tuning.py has more layouts)",
+    ("llama_mlm", "cp"): "masked-LM targets, about 15% of the positions, the rest -100",
+    ("llama_manual", "tp"): "`manual_backward`, `clip_gradients` by the norm over the whole model (clipping: 0.5,"
+                            " below the real norm), `step`; tests/test_manual_optimization.py has more layouts",
 }
 
 PARITY = "parity"
@@ -117,7 +131,8 @@ assert set(REFUSED) <= {(f, d) for f in ZOO for d in DIMENSIONS}, "a refusal for
 
 def _case(family: str, name: str, strategy: dict) -> Case:
     return Case(name, module="tests.zoo_models:zoo_lm", module_kwargs={"family": family},
-                data="tests.lm_models:token_data", strategy=strategy, max_steps=STEPS)
+                data=zoo_models.FAMILY_DATA.get(family, "tests.lm_models:token_data"), strategy=strategy,
+                max_steps=STEPS)
 
 
 def _cases() -> tuple[list[Case], list[Case], dict[tuple[str, str], str]]:

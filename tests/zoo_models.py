@@ -61,8 +61,12 @@ HF_FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gpt_neox", "opt", 
 # Other libraries' own model code (installed by the ``test`` extra, see pyproject.toml).
 LIBRARY_FAMILIES = ("litgpt_llama", "litgpt_pythia", "torchtitan_llama3")
 FAMILIES = HF_FAMILIES + ("lightning_demo", "torch_transformer")
-# Fine-tuning the zoo's Llama (tests/adapter_models.py): peft LoRA on its projections, its embedding frozen.
-FINE_TUNING_FAMILIES = ("llama_lora", "llama_frozen_embedding")
+# Fine-tuning the zoo's Llama (tests/adapter_models.py): peft LoRA on its projections, its embedding frozen; on
+# supervised fine-tuning batches (prompts masked with -100) and masked-LM targets (tests/fine_tuning_models.py);
+# with manual optimization and clipping.
+FINE_TUNING_FAMILIES = ("llama_lora", "llama_frozen_embedding", "llama_sft", "llama_mlm", "llama_manual")
+# The data a family trains on, where it is not tests.lm_models:token_data.
+FAMILY_DATA = {"llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data"}
 
 
 class HFZooLM(_CausalLM):
@@ -228,6 +232,12 @@ class TorchTitanLM(_CausalLM):
 
 
 def zoo_lm(family: str = "llama") -> _CausalLM:
+    if family in ("llama_sft", "llama_mlm"):
+        return HFZooLM("llama")
+    if family == "llama_manual":
+        from tests.fine_tuning_models import manual_clip_lm
+
+        return manual_clip_lm("llama")
     if family in FINE_TUNING_FAMILIES:
         from tests.adapter_models import FrozenEmbeddingLM, LoRALM
 
