@@ -5,6 +5,7 @@
   numbers of answer tokens (some none at all).
 - ``mlm_data``: BERT-style masked-LM targets: about 15% of the positions (at least one per sample) keep their
   token as the target, every other position is ``-100``.
+- ``BertMLM``: a BERT-style encoder (bidirectional attention, ``BertForMaskedLM``) on those masked-LM targets.
 - ``HFLabelsLM``: a Hugging Face Llama trained through its own loss (``labels=``; the labels are the next
   tokens already, passed as ``shift_labels`` too, as context parallelism requires).
 - ``AuxLossLM``: the token-mean loss plus a small term of its own (a custom reduction the strategy cannot see
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from tests.lm_models import SEQ, VOCAB, HFCausalLM, token_data
+from tests.lm_models import SEQ, VOCAB, HFCausalLM, _CausalLM, token_data
 
 
 def sft_data(train: bool = True, size: int = 32, seq_len: int = SEQ, vocab: int = VOCAB):
@@ -79,3 +80,20 @@ def manual_clip_lm(family: str = "llama"):
             return loss
 
     return ManualClipLM(family)
+
+
+class BertMLM(_CausalLM):
+    """A BERT-style encoder (``BertForMaskedLM``, bidirectional attention) trained on masked-LM targets."""
+
+    def __init__(self, vocab_size: int = VOCAB, hidden: int = 32, layers: int = 4, heads: int = 4):
+        super().__init__()
+        import transformers
+
+        config = transformers.BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                                         num_attention_heads=heads, intermediate_size=2 * hidden,
+                                         max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        self.model = transformers.BertForMaskedLM(config)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits

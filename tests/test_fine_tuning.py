@@ -16,6 +16,7 @@ from tests.parity import (Case, assert_error, assert_parity, max_difference, ref
 
 GPT = "tests.lm_models:tiny_gpt"
 LLAMA = "tests.lm_models:HFCausalLM"
+BERT = "tests.fine_tuning_models:BertMLM"  # masked-LM training as BERT does it: a bidirectional encoder
 SFT = dict(data="tests.fine_tuning_models:sft_data", max_steps=3)
 MLM = dict(data="tests.fine_tuning_models:mlm_data", max_steps=3)
 ACCUMULATE = {"accumulate_grad_batches": 2}
@@ -29,10 +30,11 @@ TWO = [
     Case("sft_tp2", module=LLAMA, strategy={"tp": 2}, **SFT),
     Case("sft_dp2_accumulate", module=GPT, strategy={"dp": 2}, trainer=ACCUMULATE, **SFT),
     Case("sft_pp2_accumulate", module=GPT, strategy={"pp": 2}, trainer=ACCUMULATE, **SFT),
-    Case("mlm_dp2", module=LLAMA, strategy={"dp": 2}, **MLM),
-    Case("mlm_cp2", module=LLAMA, strategy={"cp": 2}, **MLM),
-    Case("mlm_pp2", module=LLAMA, strategy={"pp": 2}, **MLM),
-    Case("mlm_dp_shard2", module=LLAMA, strategy={"dp_shard": 2}, **MLM),
+    Case("mlm_dp2", module=BERT, strategy={"dp": 2}, **MLM),
+    Case("mlm_cp2", module=BERT, strategy={"cp": 2}, **MLM),
+    Case("mlm_pp2", module=BERT, strategy={"pp": 2}, **MLM),
+    Case("mlm_dp_shard2", module=BERT, strategy={"dp_shard": 2}, **MLM),
+    Case("mlm_cp2_accumulate", module=BERT, strategy={"cp": 2}, trainer=ACCUMULATE, **MLM),
     Case("hf_labels_cp2", module="tests.fine_tuning_models:HFLabelsLM", strategy={"cp": 2}, **SFT),
     Case("hf_labels_pp2", module="tests.fine_tuning_models:HFLabelsLM", strategy={"pp": 2}, **SFT),
     Case("weighted_nll_cp2", module="tests.fine_tuning_models:WeightedLossLM", strategy={"cp": 2}, **SFT),
@@ -48,7 +50,7 @@ FOUR = [
     Case("sft_dp2_cp2", module=GPT, strategy={"dp": 2, "cp": 2}, **SFT),
     Case("sft_pp2_cp2", module=GPT, strategy={"pp": 2, "cp": 2}, **SFT),
     Case("sft_dp2_pp2_accumulate", module=GPT, strategy={"dp": 2, "pp": 2}, trainer=ACCUMULATE, **SFT),
-    Case("mlm_dp_shard2_cp2", module=LLAMA, strategy={"dp_shard": 2, "cp": 2}, **MLM),
+    Case("mlm_dp_shard2_cp2", module=BERT, strategy={"dp_shard": 2, "cp": 2}, **MLM),
     Case("sft_tp2_cp2", module=LLAMA, strategy={"tp": 2, "cp": 2}, **SFT),
 ]
 CASES = {case.name: case for case in TWO + FOUR}

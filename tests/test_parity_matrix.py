@@ -10,7 +10,8 @@ layout with dp=2 also trains the GPT with dp_shard=2 in its place (FSDP2 shardin
 up to dp_shard2 x pp2 x cp2 x tp2). The full 4D layout also trains two families of the model zoo, GPT-NeoX and
 Phi-3 (tests/zoo_models.py), 2 steps each. The dp2 x pp2 x cp2 layout also trains supervised fine-tuning batches
 (prompts masked with -100, tests/fine_tuning_models.py), where per-rank means gave NaN before token-mean losses
-were weighted as one process weights them (tests/test_fine_tuning.py has the smaller layouts).
+were weighted as one process weights them, and a BERT encoder on masked-LM targets (tests/test_fine_tuning.py has
+the smaller layouts).
 """
 
 import itertools
@@ -72,6 +73,8 @@ ZOO = [Case(f"zoo_{family}-dp2pp2cp2tp2", module="tests.zoo_models:zoo_lm", modu
 
 # Masked labels in three dimensions at once: micro-batches and sequence shards without a valid label.
 FINE_TUNING = [Case("sft-dp2pp2cp2", module="tests.lm_models:tiny_gpt", data="tests.fine_tuning_models:sft_data",
+                    strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=3),
+               Case("mlm-dp2pp2cp2", module="tests.fine_tuning_models:BertMLM", data="tests.fine_tuning_models:mlm_data",
                     strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=3)]
 
 
