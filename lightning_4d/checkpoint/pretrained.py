@@ -66,6 +66,7 @@ class _Source:
 
 
 def is_hugging_face_dir(path: Path) -> bool:
+    """``path`` is a directory of safetensors files (``save_pretrained``'s output), with or without its index."""
     return path.is_dir() and ((path / HF_INDEX).is_file() or any(path.glob(f"*{SAFETENSORS}")))
 
 
