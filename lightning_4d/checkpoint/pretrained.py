@@ -242,8 +242,9 @@ def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True,
     :func:`load_pretrained` takes. ``whole_model`` and ``prefix`` as there."""
     path = Path(path)
     if path.name.endswith(PARTIAL_SUFFIX) or (path / META_FILE).is_file():
-        read_meta(path)  # raises for an interrupted save
-        _load_shards(path, model, [], strict, whole_model)
+        if not (path / META_FILE).is_file():
+            read_meta(path)  # raises: an interrupted save
+        _load_shards(path, model, [], strict, whole_model)  # verifies every file (meta.pt too) first
         return
     load_pretrained(path, model, strict, whole_model, prefix)
 
