@@ -220,6 +220,7 @@ def test_round_trip_through_export_gives_the_trained_logits(four, tmp_path):
     exported = LlamaForCausalLM.from_pretrained(out)
     with torch.no_grad():
         difference = (exported(input_ids=tokens).logits - trained(tokens)).abs().max().item()
+    print(f"round trip: max |logit diff| {difference:.2e}")
     assert difference <= 1e-5, difference
     # and the exported directory starts a model as init_from: the same weights again
     again = HFCausalLM(kind="llama")
