@@ -563,9 +563,11 @@ class ParallelModel:
         """A lightning-4d checkpoint directory into this layout; returns Lightning's metadata."""
         return checkpoint.load(path, self.module, optimizers, strict=strict, whole_model=self.whole_model_keys)
 
-    def load_weights(self, path: str, strict: bool = True) -> None:
-        """Weights only (a checkpoint directory, a Lightning checkpoint file or a plain state_dict file)."""
-        checkpoint.load_weights(path, self.module, strict=strict, whole_model=self.whole_model_keys)
+    def load_weights(self, path: str, strict: bool = True, prefix: Optional[str] = None) -> None:
+        """Weights only, each rank reading what it holds: a lightning-4d checkpoint directory, a Hugging Face
+        directory, a torch DCP directory, a Lightning checkpoint file or a plain state_dict file (memory-mapped).
+        ``prefix``: the module path the file's keys start at (found automatically when None)."""
+        checkpoint.load_weights(path, self.module, strict=strict, whole_model=self.whole_model_keys, prefix=prefix)
 
     def full_state(self) -> dict[str, Tensor]:
         """The whole model as plain tensors on every rank (collective; for export and tests of small models)."""

@@ -71,8 +71,10 @@ class FourDStrategy(ModelParallelStrategy):
             every rank was last doing: once training runs (2 minutes), and while the run starts and around
             checkpoint saves and loads (10 minutes); see ``docs/troubleshooting.md``.
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
-        init_from: weights to start from, in any layout: a lightning-4d checkpoint directory, a Lightning
-            checkpoint file, or a file with a plain ``state_dict``.
+        init_from, init_from_prefix: weights to start from, in any layout, each rank reading only what it holds:
+            a Hugging Face directory (``save_pretrained``), a torch DCP directory, a lightning-4d checkpoint
+            directory, a Lightning checkpoint file, or a file with a plain ``state_dict``; and the module path
+            under which the file's keys are the module's (e.g. ``"model."``; ``None``: found automatically).
         cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers: see
             :class:`~lightning_4d.context_parallel.config.ContextParallelConfig` (``None``: found by name).
         pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the schedule (``gpipe``,
@@ -120,6 +122,7 @@ class FourDStrategy(ModelParallelStrategy):
         init_timeout: timedelta = DEFAULT_INIT_TIMEOUT,
         process_group_backend: Optional[str] = None,
         init_from: Optional[str] = None,
+        init_from_prefix: Optional[str] = None,
         cp_comm: Literal["ring", "allgather"] = "ring",
         cp_seq_dim: int = 1,
         cp_batch_keys: Optional[list[Union[str, int]]] = None,
@@ -155,6 +158,7 @@ class FourDStrategy(ModelParallelStrategy):
         ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard)
         check_reshard_after_forward(reshard_after_forward)
         self.reshard_after_forward, self.bucket_mb, self.init_from = reshard_after_forward, float(bucket_mb), init_from
+        self.init_from_prefix = init_from_prefix
         self.reduce_scatter_every_batch = bool(reduce_scatter_every_batch)
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
@@ -253,7 +257,8 @@ class FourDStrategy(ModelParallelStrategy):
             rank_zero_info(self.parallel.describe())
         self._install_clipping()
         if self.init_from is not None:
-            self.parallel.load_weights(self.init_from, strict=self.lightning_module.strict_loading)
+            self.parallel.load_weights(self.init_from, strict=self.lightning_module.strict_loading,
+                                       prefix=self.init_from_prefix)
             self.init_from = None  # once: a later validate/test/predict keeps the trained weights
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

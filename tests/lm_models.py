@@ -194,3 +194,14 @@ class ManualGPT(TinyGPT):
 
 def manual_gpt(**options) -> ManualGPT:
     return ManualGPT(**options, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
+
+
+def pretrained_llama(path: str, **config) -> HFCausalLM:
+    """``HFCausalLM(kind="llama")`` with the weights of the Hugging Face directory ``path``, loaded by transformers'
+    own ``from_pretrained``: the single-process side of a case that starts from ``path`` through
+    ``FourDStrategy(init_from=...)``."""
+    import transformers
+
+    module = HFCausalLM(kind="llama", **config)
+    module.model.load_state_dict(transformers.LlamaForCausalLM.from_pretrained(path).state_dict())
+    return module

@@ -1,5 +1,5 @@
 """Checkpoints: sharded DCP save and load in any layout (:mod:`.sharded`), checksums and their verification
-(:mod:`.integrity`, offline :mod:`.verify`), export to one file or Hugging Face (:mod:`.export`), and the
+(:mod:`.integrity`, offline :mod:`.verify`), weights to start from in the forms people have them (:mod:`.pretrained`), export to one file or Hugging Face (:mod:`.export`), and the
 data loader whose position is saved with them (:mod:`.resumable_loader`).
 
 Names load on first use (PEP 562): ``python -m lightning_4d.export --help`` and ``... verify_checkpoint --help``
@@ -9,8 +9,9 @@ go through this package and answer before torch is imported.
 import importlib
 
 _HOMES = {
-    "sharded": ("META_FILE", "full_model_state", "load", "load_weights", "model_state", "optimizer_state",
+    "sharded": ("META_FILE", "full_model_state", "load", "model_state", "optimizer_state",
                 "read_meta", "remove", "save"),
+    "pretrained": ("PretrainedWeightsError", "load_pretrained", "load_weights"),
     "integrity": ("CHECKSUM_FILE", "CorruptCheckpointError", "describe_problems", "expected_files", "verify",
                   "verify_collective"),
     "export": ("export_checkpoint", "export_hugging_face", "read_checkpoint"),

@@ -4,16 +4,18 @@ A lightning-4d checkpoint is a directory of shards keyed by parameter names of t
 exporting needs no knowledge of the layout it was saved from:
 
     python -m lightning_4d.export CHECKPOINT_DIR model.ckpt
-    python -m lightning_4d.export CHECKPOINT_DIR hf_dir --hf --module mypackage.model:MyModule
+    python -m lightning_4d.export CHECKPOINT_DIR hf_dir --format hf --module mypackage.model:MyModule
 
 The single file is a Lightning checkpoint (``state_dict``, ``hyper_parameters``, ``epoch``, ...):
 ``module.load_state_dict(torch.load(path)["state_dict"])`` and ``MyModule.load_from_checkpoint(path)``
-both work. ``--hf`` writes a Hugging Face model directory when the module wraps a ``PreTrainedModel``.
+both work. ``--format hf`` (or ``--hf``) writes a Hugging Face directory, tensor by tensor: ``config.json`` when
+the module wraps a ``PreTrainedModel``, and safetensors files of at most ``--max-shard-size`` with an index.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -53,16 +55,105 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, output: str | os.PathLi
     return output
 
 
-def export_hugging_face(checkpoint_dir: str | os.PathLike, module: nn.Module, output_dir: str | os.PathLike) -> Path:
-    """Load the weights into ``module`` and ``save_pretrained`` the Hugging Face model it wraps."""
-    from transformers import PreTrainedModel
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
 
-    module.load_state_dict(read_checkpoint(checkpoint_dir)["state_dict"])
-    wrapped = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
-    if not wrapped:
-        raise ValueError(f"{type(module).__name__} contains no transformers.PreTrainedModel to export with --hf.")
-    wrapped[0].save_pretrained(output_dir)
-    return Path(output_dir)
+
+def shard_bytes(size: int | str) -> int:
+    """``max_shard_size`` in bytes: an int, or a string such as ``"5GB"``, ``"500MB"``, ``"2GiB"``."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper().replace(" ", "")
+    number = text.rstrip("KMGTIB")
+    unit = text[len(number):]
+    if not number or unit not in _UNITS:
+        raise ValueError(f"max_shard_size {size!r}: write a number of bytes or e.g. '5GB', '500MB', '2GiB'.")
+    return int(float(number) * _UNITS[unit])
+
+
+def export_hugging_face(checkpoint_dir: str | os.PathLike, module: nn.Module, output_dir: str | os.PathLike,
+                        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write the checkpoint's weights as a Hugging Face directory: size-sharded safetensors (``model.safetensors``,
+    or ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``) and, when ``module`` holds a
+    ``transformers.PreTrainedModel``, its ``config.json`` (keys then relative to that model, a tied weight
+    written once, as ``save_pretrained`` does). Tensor by tensor: the checkpoint is verified, then each output
+    shard is read from the checkpoint's files alone and written, so this process never holds more than one
+    output shard. ``module`` only names the keys and gives the config: it may be built on the meta device."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_4d.checkpoint.integrity import CorruptCheckpointError, describe_problems, verify
+    from lightning_4d.checkpoint.sharded import read_meta
+
+    checkpoint_dir, output_dir = Path(checkpoint_dir), Path(output_dir)
+    read_meta(checkpoint_dir)  # raises: not a checkpoint directory
+    problems = verify(checkpoint_dir)
+    if problems:
+        raise CorruptCheckpointError(describe_problems(checkpoint_dir, problems))
+    prefix, wrapped = "", None
+    try:
+        from transformers import PreTrainedModel
+
+        found = [(name, m) for name, m in module.named_modules() if isinstance(m, PreTrainedModel)]
+    except ImportError:
+        found = []
+    if found:
+        name, wrapped = found[0]
+        prefix = f"{name}." if name else ""
+    # A tied weight (one parameter, several names) is written under its first name only.
+    first_name: dict[int, str] = {}
+    tied = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            tied.add(name)
+        first_name.setdefault(id(param), name)
+    stored = dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    tensors = {}
+    for key, meta in stored.items():
+        if not key.startswith("state_dict.") or not isinstance(meta, TensorStorageMetadata):
+            continue
+        name = key[len("state_dict."):]
+        if name.startswith(prefix) and name not in tied:
+            tensors[name[len(prefix):]] = (key, meta)
+    if not tensors:
+        raise ValueError(f"{checkpoint_dir} holds no weights under {prefix!r} to export.")
+    limit = shard_bytes(max_shard_size)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (_, meta) in tensors.items():
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*output_dir.glob("model*.safetensors"), output_dir / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    files = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    weight_map, total = {}, 0
+    for file, names in zip(files, shards):
+        part = {tensors[name][0]: torch.empty(tensors[name][1].size, dtype=tensors[name][1].properties.dtype)
+                for name in names}
+        dcp.load(part, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
+        out = {name: part[tensors[name][0]] for name in names}
+        save_file(out, str(output_dir / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in out.values())
+        weight_map.update(dict.fromkeys(names, file))
+        del part, out
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if wrapped is not None:
+        wrapped.config.save_pretrained(output_dir)
+        generation = getattr(wrapped, "generation_config", None)
+        if generation is not None and wrapped.can_generate():
+            generation.save_pretrained(output_dir)
+    return output_dir
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -70,27 +161,41 @@ def main(argv: Optional[list[str]] = None) -> int:
     for a bad argument or a known failure: no checkpoint there, a class that cannot be imported or built)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_4d.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a lightning-4d checkpoint directory")
-    parser.add_argument("output", help="the file to write, or the directory with --hf")
-    parser.add_argument("--hf", action="store_true", help="write a Hugging Face model directory")
-    parser.add_argument("--module", help=f"with --hf: the LightningModule class, {CLASS_SYNTAX} (e.g."
-                                         " lightning_4d.demos.gpt:GPT); built with the checkpoint's hyper_parameters")
+    parser.add_argument("output", help="the file to write, or the directory with --format hf")
+    parser.add_argument("--format", choices=("ckpt", "hf"), default=None,
+                        help="ckpt (default): one Lightning checkpoint file; hf: a Hugging Face directory (config.json"
+                             " and size-sharded safetensors with an index), for from_pretrained")
+    parser.add_argument("--hf", action="store_true", help="the same as --format hf")
+    parser.add_argument("--module", help=f"with --format hf: the LightningModule class, {CLASS_SYNTAX} (e.g."
+                                         " lightning_4d.demos.gpt:GPT); built on the meta device with the"
+                                         " checkpoint's hyper_parameters, it names the keys and gives config.json")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help=f"with --format hf: the largest safetensors file (default {DEFAULT_MAX_SHARD_SIZE})")
     args = parser.parse_args(argv)
-    if args.hf and not args.module:
-        fail(parser, f"--hf needs --module {CLASS_SYNTAX}, the class of the LightningModule that wraps the model.")
-    if args.module and not args.hf:
-        fail(parser, "--module is used only with --hf.")
+    if args.hf and args.format == "ckpt":
+        fail(parser, "--hf is --format hf: give one of them.")
+    hf = args.hf or args.format == "hf"
+    option = "--hf" if args.hf else "--format hf"
+    if hf and not args.module:
+        fail(parser, f"{option} needs --module {CLASS_SYNTAX}, the class of the LightningModule that wraps the model.")
+    if args.module and not hf:
+        fail(parser, "--module is used only with --format hf.")
     try:
-        if args.hf:
+        if hf:
+            shard_bytes(args.max_shard_size)
             cls = import_class(args.module)
             from lightning_4d.checkpoint.sharded import read_meta
 
             hyper_parameters = read_meta(args.checkpoint).get("hyper_parameters") or {}
+            import torch
+
             try:
-                module = cls(**hyper_parameters)
+                with torch.device("meta"):  # only names and the config are needed: no memory for the weights
+                    module = cls(**hyper_parameters)
             except Exception as error:  # the user's constructor: any failure is reported in one line
                 raise CommandLineError(f"--module {args.module}: {cls.__name__}(**hyper_parameters) failed:"
                                        f" {type(error).__name__}: {error}") from None
-            path = export_hugging_face(args.checkpoint, module, args.output)
+            path = export_hugging_face(args.checkpoint, module, args.output, args.max_shard_size)
         else:
             path = export_checkpoint(args.checkpoint, args.output)
     except (CommandLineError, OSError, ValueError, ImportError) as error:

@@ -201,32 +201,6 @@ def _check_model_fits(model_state: dict[str, Any], stored: Mapping[str, Any], pa
                          " on the LightningModule to ignore unexpected keys).")
 
 
-def load_weights(path: str | os.PathLike, model: nn.Module, strict: bool = True,
-                 whole_model: Optional[Collection[str]] = None) -> None:
-    """Only the weights, into any layout, from a lightning-4d checkpoint directory, a Lightning checkpoint
-    file, or a file holding a plain ``state_dict``; ``whole_model`` as for :func:`load`."""
-    path = Path(path)
-    if path.is_dir():
-        _load_shards(path, model, [], strict, whole_model)
-        return
-    held = model_state(model)
-    loaded = torch.load(path, map_location="cpu", weights_only=True)
-    full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
-    if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):
-        raise ValueError(f"{path} holds neither a Lightning checkpoint nor a state_dict of tensors.")
-    _check_model_fits(held, {f"state_dict.{k}": _Shape(v.shape) for k, v in full.items()}, path, strict, whole_model)
-    if whole_model is not None:  # a pipeline stage takes its own part of the whole model
-        full = {key: value for key, value in full.items() if key in held}
-    _set_model_state(model, dict(full), held, strict, full=True)
-
-
-class _Shape:
-    """Stands in for DCP's tensor metadata where only ``size`` is read."""
-
-    def __init__(self, size: torch.Size) -> None:
-        self.size = size
-
-
 def remove(path: str | os.PathLike) -> None:
     """Delete a checkpoint directory (or a single file)."""
     path = Path(path)
