@@ -255,19 +255,48 @@ def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> l
             for param in module.get_submodule(fqn).get_submodule(name).parameters()]
 
 
+# The most bytes a bucket of whole-built weights copies at once while rank 0's are broadcast: bounded, so that
+# agreeing on one set of weights costs at most this much memory beyond the model, not a second copy of it; big
+# enough that a bucket of small tensors (norms, biases) is one collective, not hundreds. A tensor bigger than a
+# bucket that is contiguous on the device is broadcast in place, without any copy.
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
 @torch.no_grad()
-def _broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
-    """Rank 0's parameters and buffers on every rank, one flat broadcast per dtype (DTensors were placed by a
-    parallelization that already happened, meta tensors hold no values)."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type != "meta" and not isinstance(tensor, DTensor):
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for tensors in by_dtype.values():
+def _broadcast_from_rank0(module: nn.Module, device: torch.device,
+                          bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Rank 0's parameters and buffers on every rank, in buckets of at most ``bucket_bytes`` per dtype (DTensors
+    were placed by a parallelization that already happened, meta tensors hold no values)."""
+    pending: dict[torch.dtype, tuple[list[Tensor], int]] = {}
+
+    def send(tensors: list[Tensor]) -> None:
+        if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
+            dist.broadcast(tensors[0], src=0)
+            return
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
         dist.broadcast(flat, src=0)
         for t, value in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(value.view_as(t))
+
+    seen: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type == "meta" or isinstance(tensor, DTensor) or id(tensor) in seen or not tensor.numel():
+            continue
+        seen.add(id(tensor))
+        size = tensor.numel() * tensor.element_size()
+        bucket, used = pending.pop(tensor.dtype, ([], 0))
+        if bucket and used + size > bucket_bytes:
+            send(bucket)
+            bucket, used = [], 0
+        if size > bucket_bytes:
+            send([tensor])
+        else:
+            bucket, used = bucket + [tensor], used + size
+        if bucket:
+            pending[tensor.dtype] = (bucket, used)
+    for bucket, _ in pending.values():
+        if bucket:
+            send(bucket)
 
 
 class ParallelModel:
