@@ -7,7 +7,10 @@ and the per-dimension options, and applies, in this order:
    collective: the tensor-parallel plan on the whole module (it must see the LM head that the pipeline gives
    to the last stage) and the pipeline plan (which modules each stage holds).
 2. **One set of weights**: rank 0's parameters and buffers are broadcast to every rank, as DDP does, so a
-   module built without a common seed still trains one model, and tp/pp cut their shards from it.
+   module built without a common seed still trains one model, and tp/pp cut their shards from it; in buckets
+   of at most 64 MB, and not at all when a load follows (``loading``). A module built on the meta device is
+   checked instead: every meta tensor needs an initializer, else a ValueError on every rank, before any
+   collective (:func:`~lightning_4d.materialize.check_initializers`).
 3. **Pipeline cut**: this rank keeps only its stages' blocks and the modules around them that it owns.
 4. **Device**, then **tensor/sequence parallelism**: the modules this rank holds are sharded over ``tp``.
 5. **Context parallelism**: hooks that give position modules global positions and turn attention into
@@ -22,6 +25,9 @@ and the per-dimension options, and applies, in this order:
 8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root (under pipelining,
    the modules around the blocks instead), over ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``),
    wrapping the blocks as steps 3-7 left them; then the pipeline's stage-boundary hooks, outermost.
+   Then, for a module built on the meta device, **materialization**: every placement is decided, so each rank
+   allocates only what it holds (its stages, tp shards, FSDP shards) and fills it with the module's own
+   initializer; non-persistent buffers are recomputed (:mod:`lightning_4d.materialize`).
 9. **Metric sync** over the ranks that hold different data.
 10. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
     bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
@@ -51,6 +57,7 @@ from torch.optim import Optimizer
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.clipping import clip_grad_norm_
+from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
@@ -116,12 +123,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
                 compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
                 reshard_after_forward: ReshardAfterForward = "auto", reduce_scatter_every_batch: bool = False,
-                param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens") -> ParallelModel:
+                param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens",
+                loading: bool = False) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     ``reshard_after_forward``, ``reduce_scatter_every_batch`` and ``param_dtype`` (compute dtype of FSDP's mixed
     precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
     ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.token_losses`).
+    ``loading``: the caller loads every parameter and persistent buffer right after (``init_from``): rank 0's
+    weights are not broadcast, and a meta-built module gets storage but only its non-persistent buffers are
+    initialized (:mod:`lightning_4d.materialize`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
@@ -145,9 +156,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                          " gather them again, and zero-bubble schedules need them between the two halves of a"
                          " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
-    _broadcast_from_rank0(module, device)
+    meta = has_meta_tensors(module)
+    if meta:  # on the whole module, before any collective: the same refusal on every rank
+        check_initializers(module, loading)
+    if not loading:
+        _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
-    module.to(device)
+    if meta:
+        move_real_tensors(module, device)
+    else:
+        module.to(device)
     self_check = None
     if plans.tensor is not None:
         held = plans.pipeline.held_modules(mesh.local_rank("pp")) if plans.pipeline is not None else None
@@ -179,6 +197,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                           ignored_params=set(parallel.replicated_params), outside=outside,
                                           every_batch=reduce_scatter_every_batch)
+    if meta:  # every placement is decided: allocate what this rank holds, then fill it
+        owners = materialize(module, device)
+        initialize(module, owners, device, _agreed_seed(device), loading=loading)
     if runner is not None:
         runner.hook_boundaries()
     from torchmetrics import Metric
@@ -297,6 +318,14 @@ def _broadcast_from_rank0(module: nn.Module, device: torch.device,
     for bucket, _ in pending.values():
         if bucket:
             send(bucket)
+
+
+def _agreed_seed(device: torch.device) -> int:
+    """Rank 0's seed (``seed_everything``'s, or torch's default), the same on every rank: the base of a
+    meta-built module's initialization (:mod:`lightning_4d.materialize`)."""
+    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 class ParallelModel:
