@@ -1,0 +1,116 @@
+"""Models built on the meta device (``trainer.init_module(empty_init=True)`` in ``configure_model``), against one
+process, and the refusal of a module that nothing can initialize.
+
+Parity (1e-5): the tiny Hugging Face Llama meta-built, with ``init_from`` a plain state_dict file of a whole-built
+model's weights, under tp=2, dp_shard=2, pp=2, cp=2 (one 2-process launch) and tp2 x dp_shard2 (4 processes),
+against one process that builds the model and loads the same file. Under tp2 x dp_shard2 the same model with
+its own initializer (Hugging Face's ``_init_weights``, one key/value head, so that k and v are random weights
+every rank holds whole): every rank that holds the same shard of a parameter holds the same values, different
+shards differ, the initializer's std is kept, and the rotary tables equal a freshly built rotary module's
+(``to_empty`` would leave them garbage: they are non-persistent, no checkpoint holds them). A model with a
+parameter that no initializer fills is refused on every rank, naming the module and ``init_from``.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.meta_models import whole_llama_state
+from tests.parity import (Case, _references, assert_error, assert_parity, reference, report_difference, run_layout,
+                          train_layout_with_failures)
+
+LAUNCH_TIMEOUT_S = 400
+META = dict(module="tests.meta_models:meta_llama", data="tests.lm_models:token_data", max_steps=3)
+TWO_LAYOUTS = {"tp2": dict(tp=2), "dp_shard2": dict(dp_shard=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("meta") / "whole.pt")
+    whole_llama_state(path)
+    return path
+
+
+def _loaded(name: str, strategy: dict, weights: str) -> Case:
+    return Case(f"meta_{name}", **META, strategy=dict(strategy, init_from=weights), module_kwargs={"weights": weights})
+
+
+def _refused(name: str, strategy: dict) -> Case:
+    return Case(name, module="tests.meta_models:no_initializer", data="tests.lm_models:token_data", max_steps=2,
+                strategy=strategy)
+
+
+@pytest.fixture(scope="module")
+def two(weights):
+    cases = [_loaded(name, strategy, weights) for name, strategy in TWO_LAYOUTS.items()]
+    records, errors = train_layout_with_failures(cases, [_refused("refused_dp_shard2", dict(dp_shard=2))], 2,
+                                                 timeout=LAUNCH_TIMEOUT_S)
+    return cases, records, errors
+
+
+@pytest.fixture(scope="module")
+def four(weights):
+    loaded = _loaded("tp2_dp_shard2", dict(tp=2, dp_shard=2), weights)
+    own = Case("own_init_tp2_dp_shard2", **META, strategy=dict(tp=2, dp_shard=2), module_kwargs={"kv_heads": 1},
+               callbacks=["tests.meta_models:InitProbe"])
+    result = run_layout([loaded, own], 4, timeout=LAUNCH_TIMEOUT_S, while_running=lambda: _references([loaded]))
+    assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
+    return loaded, result.results
+
+
+def _assert_parity(case: Case, got: dict) -> None:
+    expected = reference(case)
+    report_difference(case, expected, got)
+    assert_parity(case, expected, got)
+
+
+@pytest.mark.parametrize("layout", list(TWO_LAYOUTS))
+def test_meta_built_with_init_from_matches_one_process(two, layout):
+    cases, records, _ = two
+    case = next(c for c in cases if c.name == f"meta_{layout}")
+    _assert_parity(case, records[case.name])
+
+
+def test_meta_built_with_init_from_matches_one_process_tp2_dp_shard2(four):
+    case, records = four
+    _assert_parity(case, records[case.name])
+
+
+def test_module_without_initializer_is_refused_on_every_rank(two):
+    _, _, errors = two
+    assert_error(errors["refused_dp_shard2"], "ValueError",
+                 ["built on the meta device", "body.0.1 (Gain: gain)", "body.1.1 (Gain: gain)", "reset_parameters()",
+                  "init_from"])
+
+
+def test_own_initializer_gives_identical_replicas_and_true_rotary_tables(four):
+    _, records = four
+    record = records["own_init_tp2_dp_shard2"]
+    assert all(math.isfinite(loss) for loss in record["losses"]), record["losses"]
+    ranks = record["extras"]["init_probe"]
+    assert len(ranks) == 4
+    for rank in ranks:  # recomputed, not to_empty's garbage
+        assert rank["rotary"] == {"inv_freq": 0.0, "original_inv_freq": 0.0}, rank
+    replicas_checked = distinct_checked = 0
+    for name in ranks[0]["shards"]:
+        by_shard: dict = {}
+        for rank in ranks:
+            key, local = rank["shards"][name]
+            by_shard.setdefault(tuple(key), []).append((rank["rank"], local))
+        for key, held in by_shard.items():
+            for other_rank, other in held[1:]:
+                assert torch.equal(held[0][1], other), f"{name}: shard {key} differs between ranks {held[0][0]} and {other_rank}"
+                replicas_checked += 1
+        firsts = [held[0][1] for held in by_shard.values()]
+        if len(firsts) > 1 and firsts[0].std() > 0:  # random weights: each shard draws its own
+            for i, a in enumerate(firsts):
+                for b in firsts[i + 1:]:
+                    assert a.shape != b.shape or not torch.equal(a, b), f"{name}: two different shards are equal"
+                    distinct_checked += 1
+    assert replicas_checked and distinct_checked
+    # k/v are kept whole on every rank (one key/value head, tp=2): random, and identical on all four
+    k_proj = [rank["shards"]["model.model.layers.0.self_attn.k_proj.weight"][1] for rank in ranks]
+    assert k_proj[0].std() > 0 and all(torch.equal(k_proj[0], k) for k in k_proj[1:])
+    q_proj = torch.cat([rank["shards"]["model.model.layers.0.self_attn.q_proj.weight"][1] for rank in ranks])
+    assert abs(q_proj.std().item() - 0.02) < 0.004  # Hugging Face's initializer_range
