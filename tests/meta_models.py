@@ -5,6 +5,7 @@ lightning_4d.
   under ``trainer.init_module(empty_init=True)``: on the meta device under FourDStrategy; in one process
   (Lightning's single-device strategy) real but uninitialized, then filled from ``weights``, as a user loads
   them in one process.
+- ``handed_over_llama``: the same model built on the meta device before ``fit`` (or whole, then loaded).
 - ``NoInitializer``: a model with a parameter no initializer fills (its module defines no reset_parameters).
 - ``InitProbe``: a callback that records, on every rank, each parameter's local shard with the shard it is,
   and the rotary tables against a freshly built rotary module's.
@@ -59,6 +60,17 @@ class MetaLlama(_CausalLM):
 
 def meta_llama(weights: str = "", kv_heads: int = CONFIG["kv_heads"]) -> MetaLlama:
     return MetaLlama(weights, kv_heads)
+
+
+def handed_over_llama(weights: str, meta: bool = True) -> HFCausalLM:
+    """The tiny Llama built before ``fit`` on the meta device (``meta``), as a user hands it over; or built whole
+    and loaded from ``weights``, as one process does."""
+    if meta:
+        with torch.device("meta"):
+            return HFCausalLM(**CONFIG)
+    module = HFCausalLM(**CONFIG)
+    module.load_state_dict(torch.load(weights, weights_only=True))
+    return module
 
 
 class Gain(nn.Module):

@@ -3,7 +3,8 @@ process, and the refusal of a module that nothing can initialize.
 
 Parity (1e-5): the tiny Hugging Face Llama meta-built, with ``init_from`` a plain state_dict file of a whole-built
 model's weights, under tp=2, dp_shard=2, pp=2, cp=2 (one 2-process launch) and tp2 x dp_shard2 (4 processes),
-against one process that builds the model and loads the same file. Under tp2 x dp_shard2 the same model with
+against one process that builds the model and loads the same file; and the same model built on the meta device
+before ``fit`` and handed over (dp_shard=2). Under tp2 x dp_shard2 the same model with
 its own initializer (Hugging Face's ``_init_weights``, one key/value head, so that k and v are random weights
 every rank holds whole): every rank that holds the same shard of a parameter holds the same values, different
 shards differ, the initializer's std is kept, and the rotary tables equal a freshly built rotary module's
@@ -41,9 +42,14 @@ def _refused(name: str, strategy: dict) -> Case:
                 strategy=strategy)
 
 
+def _handed_over(weights: str, meta: bool = True) -> Case:
+    return Case("handed_over_dp_shard2", module="tests.meta_models:handed_over_llama", data="tests.lm_models:token_data",
+                max_steps=3, strategy=dict(dp_shard=2, init_from=weights), module_kwargs={"weights": weights, "meta": meta})
+
+
 @pytest.fixture(scope="module")
 def two(weights):
-    cases = [_loaded(name, strategy, weights) for name, strategy in TWO_LAYOUTS.items()]
+    cases = [_loaded(name, strategy, weights) for name, strategy in TWO_LAYOUTS.items()] + [_handed_over(weights)]
     records, errors = train_layout_with_failures(cases, [_refused("refused_dp_shard2", dict(dp_shard=2))], 2,
                                                  timeout=LAUNCH_TIMEOUT_S)
     return cases, records, errors
@@ -70,6 +76,14 @@ def test_meta_built_with_init_from_matches_one_process(two, layout):
     cases, records, _ = two
     case = next(c for c in cases if c.name == f"meta_{layout}")
     _assert_parity(case, records[case.name])
+
+
+def test_model_handed_over_on_meta_matches_one_process(two, weights):
+    _, records, _ = two
+    got = records["handed_over_dp_shard2"]
+    expected = reference(_handed_over(weights, meta=False))  # one process: built whole, then loaded
+    report_difference(_handed_over(weights), expected, got)
+    assert_parity(_handed_over(weights), expected, got)
 
 
 def test_meta_built_with_init_from_matches_one_process_tp2_dp_shard2(four):
