@@ -310,13 +310,22 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
     return set(module._non_persistent_buffers_set)
 
 
-def tensor_hooks(tensor: torch.Tensor) -> tuple[list[Callable], list[Callable]]:
+def tensor_hooks(tensor: torch.Tensor) -> tuple[Any, Any]:
     """The gradient hooks and post-accumulate-grad hooks registered on ``tensor`` (tensor parallelism's gradient
-    sums): ``torch.utils.swap_tensors``, which gives a meta parameter its storage without changing its identity,
-    drops them with the tensor's ``__dict__``; the materializer registers them again. torch keeps both private."""
-    backward = getattr(tensor, "_backward_hooks", None) or {}
-    post = getattr(tensor, "_post_accumulate_grad_hooks", None) or {}
-    return list(backward.values()), list(post.values())
+    sums and placements), as torch keeps them: ``torch.utils.swap_tensors``, which gives a meta parameter its
+    storage without changing its identity, leaves them on the Python object but detached from the new storage,
+    so they would never run again; :func:`set_tensor_hooks` attaches them. torch keeps both private."""
+    return getattr(tensor, "_backward_hooks", None), getattr(tensor, "_post_accumulate_grad_hooks", None)
+
+
+def set_tensor_hooks(tensor: torch.Tensor, hooks: tuple[Any, Any]) -> None:
+    """Attach hooks read by :func:`tensor_hooks` to ``tensor``'s current storage (torch's setters of these
+    attributes register them with autograd)."""
+    backward, post = hooks
+    if backward:
+        tensor._backward_hooks = backward
+    if post:
+        tensor._post_accumulate_grad_hooks = post
 
 
 def fsdp_reset_sharded_params(unit: nn.Module) -> None:

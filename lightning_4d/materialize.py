@@ -159,18 +159,12 @@ def _swap_in_place(param: nn.Parameter, device: torch.device) -> None:
     """Give a meta parameter storage of its local size, keeping the object (references held by the pipeline,
     FSDP, optimizers later), its attributes and its hooks."""
     attributes = dict(param.__dict__)
-    backward, post = compat.tensor_hooks(param)
+    hooks = compat.tensor_hooks(param)
     fresh = nn.Parameter(_unfilled(param, device), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, fresh)
     for key, value in attributes.items():
         param.__dict__.setdefault(key, value)
-    now_backward, now_post = compat.tensor_hooks(param)
-    if not now_backward:
-        for hook in backward:
-            param.register_hook(hook)
-    if not now_post:
-        for hook in post:
-            param.register_post_accumulate_grad_hook(hook)
+    compat.set_tensor_hooks(param, hooks)
 
 
 def materialize(module: nn.Module, device: torch.device) -> list[tuple[str, nn.Module, set[str]]]:

@@ -140,16 +140,22 @@ def _hf_reentrant_checkpointing():
 
 
 def _meta_materialization():
-    # What lightning_4d.materialize reaches: the non-persistent buffer names, a tensor's hooks (kept across
-    # swap_tensors), torch's dispatch mode base class, FSDP's re-padding of a sharded parameter.
+    # What lightning_4d.materialize reaches: the non-persistent buffer names, a tensor's hooks (attached again
+    # after swap_tensors), torch's dispatch mode base class, FSDP's re-padding of a sharded parameter.
     module = nn.Linear(2, 2)
     module.register_buffer("table", torch.zeros(2), persistent=False)
     assert compat.non_persistent_buffers(module) == {"table"}
     hook, post = (lambda grad: grad), (lambda param: None)
     module.weight.register_hook(hook)
     module.weight.register_post_accumulate_grad_hook(post)
-    assert compat.tensor_hooks(module.weight) == ([hook], [post])
-    assert compat.tensor_hooks(module.bias) == ([], [])
+    hooks = compat.tensor_hooks(module.weight)
+    assert list(hooks[0].values()) == [hook] and list(hooks[1].values()) == [post]
+    assert compat.tensor_hooks(module.bias) == (None, None)
+    seen = []
+    bias_hooks = ({0: lambda grad: seen.append("backward") or grad}, {0: lambda param: seen.append("post")})
+    compat.set_tensor_hooks(module.bias, bias_hooks)
+    module(torch.ones(2)).sum().backward()
+    assert seen == ["backward", "post"]
     seen = []
 
     class Seen(compat.dispatch_mode()):

@@ -4,7 +4,7 @@ process, and the refusal of a module that nothing can initialize.
 Parity (1e-5): the tiny Hugging Face Llama meta-built, with ``init_from`` a plain state_dict file of a whole-built
 model's weights, under tp=2, dp_shard=2, pp=2, cp=2 (one 2-process launch) and tp2 x dp_shard2 (4 processes),
 against one process that builds the model and loads the same file; and the same model built on the meta device
-before ``fit`` and handed over (dp_shard=2). Under tp2 x dp_shard2 the same model with
+before ``fit`` and handed over (dp_shard=2). Under tp2 x dp_shard2 and dp2 x tp2 the same model with
 its own initializer (Hugging Face's ``_init_weights``, one key/value head, so that k and v are random weights
 every rank holds whole): every rank that holds the same shard of a parameter holds the same values, different
 shards differ, the initializer's std is kept, and the rotary tables equal a freshly built rotary module's
@@ -24,6 +24,8 @@ from tests.parity import (Case, _references, assert_error, assert_parity, refere
 LAUNCH_TIMEOUT_S = 400
 META = dict(module="tests.meta_models:meta_llama", data="tests.lm_models:token_data", max_steps=3)
 TWO_LAYOUTS = {"tp2": dict(tp=2), "dp_shard2": dict(dp_shard=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
+# dp2 x tp2: each tensor-parallel shard has a data-parallel replica holding random values
+OWN_INIT = {"tp2_dp_shard2": dict(tp=2, dp_shard=2), "dp2_tp2": dict(dp=2, tp=2)}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,9 @@ def two(weights):
 @pytest.fixture(scope="module")
 def four(weights):
     loaded = _loaded("tp2_dp_shard2", dict(tp=2, dp_shard=2), weights)
-    own = Case("own_init_tp2_dp_shard2", **META, strategy=dict(tp=2, dp_shard=2), module_kwargs={"kv_heads": 1},
-               callbacks=["tests.meta_models:InitProbe"])
-    result = run_layout([loaded, own], 4, timeout=LAUNCH_TIMEOUT_S, while_running=lambda: _references([loaded]))
+    own = [Case(f"own_init_{name}", **META, strategy=strategy, module_kwargs={"kv_heads": 1},
+                callbacks=["tests.meta_models:InitProbe"]) for name, strategy in OWN_INIT.items()]
+    result = run_layout([loaded, *own], 4, timeout=LAUNCH_TIMEOUT_S, while_running=lambda: _references([loaded]))
     assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
     return loaded, result.results
 
@@ -98,9 +100,10 @@ def test_module_without_initializer_is_refused_on_every_rank(two):
                   "init_from"])
 
 
-def test_own_initializer_gives_identical_replicas_and_true_rotary_tables(four):
+@pytest.mark.parametrize("layout", list(OWN_INIT))
+def test_own_initializer_gives_identical_replicas_and_true_rotary_tables(four, layout):
     _, records = four
-    record = records["own_init_tp2_dp_shard2"]
+    record = records[f"own_init_{layout}"]
     assert all(math.isfinite(loss) for loss in record["losses"]), record["losses"]
     ranks = record["extras"]["init_probe"]
     assert len(ranks) == 4
