@@ -131,3 +131,31 @@ def test_own_initializer_gives_identical_replicas_and_true_rotary_tables(four, l
     assert k_proj[0].std() > 0 and all(torch.equal(k_proj[0], k) for k in k_proj[1:])
     q_proj = torch.cat([rank["shards"]["model.model.layers.0.self_attn.q_proj.weight"][1] for rank in ranks])
     assert abs(q_proj.std().item() - 0.02) < 0.004  # Hugging Face's initializer_range
+
+
+# ------------------------------------------------------------------------ the refusal, without processes
+
+
+class _Tables(torch.nn.Module):
+    """Non-persistent rotary-like tables and no initializer: no checkpoint holds them, nothing recomputes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos", torch.arange(4.0).cos(), persistent=False)
+
+
+def test_refusal_names_what_init_from_cannot_fill():
+    import transformers
+
+    from lightning_4d.materialize import check_initializers
+    from tests.meta_models import Gain, llama_config
+
+    with torch.device("meta"):
+        gain, tables = torch.nn.Sequential(torch.nn.Linear(2, 2), Gain(2)), _Tables()
+    check_initializers(gain, loading=True)  # init_from fills the gain
+    with pytest.raises(ValueError, match=r"1 \(Gain: gain\).*reset_parameters\(\).*init_from"):
+        check_initializers(gain)
+    with pytest.raises(ValueError, match=r"non-persistent buffers.*\(the module itself\) \(_Tables: cos\)"):
+        check_initializers(tables, loading=True)
+    with torch.device("meta"):  # Hugging Face's _init_weights covers every module, rotary tables included
+        check_initializers(transformers.LlamaForCausalLM(llama_config()))
