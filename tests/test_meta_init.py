@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from tests.meta_models import whole_llama_state
+from tests.meta_models import Gain, whole_llama_state
 from tests.parity import (Case, _references, assert_error, assert_parity, reference, report_difference, run_layout,
                           train_layout_with_failures)
 
@@ -148,7 +148,7 @@ def test_refusal_names_what_init_from_cannot_fill():
     import transformers
 
     from lightning_4d.materialize import check_initializers
-    from tests.meta_models import Gain, llama_config
+    from tests.meta_models import llama_config
 
     with torch.device("meta"):
         gain, tables = torch.nn.Sequential(torch.nn.Linear(2, 2), Gain(2)), _Tables()
@@ -159,3 +159,56 @@ def test_refusal_names_what_init_from_cannot_fill():
         check_initializers(tables, loading=True)
     with torch.device("meta"):  # Hugging Face's _init_weights covers every module, rotary tables included
         check_initializers(transformers.LlamaForCausalLM(llama_config()))
+
+
+# ------------------------------------------------------------------- initializers, in one process
+
+
+class _TitanLike(torch.nn.Module):
+    """torchtitan's protocol: the model's init_weights(buffer_device) fills everything below it (its norm has no
+    reset_parameters of its own) and recomputes its tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        self.scale = Gain(4)
+        self.register_buffer("table", torch.arange(4.0).sin(), persistent=False)
+
+    def init_weights(self, buffer_device=None):
+        torch.nn.init.trunc_normal_(self.proj.weight, std=0.5)
+        torch.nn.init.ones_(self.scale.gain)
+        self.table = torch.arange(4.0, device=buffer_device).sin()
+
+
+def _materialized(build, seed: int = 3):
+    from lightning_4d.materialize import check_initializers, initialize, materialize
+
+    with torch.device("meta"):
+        module = build()
+    check_initializers(module)
+    initialize(module, materialize(module, torch.device("cpu")), torch.device("cpu"), seed)
+    return module
+
+
+def test_torchtitan_reset_parameters_and_hugging_face_initializers_fill_everything():
+    import transformers
+
+    from tests.meta_models import llama_config
+
+    state = torch.random.get_rng_state()
+    titan = _materialized(_TitanLike)
+    assert torch.equal(titan.table, torch.arange(4.0).sin()) and torch.equal(titan.scale.gain, torch.ones(4))
+    assert 0 < titan.proj.weight.std() and titan.proj.weight.abs().max() <= 2.0  # trunc_normal_ cuts at +-2
+    plain = _materialized(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)))
+    assert plain[0].weight.abs().max() <= 8 ** -0.5 and torch.equal(plain[1].weight, torch.ones(8))
+    llama = _materialized(lambda: transformers.LlamaForCausalLM(llama_config()))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global random state is left as it was
+    fresh = transformers.LlamaForCausalLM(llama_config())
+    for name, value in (*llama.named_parameters(), *llama.named_buffers()):
+        assert not value.isnan().any(), name
+    assert torch.equal(llama.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
+    assert abs(llama.model.embed_tokens.weight.std().item() - 0.02) < 0.004
+    # each tensor's values follow from the seed and its name only: the same in another build, other per name
+    again = _materialized(lambda: transformers.LlamaForCausalLM(llama_config()))
+    assert all(torch.equal(a, b) for a, b in zip(llama.parameters(), again.parameters()))
+    assert not torch.equal(llama.model.layers[0].mlp.up_proj.weight, llama.model.layers[1].mlp.up_proj.weight)
