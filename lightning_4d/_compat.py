@@ -308,3 +308,71 @@ def hf_reentrant_checkpointing(layer: Any) -> bool:
     function = getattr(layer, "_gradient_checkpointing_func", None)
     return bool(getattr(layer, "gradient_checkpointing", False)) and \
         getattr(function, "keywords", {}).get("use_reentrant", True) is not False
+
+
+# ------------------------------------------------------------------------------ meta-device models
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers left out of its state dict (rotary tables, caches): no checkpoint
+    fills them, so a meta-built model must recompute them. torch keeps the set private."""
+    return set(module._non_persistent_buffers_set)
+
+
+def tensor_hooks(tensor: torch.Tensor) -> tuple[Any, Any]:
+    """The gradient hooks and post-accumulate-grad hooks registered on ``tensor`` (tensor parallelism's gradient
+    sums and placements), as torch keeps them: ``torch.utils.swap_tensors``, which gives a meta parameter its
+    storage without changing its identity, leaves them on the Python object but detached from the new storage,
+    so they would never run again; :func:`set_tensor_hooks` attaches them. torch keeps both private."""
+    return getattr(tensor, "_backward_hooks", None), getattr(tensor, "_post_accumulate_grad_hooks", None)
+
+
+def set_tensor_hooks(tensor: torch.Tensor, hooks: tuple[Any, Any]) -> None:
+    """Attach hooks read by :func:`tensor_hooks` to ``tensor``'s current storage (torch's setters of these
+    attributes register them with autograd)."""
+    backward, post = hooks
+    if backward:
+        tensor._backward_hooks = backward
+    if post:
+        tensor._post_accumulate_grad_hooks = post
+
+
+def fsdp_reset_sharded_params(unit: nn.Module) -> None:
+    """After an FSDP unit's sharded parameters got storage in place (a meta-built model), let FSDP pad them and
+    point its flat shard at the new storage, as FSDP's own ``_apply`` override (``to_empty``) does; that override
+    cannot be used here, because ``Module._apply`` gives plain parameters new identities and drops their hooks."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.no_grad():
+        for group in fully_shard.state(unit)._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+
+
+def dispatch_mode() -> type:
+    """torch's base class for a mode that sees every aten op (the initializer's random fills, to seed each
+    shard's own): ``torch.utils._python_dispatch.TorchDispatchMode`` has no public home."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def hf_pretrained(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (checked by class, without importing transformers)."""
+    return any(klass.__name__ == "PreTrainedModel" and klass.__module__.startswith("transformers")
+               for klass in type(module).__mro__)
+
+
+def hf_initialize_module(owner: nn.Module, module: nn.Module) -> None:
+    """Hugging Face's own initialization of one ``module`` of the ``PreTrainedModel`` ``owner`` (what
+    ``post_init`` -> ``initialize_weights`` does to every module), after clearing the ``_is_hf_initialized``
+    flags that would make it skip the module: transformers sets them while a model is built, also on the meta
+    device, where nothing was written. ``_init_weights`` and the flags are private; ``initialize_weights`` is
+    public but runs on the whole model, not the modules one rank holds."""
+    for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        if tensor is not None and "_is_hf_initialized" in tensor.__dict__:
+            del tensor.__dict__["_is_hf_initialized"]
+    module.__dict__.pop("_is_hf_initialized", None)
+    from transformers import initialization
+
+    with initialization.guard_torch_init_functions():
+        owner._init_weights(module)

@@ -7,7 +7,10 @@ and the per-dimension options, and applies, in this order:
    collective: the tensor-parallel plan on the whole module (it must see the LM head that the pipeline gives
    to the last stage) and the pipeline plan (which modules each stage holds).
 2. **One set of weights**: rank 0's parameters and buffers are broadcast to every rank, as DDP does, so a
-   module built without a common seed still trains one model, and tp/pp cut their shards from it.
+   module built without a common seed still trains one model, and tp/pp cut their shards from it; in buckets
+   of at most 64 MB, and not at all when a load follows (``loading``). A module built on the meta device is
+   checked instead: every meta tensor needs an initializer, else a ValueError on every rank, before any
+   collective (:func:`~lightning_4d.materialize.check_initializers`).
 3. **Pipeline cut**: this rank keeps only its stages' blocks and the modules around them that it owns.
 4. **Device**, then **tensor/sequence parallelism**: the modules this rank holds are sharded over ``tp``.
 5. **Context parallelism**: hooks that give position modules global positions and turn attention into
@@ -22,6 +25,9 @@ and the per-dimension options, and applies, in this order:
 8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root (under pipelining,
    the modules around the blocks instead), over ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``),
    wrapping the blocks as steps 3-7 left them; then the pipeline's stage-boundary hooks, outermost.
+   Then, for a module built on the meta device, **materialization**: every placement is decided, so each rank
+   allocates only what it holds (its stages, tp shards, FSDP shards) and fills it with the module's own
+   initializer; non-persistent buffers are recomputed (:mod:`lightning_4d.materialize`).
 9. **Metric sync** over the ranks that hold different data.
 10. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
     bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
@@ -51,6 +57,7 @@ from torch.optim import Optimizer
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.clipping import clip_grad_norm_
+from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
@@ -116,12 +123,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                 activation_checkpointing: ActivationCheckpointConfig = ActivationCheckpointConfig(),
                 compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
                 reshard_after_forward: ReshardAfterForward = "auto", reduce_scatter_every_batch: bool = False,
-                param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens") -> ParallelModel:
+                param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens",
+                loading: bool = False) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     ``reshard_after_forward``, ``reduce_scatter_every_batch`` and ``param_dtype`` (compute dtype of FSDP's mixed
     precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
     ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.token_losses`).
+    ``loading``: the caller loads every parameter and persistent buffer right after (``init_from``): rank 0's
+    weights are not broadcast, and a meta-built module gets storage but only its non-persistent buffers are
+    initialized (:mod:`lightning_4d.materialize`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.
@@ -146,9 +157,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                          " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
     frozen = frozenset(name for name, p in module.named_parameters() if not p.requires_grad)
-    _broadcast_from_rank0(module, device)
+    meta = has_meta_tensors(module)
+    if meta:  # on the whole module, before any collective: the same refusal on every rank
+        check_initializers(module, loading)
+    if not loading:
+        _broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
-    module.to(device)
+    if meta:
+        move_real_tensors(module, device)
+    else:
+        module.to(device)
     self_check = None
     if plans.tensor is not None:
         held = plans.pipeline.held_modules(mesh.local_rank("pp")) if plans.pipeline is not None else None
@@ -180,6 +198,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                           ignored_params=set(parallel.replicated_params), outside=outside,
                                           every_batch=reduce_scatter_every_batch)
+    if meta:  # every placement is decided: allocate what this rank holds, then fill it
+        owners = materialize(module, device)
+        initialize(module, owners, device, _agreed_seed(device), loading=loading)
     if runner is not None:
         runner.hook_boundaries()
     from torchmetrics import Metric
@@ -261,19 +282,56 @@ def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> l
             for param in module.get_submodule(fqn).get_submodule(name).parameters()]
 
 
+# The most bytes a bucket of whole-built weights copies at once while rank 0's are broadcast: bounded, so that
+# agreeing on one set of weights costs at most this much memory beyond the model, not a second copy of it; big
+# enough that a bucket of small tensors (norms, biases) is one collective, not hundreds. A tensor bigger than a
+# bucket that is contiguous on the device is broadcast in place, without any copy.
+BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
 @torch.no_grad()
-def _broadcast_from_rank0(module: nn.Module, device: torch.device) -> None:
-    """Rank 0's parameters and buffers on every rank, one flat broadcast per dtype (DTensors were placed by a
-    parallelization that already happened, meta tensors hold no values)."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type != "meta" and not isinstance(tensor, DTensor):
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for tensors in by_dtype.values():
+def _broadcast_from_rank0(module: nn.Module, device: torch.device,
+                          bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Rank 0's parameters and buffers on every rank, in buckets of at most ``bucket_bytes`` per dtype (DTensors
+    were placed by a parallelization that already happened, meta tensors hold no values)."""
+    pending: dict[torch.dtype, tuple[list[Tensor], int]] = {}
+
+    def send(tensors: list[Tensor]) -> None:
+        if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
+            dist.broadcast(tensors[0], src=0)
+            return
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
         dist.broadcast(flat, src=0)
         for t, value in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(value.view_as(t))
+
+    seen: set[int] = set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type == "meta" or isinstance(tensor, DTensor) or id(tensor) in seen or not tensor.numel():
+            continue
+        seen.add(id(tensor))
+        size = tensor.numel() * tensor.element_size()
+        bucket, used = pending.pop(tensor.dtype, ([], 0))
+        if bucket and used + size > bucket_bytes:
+            send(bucket)
+            bucket, used = [], 0
+        if size > bucket_bytes:
+            send([tensor])
+        else:
+            bucket, used = bucket + [tensor], used + size
+        if bucket:
+            pending[tensor.dtype] = (bucket, used)
+    for bucket, _ in pending.values():
+        if bucket:
+            send(bucket)
+
+
+def _agreed_seed(device: torch.device) -> int:
+    """Rank 0's seed (``seed_everything``'s, or torch's default), the same on every rank: the base of a
+    meta-built module's initialization (:mod:`lightning_4d.materialize`)."""
+    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 class ParallelModel:

@@ -246,13 +246,16 @@ class FourDStrategy(ModelParallelStrategy):
         self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
         first = parallelized(self.lightning_module) is None
+        # With init_from (strict), the load right below fills every weight: parallelize neither broadcasts rank
+        # 0's nor initializes a meta-built module's (only what no checkpoint holds: non-persistent buffers).
+        loading = self.init_from is not None and self.lightning_module.strict_loading
         self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, pipeline=self.pp_config,
                                     tensor=self.tp_config, context=self.cp_config,
                                     activation_checkpointing=self.ac_config, compile=self.compile_config,
                                     bucket_mb=self.bucket_mb, reshard_after_forward=self.reshard_after_forward,
                                     reduce_scatter_every_batch=self.reduce_scatter_every_batch,
                                     param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))),
-                                    loss_normalization=self.loss_normalization)
+                                    loss_normalization=self.loss_normalization, loading=loading)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         self._install_clipping()

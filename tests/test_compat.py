@@ -139,7 +139,65 @@ def _hf_reentrant_checkpointing():
     assert not compat.hf_reentrant_checkpointing(layer)
 
 
+def _meta_materialization():
+    # What lightning_4d.materialize reaches: the non-persistent buffer names, a tensor's hooks (attached again
+    # after swap_tensors), torch's dispatch mode base class, FSDP's re-padding of a sharded parameter.
+    module = nn.Linear(2, 2)
+    module.register_buffer("table", torch.zeros(2), persistent=False)
+    assert compat.non_persistent_buffers(module) == {"table"}
+    hook, post = (lambda grad: grad), (lambda param: None)
+    module.weight.register_hook(hook)
+    module.weight.register_post_accumulate_grad_hook(post)
+    hooks = compat.tensor_hooks(module.weight)
+    assert list(hooks[0].values()) == [hook] and list(hooks[1].values()) == [post]
+    assert compat.tensor_hooks(module.bias) == (None, None)
+    seen = []
+    bias_hooks = ({0: lambda grad: seen.append("backward") or grad}, {0: lambda param: seen.append("post")})
+    compat.set_tensor_hooks(module.bias, bias_hooks)
+    module(torch.ones(2)).sum().backward()
+    assert seen == ["backward", "post"]
+    seen = []
+
+    class Seen(compat.dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((func.overloadpacket.__name__, torch.Tag.nondeterministic_seeded in func.tags))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.zeros(2).normal_()
+    assert ("normal_", True) in seen
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    assert callable(FSDPParam.reset_sharded_param)
+
+
+def _hf_initialization():
+    # What lightning_4d.materialize calls for a module of a transformers model: _init_weights, with the
+    # _is_hf_initialized flags cleared (transformers sets them while building, on the meta device too).
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, initializer_range=0.5)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert compat.hf_pretrained(model) and not compat.hf_pretrained(nn.Linear(1, 1))
+    linear = model.model.layers[0].mlp.up_proj
+    with torch.no_grad():
+        linear.weight.zero_()
+    linear._is_hf_initialized = True
+    linear.weight._is_hf_initialized = True
+    compat.hf_initialize_module(model, linear)
+    assert linear.weight.std() > 0.1
+    rotary = model.model.rotary_emb
+    expected = rotary.inv_freq.clone()
+    rotary.inv_freq.fill_(float("nan"))
+    compat.hf_initialize_module(model, rotary)
+    assert torch.equal(rotary.inv_freq, expected)
+
+
 CHECKS = {
+    "nn.Module._non_persistent_buffers_set, Tensor._backward_hooks/_post_accumulate_grad_hooks,"
+    " torch.utils._python_dispatch.TorchDispatchMode, FSDPParam.reset_sharded_param": _meta_materialization,
+    "transformers PreTrainedModel._init_weights, _is_hf_initialized": _hf_initialization,
     "torch ParallelStyle._apply/_prepare_input_fn/_prepare_output_fn": _parallel_style_hooks,
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(+_backward)": _flash_cpu_matches_sdpa,
     "torch.ops.aten CUDA attention kernels (flash, efficient)": lambda: [

@@ -51,6 +51,18 @@ def _check_replicas(module: nn.Module, plan: TensorParallelPlan) -> dict[str, nn
     return replicas
 
 
+def _materialize_replica(replica: nn.Module, block: nn.Module, state: dict[str, Any], device: str) -> None:
+    """A copy made from a meta-built block has no values: storage for it, and the block's buffers that its state
+    dict leaves out (rotary tables), which the block's initializer computed."""
+    if not any(t.is_meta for t in (*replica.parameters(), *replica.buffers())):
+        return
+    replica.to_empty(device=device)
+    for name, buffer in replica.named_buffers():
+        if name not in state:
+            value = block.get_buffer(name)
+            buffer.copy_(_full(value))
+
+
 def _sequence(value: tuple | list, items: Iterable[Any]) -> tuple | list:
     return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples take positionals
 
@@ -144,7 +156,9 @@ class TensorParallelSelfCheck:
             args, kwargs = self.captured[fqn]
             # The copy was made before sharding; a checkpoint restore or ``init_from`` has replaced the weights
             # since. The block's state_dict is in the original layout (fused q|k|v un-permuted).
-            replica.load_state_dict({k: _full(v) for k, v in block.state_dict().items()})
+            state = {k: _full(v) for k, v in block.state_dict().items()}
+            _materialize_replica(replica, block, state, self.mesh.device_type)
+            replica.load_state_dict(state)
             reference = self._run(replica, _full(_snapshot(args)), _full(_snapshot(kwargs)))
             try:
                 sharded = self._run(block, _snapshot(args), _snapshot(kwargs))
