@@ -81,6 +81,12 @@ def _case(name: str, strategy: dict, **fields) -> Case:
     return replace(LLAMA, name=name, strategy=strategy, **fields)
 
 
+def _meta_case(name: str, strategy: dict) -> Case:
+    """The same Llama built on the meta device in configure_model (tests/meta_models.py): no rank ever holds it
+    whole; the sharded Hugging Face directory fills what each rank holds."""
+    return replace(_case(name, strategy), module="tests.meta_models:meta_llama", module_kwargs={})
+
+
 def _assert_parity(case: Case, expected: dict, got: dict) -> None:
     report_difference(case, expected, got)  # seen with pytest -s
     assert_parity(case, expected, got)
@@ -122,6 +128,8 @@ def two(sources):
               _case("dcp-dp_shard2", {"dp_shard": 2, "init_from": str(sources["dcp"])}),
               replace(_case("titan_hf-tp2", {"tp": 2, "init_from": str(sources["titan_hf"])}),
                       module="tests.zoo_models:zoo_lm", module_kwargs={"family": TITAN})]
+    cases += [_meta_case(f"meta-sharded-{name}", {**layout, "init_from": str(sources["sharded"])})
+              for name, layout in LAYOUTS_2.items()]
     failing = [case for case, _ in _bad_cases(sources).values()]
     records, errors = train_layout_with_failures(cases, failing, 2, timeout=600)
     return records, errors
@@ -133,7 +141,8 @@ def four(sources, tmp_path_factory):
     layout = {"tp": 2, "dp_shard": 2}
     cases = [_case("single-tp2_dp_shard2", {**layout, "init_from": str(sources["single"])}),
              _case("sharded-tp2_dp_shard2", {**layout, "init_from": str(sources["sharded"])}, max_steps=4,
-                   save_last=True)]
+                   save_last=True),
+             _meta_case("meta-sharded-tp2_dp_shard2", {**layout, "init_from": str(sources["sharded"])})]
     return workdir, train_layout(cases, 4, timeout=420, workdir=str(workdir))
 
 
@@ -142,6 +151,13 @@ def four(sources, tmp_path_factory):
 def test_hugging_face_directory_trains_as_one_process_that_loads_it(two, sources, src, layout):
     name = f"{src}-{layout}"
     _assert_parity(_case(name, {}), _reference(sources[src]), two[0][name])
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, "tp2_dp_shard2"])
+def test_meta_built_model_from_a_hugging_face_directory(two, four, sources, layout):
+    records = four[1] if layout == "tp2_dp_shard2" else two[0]
+    name = f"meta-sharded-{layout}"
+    _assert_parity(_case(name, {}), _reference(sources["sharded"]), records[name])
 
 
 @pytest.mark.parametrize("name", ["state_dict-tp2", "dcp-dp_shard2"])
