@@ -88,15 +88,16 @@ class TokenMeanLosses(TorchFunctionMode):
             return func(*args, **kwargs)
         target = call["target"]
         total = func(**dict(call, reduction="sum"))
-        count = valid_count(target, call["ignore_index"], call["weight"], total.dtype).to(total.device)
-        both = torch.stack([total.detach().reshape(()), count])
+        # Sum and count travel in fp32 whatever the loss's dtype: a bf16 count is exact only up to 256.
+        count = valid_count(target, call["ignore_index"], call["weight"], torch.float32).to(total.device)
+        both = torch.stack([total.detach().reshape(()).float(), count])
         if self.group is not None and self.size > 1:
             dist.all_reduce(both, group=self.group)
         batch_total, batch_count = both.unbind()
         self.counts.append(batch_count)
         scale = self.size if self.deferred else self.size / batch_count
-        scaled = total * scale
-        loss = scaled + (batch_total / batch_count - scaled).detach()
+        scaled = total.float() * scale
+        loss = (scaled + (batch_total / batch_count - scaled).detach()).to(total.dtype)
         setattr(loss, TOKENS_ATTRIBUTE, batch_count)
         return loss
 
