@@ -171,6 +171,85 @@ def test_plan_ranks_fitting_layouts_by_communication():
     assert not any(est.fits for est in everything[len(ranked):])
 
 
+
+def test_setup_peak_of_a_whole_and_a_meta_build():
+    """Whole-built: every rank holds the whole model and at most one broadcast bucket. Meta-built (or init_from):
+    the rank's share and the largest tensor, the one being filled."""
+    from lightning_4d.parallelize import BROADCAST_BUCKET_BYTES as runtime_bucket
+    from lightning_4d.planner.estimate import BROADCAST_BUCKET_BYTES
+
+    assert BROADCAST_BUCKET_BYTES == runtime_bucket
+    model = Model.from_sizes(layers=8, hidden=256, heads=8, vocab=1024)
+    training = Training(seq_len=64, global_batch=8)
+    model_bytes, largest = 4 * model.params, 4 * model.largest_tensor
+    assert model.largest_tensor == 1024 * 256  # the embedding (and the MLP's 256 x 1024)
+    for est in plan(model, training, devices=8):  # every valid layout
+        assert model_bytes <= est.setup["whole"] <= model_bytes + BROADCAST_BUCKET_BYTES, est.layout
+        assert est.setup["meta"] == est.memory["params"] + largest or est.layout.pp > 1, est.layout
+        assert est.setup["meta"] < est.setup["whole"], est.layout
+    single = estimate(model, training, Layout())
+    assert single.setup == {"whole": 2 * model_bytes, "meta": model_bytes + largest}  # the model is < one bucket
+    tp = estimate(model, training, Layout(tp=2))  # norm gains stay whole: about half
+    assert tp.setup["meta"] == pytest.approx(model_bytes / 2 + largest, rel=0.01)
+    shard = estimate(model, training, Layout(dp_shard=4))
+    assert shard.setup["meta"] == pytest.approx(model_bytes / 4 + largest)
+    pp = estimate(model, training, Layout(pp=2))  # the heavier stage's share
+    assert model_bytes / 2 < pp.setup["meta"] - largest < 0.6 * model_bytes
+    assert estimate(model, Training(seq_len=64, global_batch=8, precision="bf16-true"), Layout(tp=2)).setup == {
+        name: value / 2 for name, value in tp.setup.items()}  # built in the parameters' dtype
+    # The largest tensor read from modules is the largest parameter.
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                                      num_attention_heads=8, num_key_value_heads=2)
+    for module in (GPT(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=32),
+                   GPT(vocab_size=64, n_layer=2, n_head=4, n_embd=64, block_size=32),
+                   transformers.LlamaForCausalLM(config)):
+        assert Model.from_module(module).largest_tensor == max(p.numel() for p in module.parameters())
+    # Against bench/meta_init_memory.py's measurement (docs/checkpoints.md: a Llama of 151M parameters, growth per
+    # rank during setup): whole-built 0.62 GB in one process, 0.69 GB at tp=2 and dp_shard=2; meta-built 0.32 GB.
+    llama = Model.from_sizes(layers=8, hidden=1024, heads=8, ffn_hidden=4096, gated_mlp=True, vocab=8192)
+    sgd = Training(seq_len=64, global_batch=2, optimizer="sgd")
+    for layout, build, measured in ((Layout(), "whole", 0.62e9), (Layout(tp=2), "whole", 0.69e9),
+                                    (Layout(dp_shard=2), "whole", 0.69e9), (Layout(tp=2), "meta", 0.32e9),
+                                    (Layout(dp_shard=2), "meta", 0.32e9)):
+        assert estimate(llama, sgd, layout).setup[build] == pytest.approx(measured, rel=0.1), (layout, build)
+
+
+def test_a_layout_whose_whole_build_does_not_fit_is_marked_and_meta_is_named_as_the_fix(capsys):
+    model = Model.from_sizes(layers=8, hidden=512, heads=8, vocab=8192)
+    training = Training(seq_len=64, global_batch=8, activation_checkpointing="full")
+    layouts = plan(model, training, devices=8)
+    limit = (max(est.setup["meta"] for est in layouts) + min(est.setup["whole"] for est in layouts)) / 2
+    fits_training = [est for est in layouts if est.memory["total"] <= limit]
+    assert fits_training and all(est.setup["whole"] > limit for est in layouts)
+    with pytest.raises(PlanError) as error:
+        plan(model, training, devices=8, memory_per_device=limit)
+    assert f"{len(fits_training)} fit training, but building the model needs at least" in str(error.value)
+    assert "plan with --build meta" in str(error.value)
+    marked = plan(model, training, devices=8, memory_per_device=limit, include_unfit=True)
+    assert {est.layout for est in marked if est.exceeds == ("setup",)} == {est.layout for est in fits_training}
+    meta = plan(model, training, devices=8, memory_per_device=limit, build="meta")
+    assert {est.layout for est in meta} == {est.layout for est in fits_training} and all(est.fits for est in meta)
+    # The table: a setup column and "no: setup" where only building does not fit.
+    sizes = ["--devices", "8", "--layers", "8", "--hidden", "512", "--heads", "8", "--vocab", "8192", "--seq", "64",
+             "--global-batch", "8", "--activation-checkpointing", "full", "--memory", f"{limit:.0f}B"]
+    assert main([*sizes, "--all"]) == 0
+    table = capsys.readouterr().out
+    assert "  setup  " in table and "no: setup" in table and "built (whole)" in table
+    assert main([*sizes, "--build", "meta", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["build"] == "meta" and all(set(e["setup_bytes"]) == {"whole", "meta"} for e in report["layouts"])
+    with pytest.raises(PlanError, match=r"build='half' is not one of whole, meta: 'whole' when every rank"):
+        plan(model, training, devices=8, build="half")
+    with pytest.raises(SystemExit) as exit_:
+        main([*sizes, "--build", "half"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m lightning_4d.plan: error: argument --build: invalid choice: 'half'"), err
+    assert "whole" in err and "meta" in err
+
+
 # ------------------------------------------------------------------------------------ refusals
 
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from lightning_4d._cli import CLASS_SYNTAX, fail
 from lightning_4d.planner.estimate import (
     AC_MODES,
+    BUILDS,
     OPTIMIZER_STATES,
     PP_SCHEDULES,
     PRECISIONS,
@@ -33,18 +34,21 @@ _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib":
 
 
 def format_table(estimates: Sequence[Estimate]) -> str:
-    """The ranked layouts as an aligned text table: memory parts, bytes sent per dim, and whether it fits."""
+    """The ranked layouts as an aligned text table: memory parts, the setup peak of the chosen build, bytes sent
+    per dim, and whether it fits ("no: setup" when training would fit but building the model does not)."""
     header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "gathered",
-              "memory", "comm/step", "dp", "dp_shard", "tp", "cp", "pp", "fits"]
+              "memory", "setup", "comm/step", "dp", "dp_shard", "tp", "cp", "pp", "fits"]
     rows = []
     for rank, est in enumerate(estimates, 1):
         mem, comm = est.memory, est.comm
         state = mem["params"] + mem["grads"] + mem["optimizer"]
         fits = {None: "", True: "yes", False: "no"}[est.fits]
+        if est.exceeds == ("setup",):
+            fits = "no: setup"  # training would fit; building the model does not
         rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "dp_shard", "pp", "cp", "tp")),
                      *(_format_bytes(value) for value in (state, mem["activations"], mem["pipeline_grads"],
                                                           mem["grad_buckets"], mem["gathered"], mem["total"],
-                                                          comm["total"])),
+                                                          est.setup_peak, comm["total"])),
                      *(_format_bytes(comm[d]) for d in ("dp", "dp_shard", "tp", "cp", "pp")), fits])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
@@ -120,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--activation-checkpointing", default="none", choices=list(AC_MODES),
                        help="as FourDStrategy(activation_checkpointing=...): what each block keeps for backward")
     train.add_argument("--activation-checkpointing-every", type=int, default=2, help="the n of every_n")
+    train.add_argument("--build", default="whole", choices=list(BUILDS),
+                       help="how the model is built, for the setup peak: whole on every rank (default), or on the"
+                            " meta device (trainer.init_module(empty_init=True), init_from)")
     out = parser.add_argument_group("output")
     out.add_argument("--all", action="store_true", help="also list valid layouts that do not fit")
     out.add_argument("--top", type=int, help="print only the best N")
@@ -159,14 +166,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout,
                             activation_checkpointing=args.activation_checkpointing,
                             activation_checkpointing_every=args.activation_checkpointing_every)
-        estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all)
+        estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build)
     except PlanError as error:
         fail(parser, error)
     if args.top:
         estimates = estimates[:args.top]
     if args.json:
         print(json.dumps({"model": asdict(model), "params": model.params, "training": asdict(training),
-                          "devices": args.devices, "memory_per_device": args.memory,
+                          "devices": args.devices, "memory_per_device": args.memory, "build": args.build,
                           "layouts": [est.as_dict() for est in estimates]}, indent=2))
         return 0
     print(f"model: {model.params / 1e6:,.1f}M parameters, {model.layers} layers, hidden {model.hidden}, heads"
@@ -176,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"step: global batch {training.global_batch} x sequence {training.seq_len}, {training.precision},"
           f" {training.optimizer}{', sequence parallel' if training.sequence_parallel else ''}")
     print(f"{args.devices} devices" + (f", {_format_bytes(args.memory)} each" if args.memory else "")
-          + "; memory = state + gathered + max(activations + pp grads, buckets); comm = bytes sent per device per"
-            " step\n")
+          + "; memory = state + gathered + max(activations + pp grads, buckets); setup = peak while the model is"
+            f" built ({args.build}); comm = bytes sent per device per step\n")
     print(format_table(estimates))
     return 0

@@ -36,6 +36,18 @@ Memory per device, on the pipeline stage that needs most:
   The gradient buckets peak at the end of the backward, when activations are gone.
   Peak = state + max(activations (+ gradients under pp), buckets).
 
+Setup memory per device, before the first step, for the two ways a model is built (``BUILDS``):
+
+* ``whole``: every rank builds the whole model (in the parameters' dtype), and rank 0's weights reach the others
+  in buckets of at most ``BROADCAST_BUCKET_BYTES``; the rank's share is then cut from the whole copy tensor by
+  tensor. Peak = the model's bytes + one bucket.
+* ``meta``: built on the meta device (``trainer.init_module(empty_init=True)``, or ``init_from``): each rank
+  allocates only its share (as the training estimate's parameters) and fills it, by its initializer or by
+  reading, one tensor at a time. Peak = the share + the largest tensor (whole: a replicated tensor is read
+  whole, and a bound for the slice of a sharded one).
+
+Neither counts gradients or optimizer state (created at the first step) or activations.
+
 Communication per step is what one device sends, with ring collectives (an all-reduce of ``S`` bytes over
 ``n`` ranks sends ``2(n-1)/n*S``): the gradient all-reduce over dp*cp; four activation all-reduces per layer
 and micro-batch over tp (forward and backward; all-gather/reduce-scatter pairs under sequence parallelism send
@@ -45,7 +57,7 @@ boundaries' activations and gradients over pp.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from lightning_4d.planner.model_sizes import Model, PlanError, check_positive, divisors
@@ -64,6 +76,11 @@ PRECISIONS = {
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 # The names of lightning_4d.pipeline.config.SCHEDULES (tests/test_layout_agreement.py keeps them equal), written
 # out so that importing the planner (and its --help) needs no torch.
+# How the model is built, for the setup peak: whole on every rank, or on the meta device (also init_from).
+BUILDS = ("whole", "meta")
+# lightning_4d.parallelize.BROADCAST_BUCKET_BYTES (tests/test_plan.py keeps them equal), written out for the same
+# reason: the most bytes beyond the model that agreeing on a whole-built model's weights copies at once.
+BROADCAST_BUCKET_BYTES = 64 * 2**20
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
                 "dualpipev")
 
@@ -128,14 +145,25 @@ class Layout:
 
 @dataclass
 class Estimate:
+    """One layout's costs: its training peak by kind, the bytes it sends by dim, and its setup peak by build, so
+    that a layout which trains in the memory but cannot build its model there is not recommended."""
+
     layout: Layout
     memory: dict[str, float]  # bytes per device on the heaviest stage, by kind, and "total"
     comm: dict[str, float]  # bytes one device sends per step, by dim, and "total"
-    fits: Optional[bool] = None
+    fits: Optional[bool] = None  # training and the chosen build's setup both fit (None: no memory given)
+    setup: dict[str, float] = field(default_factory=dict)  # setup peak bytes per device, by build (BUILDS)
+    build: str = "whole"  # the build whose setup peak ``fits`` counts
+    exceeds: tuple[str, ...] = ()  # the peaks above the memory per device: "training", "setup"
+
+    @property
+    def setup_peak(self) -> float:
+        """Bytes per device while the model is built and laid out, for the chosen build."""
+        return self.setup[self.build]
 
     def as_dict(self) -> dict[str, Any]:
         return {"layout": asdict(self.layout), "memory_bytes": self.memory, "comm_bytes": self.comm,
-                "fits": self.fits}
+                "setup_bytes": self.setup, "build": self.build, "fits": self.fits, "exceeds": list(self.exceeds)}
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -310,6 +338,7 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
     kept, per_layer = kept_bytes_per_layer(model, training, layout)
     stage_layers = _stage_layers(model.layers, layout.pp, training.pp_schedule)
     heaviest: Optional[tuple[dict[str, float], float]] = None
+    largest_share = 0.0
     for stage, layers in enumerate(stage_layers):
         params = _stage_params(model, layout, stage, layers)
         # GPipe and looped BFS run every forward first; the others start backward after a warm-up.
@@ -334,10 +363,21 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
         }
         memory["total"] = (memory["params"] + memory["grads"] + memory["optimizer"] + memory["gathered"]
                            + max(memory["activations"] + memory["pipeline_grads"], memory["grad_buckets"]))
+        largest_share = max(largest_share, memory["params"])
         if heaviest is None or memory["total"] > heaviest[0]["total"]:
             heaviest = (memory, params)
     memory, params = heaviest
-    return Estimate(layout, memory, _communication(model, training, layout, params * gbytes, max(stage_layers)))
+    return Estimate(layout, memory, _communication(model, training, layout, params * gbytes, max(stage_layers)),
+                    setup=_setup_bytes(model, training, largest_share))
+
+
+def _setup_bytes(model: Model, training: Training, share: float) -> dict[str, float]:
+    """Peak bytes per device while the model is built and laid out, by build (see the module docstring): the
+    whole model and one broadcast bucket, or the rank's ``share`` (parameter bytes of its heaviest stage) and
+    the largest tensor being filled."""
+    pbytes = PRECISIONS[training.precision][0]
+    whole = model.params * pbytes
+    return {"whole": whole + min(BROADCAST_BUCKET_BYTES, whole), "meta": share + model.largest_tensor * pbytes}
 
 
 def _gathered(model: Model, layout: Layout, stage: int, layers: int, e: int) -> float:
@@ -384,22 +424,32 @@ def _communication(model: Model, training: Training, layout: Layout, grad_bytes:
 
 
 def plan(model: Model, training: Training, devices: int, memory_per_device: Optional[float] = None,
-         include_unfit: bool = False) -> list[Estimate]:
-    """Valid layouts ranked by communication per step (then memory), fitting ones first.
+         include_unfit: bool = False, build: str = "whole") -> list[Estimate]:
+    """Valid layouts ranked by communication per step (then memory), fitting ones first. A layout fits when
+    its training peak and the setup peak of ``build`` (``"whole"`` or ``"meta"``) both fit: a run that cannot
+    build its model does not start.
 
     Raises :class:`PlanError` when no layout of ``devices`` is valid, or none fits ``memory_per_device``
     and ``include_unfit`` is false."""
     if memory_per_device is not None and memory_per_device <= 0:
         raise PlanError(f"memory per device ({memory_per_device!r}) must be positive.")
+    if build not in BUILDS:
+        raise PlanError(f"build={build!r} is not one of {', '.join(BUILDS)}: 'whole' when every rank builds the whole"
+                        " model, 'meta' when it is built on the meta device (trainer.init_module(empty_init=True))"
+                        " or loaded with init_from.")
     candidates = all_layouts(devices)
     rejected = {layout: layout_problems(model, training, layout) for layout in candidates}
     valid = [layout for layout in candidates if not rejected[layout]]
     if not valid:
         raise PlanError(_no_valid_layout_message(model, training, devices, rejected))
     estimates = [estimate(model, training, layout) for layout in valid]
+    for est in estimates:
+        est.build = build
     if memory_per_device is not None:
         for est in estimates:
-            est.fits = est.memory["total"] <= memory_per_device
+            est.exceeds = tuple(name for name, peak in (("training", est.memory["total"]), ("setup", est.setup_peak))
+                                if peak > memory_per_device)
+            est.fits = not est.exceeds
         if not include_unfit and not any(est.fits for est in estimates):
             raise PlanError(_no_fit_message(estimates, memory_per_device, training))
         if not include_unfit:
@@ -424,6 +474,18 @@ def _no_valid_layout_message(model: Model, training: Training, devices: int,
 
 
 def _no_fit_message(estimates: list[Estimate], memory_per_device: float, training: Training) -> str:
+    trained = [est for est in estimates if est.memory["total"] <= memory_per_device]
+    if trained:  # training fits somewhere; building the model does not
+        best = min(trained, key=lambda est: est.setup_peak)
+        text = (f"no layout fits in {_format_bytes(memory_per_device)} per device: {len(trained)} fit training, but"
+                f" building the model needs at least {_format_bytes(best.setup_peak)} per device ({best.layout},"
+                f" --build {best.build}).")
+        if best.build == "whole" and best.setup["meta"] <= memory_per_device:
+            text += (f" Build it on the meta device (trainer.init_module(empty_init=True) in configure_model, or"
+                     f" init_from) and plan with --build meta ({_format_bytes(best.setup['meta'])}).")
+        else:
+            text += " Use more devices, or devices with more memory."
+        return text
     best = min(estimates, key=lambda est: est.memory["total"])
     state = best.memory["params"] + best.memory["grads"] + best.memory["optimizer"]
     hints = ["more devices", "devices with more memory"]

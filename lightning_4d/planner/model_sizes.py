@@ -66,6 +66,14 @@ class Model:
     def tied(self) -> bool:
         return self.head_params == 0
 
+    @property
+    def largest_tensor(self) -> int:
+        """Elements of the largest single weight: the embedding, the head, or a block's MLP or q|k|v projection.
+        A meta-built rank fills one tensor at a time, so this bounds what setup holds beyond the rank's share."""
+        head_dim = self.hidden // self.heads
+        attention = self.hidden * (self.hidden + 2 * self.kv_heads * head_dim) if self.fused_qkv else self.hidden ** 2
+        return max(self.embedding_params, self.head_params, self.hidden * self.ffn_hidden, attention)
+
     @classmethod
     def from_sizes(cls, layers: int, hidden: int, heads: int, vocab: Optional[int] = None,
                    ffn_hidden: Optional[int] = None, kv_heads: Optional[int] = None, tied: bool = False,
