@@ -65,7 +65,7 @@ from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, Resh
 from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
-from lightning_4d.token_losses import TokenMeanLosses
+from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
 from lightning_4d.tensor_parallel import (
     TensorParallelConfig,
     TensorParallelPlan,
@@ -453,8 +453,9 @@ class ParallelModel:
                 if self.token_losses and not predicting:  # validation and test losses are logged like training's
                     stack.enter_context(self._token_losses(deferred=False))
                 output = getattr(self.module, name)(*args, **kwargs)
-        if training and self.context is not None:
-            output = self.context.global_loss(output)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if training and self.context is not None and getattr(loss, TOKENS_ATTRIBUTE, None) is None:
+            output = self.context.global_loss(output)  # a token-mean loss is the whole batch's already
         if training and self.compiled is not None and not self.compiled.reported:
             self.compiled.report()  # after the first training step, once dynamo has met every graph break
         return output
