@@ -65,7 +65,7 @@ from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, Resh
 from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
-from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
+from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
 from lightning_4d.tensor_parallel import (
     TensorParallelConfig,
     TensorParallelPlan,
@@ -365,7 +365,9 @@ class ParallelModel:
         # Token-mean losses count every valid target of the batch once: summed over the ranks that split it.
         splits_batch = dims.dp * dims.dp_shard * dims.cp > 1
         self.token_group = mesh.group("dp_cp") if splits_batch else None
-        self.token_losses = options["loss_normalization"] == "tokens"
+        self.token_losses = options["loss_normalization"] in ("tokens", "batch")
+        # "tokens": over a whole accumulation window; "batch": each batch's mean, the window's averaged (Lightning's)
+        self.window = TokenWindow() if options["loss_normalization"] == "tokens" else None
 
     def describe(self) -> str:
         """The plans, and under sharding the parameters this rank keeps replicated (printed by rank 0)."""
@@ -445,23 +447,27 @@ class ParallelModel:
             if check is not None:
                 stack.enter_context(_armed_check(check, self.unsharded))
             stack.enter_context(self.step_context(predicting))
+            window = self.window if training and accumulate_grad_batches > 1 else None
+            token_losses = self._token_losses(self.pipeline is not None, window is not None) if not predicting else None
             if self.pipeline is not None:
                 around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
-                token_losses = self._token_losses(deferred=True) if not predicting else None
                 output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses)
             else:
-                if self.token_losses and not predicting:  # validation and test losses are logged like training's
-                    stack.enter_context(self._token_losses(deferred=False))
+                if token_losses is not None:  # validation and test losses are logged like training's
+                    stack.enter_context(token_losses)
                 output = getattr(self.module, name)(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, dict) else output
+        if window is not None:
+            count = self.pipeline.token_count if self.pipeline is not None else None
+            window.take(loss, token_losses, accumulate_grad_batches, count)
         if training and self.context is not None and getattr(loss, TOKENS_ATTRIBUTE, None) is None:
             output = self.context.global_loss(output)  # a token-mean loss is the whole batch's already
         if training and self.compiled is not None and not self.compiled.reported:
             self.compiled.report()  # after the first training step, once dynamo has met every graph break
         return output
 
-    def _token_losses(self, deferred: bool) -> Optional[TokenMeanLosses]:
-        return TokenMeanLosses(self.token_group, deferred) if self.token_losses else None
+    def _token_losses(self, deferred: bool, window: bool) -> Optional[TokenMeanLosses]:
+        return TokenMeanLosses(self.token_group, deferred, window) if self.token_losses else None
 
     @property
     def manual(self) -> bool:
@@ -578,20 +584,22 @@ class ParallelModel:
 
             return closure_then_check
         buckets = self._buckets.get(id(optimizer))
-        if buckets is None and self.sharded is None:
+        if buckets is None and self.sharded is None and self.window is None:
             return closure
 
         def closure_with_gradient_sync() -> Any:
             with self.sharded.gradient_sync() if self.sharded is not None else nullcontext():
-                if buckets is None:
-                    return closure()
-                buckets.begin(overlap=self.pipeline is None)
+                if buckets is not None:
+                    buckets.begin(overlap=self.pipeline is None)
                 self._armed = buckets
                 try:
                     result = closure()
                 finally:
                     self._armed = None
-            buckets.synchronize()
+            if buckets is not None:
+                buckets.synchronize()
+            if self.window is not None:  # the accumulation window's token mean, before Lightning clips
+                self.window.finish(self.module.parameters())
             return result
 
         return closure_with_gradient_sync

@@ -90,9 +90,11 @@ class FourDStrategy(ModelParallelStrategy):
             embedding and head.
         loss_parallel: cross entropy on the LM head's logits without gathering the vocabulary.
         loss_normalization: ``"tokens"``: a token-mean ``cross_entropy``/``nll_loss`` (``ignore_index``, class
-            weights; a Hugging Face model's ``labels=`` loss) weighs every valid target of the batch once, whichever
-            rank holds it, as one process does; ``"replica"``: each rank's own mean, averaged (DDPStrategy's);
-            see :mod:`lightning_4d.token_losses`.
+            weights; a Hugging Face model's ``labels=`` loss) weighs every valid target of the batch, and of the
+            ``accumulate_grad_batches`` window, once, whichever rank holds it, as one process on the window's
+            batches does; ``"batch"``: the same within each batch, the window's batches averaged (Lightning's
+            accumulation); ``"replica"``: each rank's own mean, averaged (DDPStrategy's); see
+            :mod:`lightning_4d.token_losses`.
         activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
         compile: ``torch.compile`` each block (``True``, or a dict of ``backend``/``mode``/``fullgraph``/
@@ -138,7 +140,7 @@ class FourDStrategy(ModelParallelStrategy):
         tp_self_check: bool = True,
         tp_strict: bool = False,
         loss_parallel: bool = True,
-        loss_normalization: Literal["tokens", "replica"] = "tokens",
+        loss_normalization: Literal["tokens", "batch", "replica"] = "tokens",
         activation_checkpointing: str = "none",
         activation_checkpointing_every: int = 2,
         compile: Union[bool, dict] = False,

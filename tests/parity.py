@@ -12,6 +12,7 @@ the same seed and ``dp`` times the batch size, so each reference step sees the u
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -382,6 +383,35 @@ def max_difference(expected: dict[str, Any], got: dict[str, Any]) -> tuple[float
     loss = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"]))
     weight = max((got["weights"][k] - v).abs().max().item() for k, v in expected["weights"].items())
     return loss, weight
+
+
+def window_reference(case: Case) -> dict[str, Any]:
+    """One process on each ``accumulate_grad_batches`` window's batches at once, without accumulation: what a
+    layout matches under ``loss_normalization='tokens'``, which weighs every valid target of a window once."""
+    trainer = {key: value for key, value in case.trainer.items() if key != "accumulate_grad_batches"}
+    return reference(replace(case, trainer=trainer, batch_size=case.batch_size * case.trainer["accumulate_grad_batches"]))
+
+
+def in_windows(case: Case, record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (a layout's, one loss per batch) with one loss and one ``train_loss`` per accumulation window:
+    the batches' token means weighted by their valid labels (the last tensor of a batch, -100 ignored), counted
+    on the global batches in the order both runs draw them (one replica's sampler, ``set_epoch`` per epoch)."""
+    k = case.trainer["accumulate_grad_batches"]
+    loader, _ = dataloaders(case, 1, distributed=False)
+    counts: list[float] = []
+    for epoch in itertools.count():
+        loader.sampler.set_epoch(epoch)
+        counts += [float((batch[-1] != -100).sum()) for batch in loader]
+        if len(counts) >= len(record["losses"]):
+            break
+
+    def combine(values: list[float]) -> list[float]:
+        return [sum(v * c for v, c in zip(values[i:i + k], counts[i:i + k])) / sum(counts[i:i + k])
+                for i in range(0, len(values), k)]
+
+    logged = combine([entry["train_loss"] for entry in record["logged"]])
+    losses = combine([loss * k for loss in record["losses"]])  # the step's outputs, which Lightning divided by k
+    return {**record, "losses": losses, "logged": [{"train_loss": value} for value in logged]}
 
 
 def report_difference(case: Case, expected: dict[str, Any], got: dict[str, Any]) -> None:

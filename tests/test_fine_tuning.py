@@ -4,15 +4,17 @@ Supervised fine-tuning masks the prompt with -100 and masked-LM training keeps ~
 sequence shards and pipeline micro-batches then hold different numbers of valid labels, and the mean of their
 means is not the batch's mean (before loss normalization: 3.6e-2 relative at cp=2, NaN at dp2 x pp2 x cp2).
 Every case is compared with one process on the same global batches (``tests/parity.py``): per-step losses, the
-logged ``train_loss`` and the final weights within 1e-5 (fp32, SGD). Each launch runs all its cases, and
-``loss_normalization='replica'`` (each rank's mean, DDP's choice) runs beside them and must differ, so the
-tests can fail.
+logged ``train_loss`` and the final weights within 1e-5 (fp32, SGD). With ``accumulate_grad_batches=2`` the one
+process runs each window's two batches as one batch (every valid label of the window weighted once), and the
+layout's two per-batch losses are combined by their label counts. Each launch runs all its cases, and
+``loss_normalization='replica'`` (each rank's mean, DDP's choice) runs beside them and must differ, as must the
+window-wide weights from Lightning's per-batch accumulation, so the tests can fail.
 """
 
 import pytest
 
-from tests.parity import (Case, assert_error, assert_parity, max_difference, reference, report_difference,
-                          train_layout_with_failures)
+from tests.parity import (Case, assert_error, assert_parity, in_windows, max_difference, reference,
+                          report_difference, train_layout_with_failures, window_reference)
 
 GPT = "tests.lm_models:tiny_gpt"
 LLAMA = "tests.lm_models:HFCausalLM"
@@ -29,17 +31,28 @@ TWO = [
     Case("sft_dp_shard2", module=GPT, strategy={"dp_shard": 2}, **SFT),
     Case("sft_tp2", module=LLAMA, strategy={"tp": 2}, **SFT),
     Case("sft_dp2_accumulate", module=GPT, strategy={"dp": 2}, trainer=ACCUMULATE, **SFT),
+    Case("sft_cp2_accumulate", module=GPT, strategy={"cp": 2}, trainer=ACCUMULATE, **SFT),
     Case("sft_pp2_accumulate", module=GPT, strategy={"pp": 2}, trainer=ACCUMULATE, **SFT),
+    Case("sft_dp_shard2_accumulate", module=GPT, strategy={"dp_shard": 2}, trainer=ACCUMULATE, **SFT),
     Case("mlm_dp2", module=BERT, strategy={"dp": 2}, **MLM),
     Case("mlm_cp2", module=BERT, strategy={"cp": 2}, **MLM),
     Case("mlm_pp2", module=BERT, strategy={"pp": 2}, **MLM),
     Case("mlm_dp_shard2", module=BERT, strategy={"dp_shard": 2}, **MLM),
+    Case("mlm_dp2_accumulate", module=BERT, strategy={"dp": 2}, trainer=ACCUMULATE, **MLM),
     Case("mlm_cp2_accumulate", module=BERT, strategy={"cp": 2}, trainer=ACCUMULATE, **MLM),
+    Case("mlm_pp2_accumulate", module=BERT, strategy={"pp": 2}, trainer=ACCUMULATE, **MLM),
+    Case("mlm_dp_shard2_accumulate", module=BERT, strategy={"dp_shard": 2}, trainer=ACCUMULATE, **MLM),
     Case("hf_labels_cp2", module="tests.fine_tuning_models:HFLabelsLM", strategy={"cp": 2}, **SFT),
     Case("hf_labels_pp2", module="tests.fine_tuning_models:HFLabelsLM", strategy={"pp": 2}, **SFT),
     Case("weighted_nll_cp2", module="tests.fine_tuning_models:WeightedLossLM", strategy={"cp": 2}, **SFT),
     # a term of the user's own beside the token mean: each part keeps its meaning
     Case("aux_dp2", module="tests.fine_tuning_models:AuxLossLM", strategy={"dp": 2}, **SFT),
+    # ... and under accumulation each batch keeps its token mean (with a warning): Lightning's per-batch average
+    Case("aux_dp2_accumulate", module="tests.fine_tuning_models:AuxLossLM", strategy={"dp": 2}, trainer=ACCUMULATE,
+         **SFT),
+    # Lightning's accumulation on request: each batch's token mean, the window's batches averaged
+    Case("sft_cp2_accumulate_batch", module=GPT, strategy={"cp": 2, "loss_normalization": "batch"},
+         trainer=ACCUMULATE, **SFT),
     Case("sft_cp2_replica", module=GPT, strategy={"cp": 2, "loss_normalization": "replica"}, **SFT),
 ]
 FAILING = [
@@ -67,10 +80,20 @@ def four():
     return records
 
 
+def _windowed(case: Case) -> bool:
+    """Compared with one process on whole accumulation windows (the default 'tokens' over a token-mean loss)."""
+    return ("accumulate_grad_batches" in case.trainer and case.strategy.get("loss_normalization", "tokens") == "tokens"
+            and not case.name.startswith("aux"))
+
+
+def _expected_and_got(case: Case, got: dict) -> tuple[dict, dict]:
+    return (window_reference(case), in_windows(case, got)) if _windowed(case) else (reference(case), got)
+
+
 @pytest.mark.parametrize("name", [c.name for c in TWO if not c.name.endswith("_replica")])
 def test_two_processes_match_one(two, name):
     case = CASES[name]
-    expected, got = reference(case), two[0][name]
+    expected, got = _expected_and_got(case, two[0][name])
     report_difference(case, expected, got)
     assert_parity(case, expected, got, epoch_metrics=("val_loss",) if "limit_val_batches" in case.trainer else ())
 
@@ -78,9 +101,16 @@ def test_two_processes_match_one(two, name):
 @pytest.mark.parametrize("name", [c.name for c in FOUR])
 def test_four_processes_match_one(four, name):
     case = CASES[name]
-    expected, got = reference(case), four[name]
+    expected, got = _expected_and_got(case, four[name])
     report_difference(case, expected, got)
     assert_parity(case, expected, got)
+
+
+@pytest.mark.parametrize("name", ["sft_dp2_accumulate", "mlm_cp2_accumulate"])
+def test_window_wide_weights_differ_from_per_batch_accumulation(two, name):
+    """Weighing the window's tokens once is not Lightning's per-batch average: the per-batch reference is off."""
+    _, weight = max_difference(reference(CASES[name]), two[0][name])
+    assert weight > 1e-4, weight
 
 
 def test_per_replica_means_differ_from_one_process(two):
@@ -99,3 +129,40 @@ def test_bad_normalization_is_refused_before_launch():
 
     with pytest.raises(ValueError, match=r"loss_normalization='token': use 'tokens'"):
         FourDStrategy(loss_normalization="token")
+
+
+def test_a_window_weighs_every_token_once_in_process():
+    """TokenWindow's arithmetic without processes: two batches with Lightning's 1/k, then the window's division,
+    give the gradient of one cross entropy over both batches (a masked label count of 5 against 2)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_4d.token_losses import TokenMeanLosses, TokenWindow
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    inputs = [torch.randn(7, 4), torch.randn(7, 4)]
+    labels = [torch.tensor([1, 2, 3, 4, 5, -100, -100]), torch.tensor([0, -100, -100, -100, -100, -100, 2])]
+    window = TokenWindow()
+    for x, y in zip(inputs, labels):
+        with TokenMeanLosses(None) as losses:
+            loss = F.cross_entropy(x @ weight, y)
+        window.take(loss, losses, accumulate=2)
+        (loss / 2).backward()
+    window.finish([weight])
+    expected = torch.autograd.grad(F.cross_entropy(torch.cat(inputs) @ weight, torch.cat(labels)), weight)[0]
+    torch.testing.assert_close(weight.grad, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_window_mixing_a_token_mean_and_another_loss_is_refused():
+    import torch
+
+    from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenWindow
+
+    weight = torch.ones(3, requires_grad=True)
+    token_mean = weight.sum() * 2
+    setattr(token_mean, TOKENS_ATTRIBUTE, torch.tensor(4.0))
+    window = TokenWindow()
+    window.take(token_mean, None, accumulate=2)
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2 .*loss_normalization='batch'"):
+        window.take(weight.sum() * 3, None, accumulate=2)

@@ -18,7 +18,8 @@ import itertools
 
 import pytest
 
-from tests.parity import Case, assert_exact_resume, assert_parity, reference, train_layout
+from tests.parity import (Case, assert_exact_resume, assert_parity, in_windows, reference, train_layout,
+                          window_reference)
 
 pytestmark = pytest.mark.parity_matrix
 
@@ -75,7 +76,11 @@ ZOO = [Case(f"zoo_{family}-dp2pp2cp2tp2", module="tests.zoo_models:zoo_lm", modu
 FINE_TUNING = [Case("sft-dp2pp2cp2", module="tests.lm_models:tiny_gpt", data="tests.fine_tuning_models:sft_data",
                     strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=3),
                Case("mlm-dp2pp2cp2", module="tests.fine_tuning_models:BertMLM", data="tests.fine_tuning_models:mlm_data",
-                    strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=3)]
+                    strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2}, batch_size=8, max_steps=3),
+               # every valid label of an accumulation window weighted once: against one process on whole windows
+               Case("sft-dp2pp2cp2-accumulate", module="tests.lm_models:tiny_gpt",
+                    data="tests.fine_tuning_models:sft_data", strategy={"dp": 2, "pp": 2, "cp": 2, "pp_microbatches": 2},
+                    trainer={"accumulate_grad_batches": 2}, batch_size=8, max_steps=2)]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
@@ -85,6 +90,9 @@ def test_every_layout_matches_one_process(world_size):
     results = train_layout(cases, world_size, timeout=900)
     for case in cases:
         got = results[case.name]
+        if "accumulate_grad_batches" in case.trainer:
+            assert_parity(case, window_reference(case), in_windows(case, got))
+            continue
         assert_parity(case, reference(case), got)
         if case.resume_at:  # exact resume in 4D: bit for bit what the uninterrupted run did
             assert_exact_resume(got)

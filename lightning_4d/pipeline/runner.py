@@ -138,6 +138,8 @@ class PipelineRunner:
         self._training = False
         self._loss_scale = 1.0
         self._token_losses: Optional[TokenMeanLosses] = None  # this training step's token-mean losses
+        self._token_window = False  # the step's gradients are divided by its accumulation window's count
+        self.token_count: Optional[Tensor] = None  # the valid targets of the last training batch, over dp x cp
         self._token_counts: dict[int, Tensor] = {}  # micro-batch -> the count its returned loss averages over
         self._grad_scale: Optional[float] = None  # what the step's gradients are multiplied by when committed
         self._token_problem: Optional[str] = None  # why this step's token-mean loss cannot be weighted
@@ -173,6 +175,7 @@ class PipelineRunner:
         counts = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         index = torch.arange(n, device=self.device)
         self._token_losses, self._token_counts, self._token_problem = token_losses if training else None, {}, None
+        self._token_window = token_losses is not None and token_losses.window
         if training:
             self._grad_scale = None
             self._loss_scale = 1.0 / (n * accumulate_grad_batches)
@@ -374,8 +377,10 @@ class PipelineRunner:
         self._token_problem = None
         if problem is not None:
             raise ValueError(problem)
-        if batch_count is not None:  # every stage: the step's gradients are divided by the batch's count
-            self._grad_scale = n / batch_count
+        self.token_count = batch_count if self._training else None
+        # Every stage divides the step's gradients by the batch's count (under a TokenWindow: by the window's, later).
+        if batch_count is not None and self._training:
+            self._grad_scale = n if self._token_window else n / batch_count
         for name, (count, forward_cache) in updates.items():
             metric = self._metrics[name]
             if not self.holds_last:
