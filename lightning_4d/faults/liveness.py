@@ -7,6 +7,10 @@ and reads every peer's record back in one ``multi_get``. Judged on each rank fro
 * **lost**: a peer's beat counter has not changed for ``lost_after`` seconds (its process is gone: killed,
   out of memory, crashed in C code), or the store itself is unreachable that long (rank 0, which hosts it,
   is gone). Every rank that sees it exits with :data:`EXIT_RANK_LOST`.
+* **blocked by a failure**: a peer left after its own code raised, and this rank's main thread has not moved
+  for ``3 * interval`` since: it waits in a collective with ranks that are also left waiting (gloo fails only
+  the ranks connected to the one that left). It prints the first failure, as its own report would, and exits
+  with :data:`EXIT_RANK_LOST`, instead of waiting until rank 0 gives up and takes the store with it.
 * **stalled**: the peers still beat, but for ``stall_after`` seconds no rank's progress changed and some ranks
   are behind others (the ranks ahead wait in a collective for the ones behind, which are stuck in user code:
   a ``time.sleep``, a dead lock, a data loader that never returns). The ranks behind are named; they exit with
@@ -45,6 +49,7 @@ DEFAULT_LOST_AFTER = 10.0
 DEFAULT_STALL_AFTER = 120.0
 
 _PREFIX = "lightning_4d/heartbeat/"
+FIRST_FAILURE_KEY = "lightning_4d/first_failure"  # the first failure's text, claimed by ``report`` (see there)
 
 
 _current: Optional["Heartbeat"] = None
@@ -94,6 +99,8 @@ class Heartbeat:
         self._peers: dict[int, dict[str, Any]] = {}  # peer -> its last record
         self._job_progress: tuple[Any, float] = (None, time.monotonic())
         self._store_failing_since: Optional[float] = None
+        self._still_since: Optional[tuple[int, float]] = None  # (progress, since) once a peer left failing
+        self.reporting = False  # the main thread reports its own failure: this thread judges nothing more
 
     # ------------------------------------------------------------------------------- main thread
 
@@ -225,6 +232,9 @@ class Heartbeat:
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
+        failed = sorted(rank for rank, record in self._peers.items() if str(record.get("left", "")).startswith("failed"))
+        if failed and not self.reporting:
+            self._judge_blocked(now, failed)
         if any("left" in record for record in self._peers.values()):
             return  # a rank finished or failed on purpose: its own report (or the end of the job) follows
         lost = sorted(rank for rank, (beat, since) in self._seen.items() if now - since >= self.lost_after)
@@ -235,6 +245,26 @@ class Heartbeat:
                                        " or was killed, or its machine is unreachable)")
             return
         self._judge_stall(now)
+
+    def _judge_blocked(self, now: float, failed: list[int]) -> None:
+        """A peer failed: unless this rank's main thread moves (or fails itself) within three beats, it waits in
+        a collective that will not finish; say whose failure stopped it, count as reported, and leave."""
+        if self._still_since is None or self._still_since[0] != self.progress:
+            self._still_since = (self.progress, now)
+            return
+        if now - self._still_since[1] < 3 * self.interval:
+            return
+        try:
+            first = (self.store.get(FIRST_FAILURE_KEY).decode(errors="replace")
+                     if self.store.check([FIRST_FAILURE_KEY]) else f"rank {failed[0]} failed\n")
+            self.store.set(f"{FIRST_FAILURE_KEY}/reported/{self.rank}", "1")
+            self.store.add(FIRST_FAILURE_KEY + "/count", 1)
+        except Exception:  # noqa: BLE001  the store may be gone with rank 0: the store judgement follows
+            return
+        print(f"[lightning-4d] rank {self.rank} stopped because {first}[lightning-4d] rank {self.rank} was waiting"
+              f" in {self.doing} of step {self.step} for ranks that will not come (exit {EXIT_RANK_LOST}).",
+              file=sys.stderr, flush=True)
+        self._fail(EXIT_RANK_LOST, f"rank {failed[0]} failed and left this rank waiting in a collective")
 
     def _judge_stall(self, now: float) -> None:
         if self.stall_after is None or len(self._peers) < self.world_size - 1:

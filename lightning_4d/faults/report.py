@@ -28,7 +28,7 @@ from lightning_4d.faults import liveness
 from lightning_4d.faults.recorder import RECORDER, compare, describe
 from lightning_4d.faults.preemption import Preempted, release_signals
 
-_KEY = "lightning_4d/first_failure"
+_KEY = liveness.FIRST_FAILURE_KEY
 
 
 class RaisedOnEveryRank(RuntimeError):
@@ -72,6 +72,8 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
             heartbeat.stop("preempted" if isinstance(exception, Preempted) else type(exception).__name__)
         release_signals()
         return
+    if heartbeat is not None:
+        heartbeat.reporting = True  # its thread leaves the judging of this failure to this report
     try:
         _report(store, heartbeat, rank, exception, world_size, linger)
     finally:
