@@ -11,10 +11,13 @@ up to dp_shard2 x pp2 x cp2 x tp2). The full 4D layout also trains two families 
 Phi-3 (tests/zoo_models.py), 2 steps each. The dp2 x pp2 x cp2 layout also trains supervised fine-tuning batches
 (prompts masked with -100, tests/fine_tuning_models.py), where per-rank means gave NaN before token-mean losses
 were weighted as one process weights them, and a BERT encoder on masked-LM targets (tests/test_fine_tuning.py has
-the smaller layouts).
+the smaller layouts). The full 4D layout also builds the tiny Llama on the meta device and fills it from a Hugging
+Face directory and from a state_dict file (``init_from``).
 """
 
 import itertools
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -83,11 +86,36 @@ FINE_TUNING = [Case("sft-dp2pp2cp2", module="tests.lm_models:tiny_gpt", data="te
                     trainer={"accumulate_grad_batches": 2}, batch_size=8, max_steps=2)]
 
 
+def _pretrained(root: Path) -> tuple[list[Case], dict[str, Case]]:
+    """The tiny Llama built on the meta device in the full 4D layout, no rank ever holding it whole, filled by
+    ``init_from`` from a sharded Hugging Face directory and from a plain state_dict file (tests/test_pretrained.py
+    and tests/test_meta_init.py have the smaller layouts); each case with the one-process run it must match:
+    transformers' ``from_pretrained`` of the directory, and the whole model loading the file."""
+    import lightning.pytorch as pl
+
+    from tests.lm_models import HFCausalLM
+    from tests.meta_models import whole_llama_state
+
+    pl.seed_everything(4321, verbose=False)
+    HFCausalLM(kind="llama").model.save_pretrained(root / "hf", max_shard_size="50KB")
+    whole_llama_state(str(root / "state_dict.pt"))
+    common = dict(module="tests.meta_models:meta_llama", data="tests.lm_models:token_data", batch_size=8, max_steps=2)
+    hf = Case("meta_hf-dp2pp2cp2tp2", strategy={**LAYOUTS[-1], "init_from": str(root / "hf")}, **common)
+    state = Case("meta_state_dict-dp2pp2cp2tp2", strategy={**LAYOUTS[-1], "init_from": str(root / "state_dict.pt")},
+                 module_kwargs={"weights": str(root / "state_dict.pt")}, **common)
+    one_process = {hf.name: replace(hf, module="tests.lm_models:pretrained_llama",
+                                    module_kwargs={"path": str(root / "hf")}), state.name: state}
+    return [hf, state], one_process
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16])
-def test_every_layout_matches_one_process(world_size):
+def test_every_layout_matches_one_process(world_size, tmp_path):
     cases = _cases(world_size) + (CHECKPOINTED + ZOO if world_size == 16 else []) + (FINE_TUNING if world_size == 8
                                                                                       else [])
-    results = train_layout(cases, world_size, timeout=900)
+    pretrained, one_process = _pretrained(tmp_path) if world_size == 16 else ([], {})
+    results = train_layout(cases + pretrained, world_size, timeout=900)
+    for case in pretrained:
+        assert_parity(case, reference(one_process[case.name]), results[case.name])
     for case in cases:
         got = results[case.name]
         if "accumulate_grad_batches" in case.trainer:
