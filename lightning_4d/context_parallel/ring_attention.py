@@ -14,12 +14,19 @@ round the ring in the same tiles, overlapped with the compute: with quarters a r
 holds 1.25 blocks of each beyond its own share, where whole-block double buffering
 holds 2. Pure ``torch.distributed``; no
 Lightning needed.
+
+Masks beyond causal or full attention (a :class:`SequenceMask`: padding, a sliding window, packed documents)
+are described in global terms over the whole sequences, which every cp rank holds (they are small: one
+number per token), so a tile pair's mask is computed where it is needed and nothing extra travels. A tile
+pair that the mask hides wholly is skipped (a sliding window's work grows with the window, not the
+sequence), one it leaves whole runs unmasked, and only tiles at a mask's edges run with a mask.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -27,7 +34,7 @@ import torch.distributed as dist
 
 from lightning_4d import _compat as compat
 
-__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "zigzag_positions"]
+__all__ = ["SequenceMask", "ring_attention", "shard_sequence", "unshard_sequence", "zigzag_positions"]
 
 # K/V and dK/dV exchanges can be in flight at the same time between the same peers;
 # separate tags keep them from being matched with each other.
@@ -99,16 +106,25 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim:
 # log-sum-exp, which makes the per-tile gradients exact without any extra correction.
 
 
-class _CpuFlashKernel:
-    """ATen's CPU flash attention; handles grouped K/V heads natively."""
+def _additive(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """A boolean tile mask (True: seen) as the additive one fused kernels take."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
 
-    def forward(self, q, k, v, causal, scale):
-        out, lse = compat.flash_attention_cpu(q, k, v, 0.0, causal, scale=scale)
+
+class _CpuFlashKernel:
+    """ATen's CPU flash attention; handles grouped K/V heads and masks natively."""
+
+    takes_masks = True
+
+    def forward(self, q, k, v, causal, scale, mask=None):
+        out, lse = compat.flash_attention_cpu(q, k, v, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
         return out, lse, None
 
-    def backward(self, dout, q, k, v, out, lse, aux, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, aux, causal, scale, mask=None):
         return compat.flash_attention_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale
         )
 
 
@@ -119,25 +135,29 @@ class _MathKernel:
     broadcasting K/V over the group instead of repeating them per query head.
     """
 
-    def _probs(self, q5, k, lse5, causal, scale):
+    takes_masks = True
+
+    def _probs(self, q5, k, lse5, causal, scale, mask):
         scores = (q5.float() @ k.float().unsqueeze(2).transpose(-1, -2)) * scale
         if causal:
-            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-            scores = scores.masked_fill(mask, float("-inf"))
+            hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        if mask is not None:  # [B, 1, Sq, Sk] over the query heads' groups
+            scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
         if lse5 is None:
             lse5 = scores.logsumexp(dim=-1)
-        return (scores - lse5.unsqueeze(-1)).exp(), lse5
+        return (scores - lse5.unsqueeze(-1)).exp().nan_to_num_(0.0), lse5  # a row that sees nothing: zeros
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, mask=None):
         q5 = q.unflatten(1, (k.size(1), -1))
-        probs, lse5 = self._probs(q5, k, None, causal, scale)
+        probs, lse5 = self._probs(q5, k, None, causal, scale, mask)
         out = probs @ v.float().unsqueeze(2)
         return out.flatten(1, 2).to(q.dtype), lse5.flatten(1, 2), None
 
-    def backward(self, dout, q, k, v, out, lse, aux, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, aux, causal, scale, mask=None):
         groups = (k.size(1), -1)
         q5, dout5, out5 = (t.unflatten(1, groups).float() for t in (q, dout, out))
-        probs, _ = self._probs(q5, k, lse.unflatten(1, groups), causal, scale)
+        probs, _ = self._probs(q5, k, lse.unflatten(1, groups), causal, scale, mask)
         dv = (probs.transpose(-1, -2) @ dout5).sum(2)
         dprobs = dout5 @ v.float().unsqueeze(2).transpose(-1, -2)
         dscores = probs * (dprobs - (dout5 * out5).sum(-1, keepdim=True)) * scale
@@ -150,8 +170,11 @@ class _CudaKernel:
     """Shared plumbing for the fused CUDA kernels (not exercised by the CPU test suite).
 
     They want equal head counts and contiguous inputs, so K/V are expanded per tile
-    (only locally, after communication) and their gradients folded back.
+    (only locally, after communication) and their gradients folded back. Tiles at a mask's edge
+    run on the math kernel instead (``takes_masks``).
     """
+
+    takes_masks = False
 
     @staticmethod
     def _expand(t: torch.Tensor, groups: int) -> torch.Tensor:
@@ -227,12 +250,16 @@ def _select_kernel(q: torch.Tensor, is_causal: bool):
 # --------------------------------------------------------------------------- tile schedule
 
 
-def _tile_rows(seq: int) -> list[slice]:
-    """Equal tiles of the local sequence: ``_TILES`` of them where the length allows, else 2 or 1.
+def _tile_rows(seq: int, window: Optional[int] = None) -> list[slice]:
+    """Equal tiles of the local sequence: ``_TILES`` of them where the length allows, else 2 or 1; under a
+    sliding ``window``, enough (an even number) that a tile is no longer than the window where the length
+    allows, so that the tiles outside it, skipped, leave work per query token flat as the sequence grows.
 
     A causal (zigzag) local length is even, so its tiles never straddle the two chunks.
     """
     count = next(count for count in (_TILES, 2, 1) if seq % count == 0)
+    if window is not None and seq // count > window:
+        count = next((c for c in range(max(count, 2), seq + 1, 2) if seq % c == 0 and seq // c <= window), count)
     rows = seq // count
     return [slice(i * rows, (i + 1) * rows) for i in range(count)]
 
@@ -258,6 +285,57 @@ def _visible(q_rank: int, kv_rank: int, kv_tile: int, tiles: int, cp: int, is_ca
     return [(i, key == query) for i, query in enumerate(queries) if key <= query]
 
 
+@dataclass(frozen=True)
+class SequenceMask:
+    """Which keys each query sees, in global terms over the whole sequences (the same on every cp rank).
+
+    ``causal``: keys at later positions are hidden. ``window``: keys ``window`` or more positions before the
+    query are hidden too (Hugging Face's sliding window: a query at ``q`` sees ``q - window < k <= q``).
+    ``key_valid`` ([B, L] bool): padding keys are hidden. ``documents`` ([B, L] integers): keys of another
+    document than the query's are hidden (packed sequences). The shards must be in the zigzag layout.
+    """
+
+    causal: bool = True
+    window: Optional[int] = None
+    key_valid: Optional[torch.Tensor] = None
+    documents: Optional[torch.Tensor] = None
+
+    def between(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[B or 1, 1, len(q_pos), len(k_pos)] bool: whether each query sees each key."""
+        seen = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
+        if self.causal:
+            seen &= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if self.window is not None:
+            seen &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
+        seen = seen[None, None]
+        if self.key_valid is not None:
+            seen = seen & self.key_valid[:, k_pos][:, None, None, :]
+        if self.documents is not None:
+            seen = seen & (self.documents[:, q_pos].unsqueeze(-1) == self.documents[:, k_pos].unsqueeze(-2)).unsqueeze(1)
+        return seen
+
+
+def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_causal: bool,
+           mask: Optional[SequenceMask]) -> list[tuple[int, bool, Optional[torch.Tensor]]]:
+    """The local query tiles that attend to ``owner``'s K/V tile ``kv_tile``: (query tile, whether with the
+    kernel's causal flag, the boolean tile mask or None). Under a :class:`SequenceMask` a pair it hides wholly
+    is left out and one it leaves whole runs unmasked, so work follows what the mask lets through."""
+    if mask is None:
+        return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
+    length = cp * tiles[-1].stop
+    device = (mask.key_valid if mask.key_valid is not None else mask.documents)
+    device = device.device if device is not None else torch.device("cpu")
+    q_positions = zigzag_positions(length, cp, rank).to(device)
+    k_positions = zigzag_positions(length, cp, owner).to(device)[tiles[kv_tile]]
+    pairs = []
+    for i, rows in enumerate(tiles):
+        seen = mask.between(q_positions[rows], k_positions)
+        if not bool(seen.any()):
+            continue
+        pairs.append((i, False, None if bool(seen.all()) else seen))
+    return pairs
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor, tile_lse: torch.Tensor) -> None:
     """Fold one tile's softmax-normalised result into the running (fp32) one, in place.
 
@@ -267,6 +345,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor, tile_ls
     new_lse = torch.logaddexp(lse, tile_lse)
     out.mul_((lse - new_lse).exp_().unsqueeze(-1))
     out.add_(tile_out.float().mul_((tile_lse - new_lse).exp_().unsqueeze(-1)))
+    lse.copy_(new_lse)
+
+
+def _merge_masked(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor, tile_lse: torch.Tensor) -> None:
+    """:func:`_merge` for a masked tile, where a query row may have seen nothing yet (log-sum-exp -inf on both
+    sides): such a row stays output 0, log-sum-exp -inf."""
+    new_lse = torch.logaddexp(lse, tile_lse)
+    anchor = new_lse.masked_fill(new_lse == -math.inf, 0.0)
+    out.mul_((lse - anchor).exp_().unsqueeze(-1))
+    out.add_(tile_out.float().nan_to_num_(0.0).mul_((tile_lse - anchor).exp_().unsqueeze(-1)))
     lse.copy_(new_lse)
 
 
@@ -442,33 +530,48 @@ _STREAMS = {"ring": (_ring_kv, _RingGrads), "allgather": (_gathered_kv, _Gathere
 # locals), and the K/V pool before the dK/dV result is assembled (the passes' locals).
 
 
-def _forward_tile(kernel, q, k, v, out, lse, causal: bool, scale: float):
+_MATH = _MathKernel()
+
+
+def _forward_tile(kernel, q, k, v, out, lse, causal: bool, scale: float, mask: Optional[torch.Tensor] = None):
     """Attend one query tile to one K/V tile, merge into ``out``/``lse``; the kernel's state for backward."""
-    tile_out, tile_lse, aux = kernel.forward(q, k, v, causal, scale)
-    _merge(out, lse, tile_out, tile_lse)
+    if mask is None:
+        tile_out, tile_lse, aux = kernel.forward(q, k, v, causal, scale)
+        _merge(out, lse, tile_out, tile_lse)
+        return aux
+    kernel = kernel if kernel.takes_masks else _MATH
+    tile_out, tile_lse, aux = kernel.forward(q, k, v, causal, scale, mask)
+    # A row the tile hides wholly: some kernels return log-sum-exp 0 for it, which would weigh in.
+    tile_lse = tile_lse.masked_fill(~mask.any(-1).expand_as(tile_lse), -math.inf)
+    _merge_masked(out, lse, tile_out, tile_lse)
     return aux
 
 
-def _backward_tile(kernel, dout, q, k, v, out, lse, aux, causal: bool, scale: float, dq, grads, owner: int, tile: int):
+def _backward_tile(kernel, dout, q, k, v, out, lse, aux, causal: bool, scale: float, dq, grads, owner: int, tile: int,
+                   mask: Optional[torch.Tensor] = None):
     """Gradients of one query tile / K/V tile pair, added into ``dq`` and the K/V tile's partial sums."""
-    dq_tile, dk_tile, dv_tile = kernel.backward(dout, q, k, v, out, lse, aux, causal, scale)
+    if mask is None:
+        dq_tile, dk_tile, dv_tile = kernel.backward(dout, q, k, v, out, lse, aux, causal, scale)
+    else:
+        kernel = kernel if kernel.takes_masks else _MATH
+        dq_tile, dk_tile, dv_tile = kernel.backward(dout, q, k, v, out, lse, aux, causal, scale, mask)
     dq.add_(dq_tile)
     dkv = grads.target(owner, tile)  # after the kernel, so a partial sum still arriving overlaps it
     dkv[0].add_(dk_tile)
     dkv[1].add_(dv_tile)
 
 
-def _forward_pass(q, k, v, group, is_causal: bool, scale: float, comm: str, kernel):
+def _forward_pass(q, k, v, group, is_causal: bool, scale: float, comm: str, kernel, mask=None):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    tiles = _tile_rows(q.size(2))
+    tiles = _tile_rows(q.size(2), mask.window if mask is not None else None)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
     auxes = []
     for owner, j, k_tile, v_tile in _STREAMS[comm][0](k, v, group, tiles):
-        for i, causal in _visible(rank, owner, j, len(tiles), size, is_causal):
+        for i, causal, seen in _pairs(rank, owner, j, tiles, size, is_causal, mask):
             rows = tiles[i]
             q_tile, out_tile, lse_tile = q[:, :, rows], out[:, :, rows], lse[:, :, rows]
-            auxes.append(_forward_tile(kernel, q_tile, k_tile, v_tile, out_tile, lse_tile, causal, scale))
+            auxes.append(_forward_tile(kernel, q_tile, k_tile, v_tile, out_tile, lse_tile, causal, scale, seen))
     return out, lse, auxes
 
 
@@ -477,7 +580,7 @@ def _backward_pass(ctx: Any, dout, q, k, v, out, lse, dq, grads) -> None:
     tiles = grads.tiles
     auxes = iter(ctx.auxes)
     for owner, j, k_tile, v_tile in _STREAMS[ctx.comm][0](k, v, ctx.group, tiles):
-        for i, causal in _visible(rank, owner, j, len(tiles), size, ctx.is_causal):
+        for i, causal, seen in _pairs(rank, owner, j, tiles, size, ctx.is_causal, ctx.mask):
             rows = tiles[i]
             _backward_tile(
                 ctx.kernel,
@@ -494,6 +597,7 @@ def _backward_pass(ctx: Any, dout, q, k, v, out, lse, dq, grads) -> None:
                 grads,
                 owner,
                 j,
+                seen,
             )
         grads.done(owner, j)
 
@@ -503,12 +607,12 @@ class _RingAttention(torch.autograd.Function):
     saved final output/log-sum-exp and returns dK/dV to their owners."""
 
     @staticmethod
-    def forward(ctx: Any, q, k, v, group, is_causal: bool, scale: float, comm: str, kernel):
-        out, lse, auxes = _forward_pass(q, k, v, group, is_causal, scale, comm, kernel)
+    def forward(ctx: Any, q, k, v, group, is_causal: bool, scale: float, comm: str, kernel, mask=None):
+        out, lse, auxes = _forward_pass(q, k, v, group, is_causal, scale, comm, kernel, mask)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.is_causal, ctx.scale, ctx.comm, ctx.kernel, ctx.auxes = (
-            group, is_causal, scale, comm, kernel, auxes
+        ctx.group, ctx.is_causal, ctx.scale, ctx.comm, ctx.kernel, ctx.auxes, ctx.mask = (
+            group, is_causal, scale, comm, kernel, auxes, mask
         )
         return out
 
@@ -516,12 +620,14 @@ class _RingAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        if ctx.mask is not None:  # a query that saw no key: +inf makes every probability of its row 0
+            lse = lse.masked_fill(lse == -math.inf, math.inf)
         # fp32 accumulation; for fp32 inputs it is the returned gradient itself.
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grads = _STREAMS[ctx.comm][1](k, ctx.group, _tile_rows(q.size(2)))
+        grads = _STREAMS[ctx.comm][1](k, ctx.group, _tile_rows(q.size(2), ctx.mask.window if ctx.mask else None))
         _backward_pass(ctx, dout.contiguous(), q, k, v, out, lse, dq, grads)
         dkv = grads.result()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, comm: str) -> None:
@@ -564,6 +670,7 @@ def ring_attention(
     is_causal: bool = False,
     scale: float | None = None,
     comm: str = "ring",
+    mask: Optional[SequenceMask] = None,
 ) -> torch.Tensor:
     """Exact attention of the local queries over the whole context-parallel sequence.
 
@@ -575,11 +682,29 @@ def ring_attention(
 
     ``comm="ring"`` passes K/V round the group with P2P overlapped with compute (memory
     stays O(S)); ``comm="allgather"`` gathers all K/V once (O(L) memory, fewer and larger
-    messages). Returns [B, Hq, S, D] in the input dtype; differentiable w.r.t. q, k, v.
+    messages). ``mask``: a :class:`SequenceMask` (padding, sliding window, packed documents) in place of
+    ``is_causal``, over zigzag shards. Returns [B, Hq, S, D] in the input dtype; differentiable w.r.t. q, k, v.
     """
     _validate(q, k, v, is_causal, comm)
+    if mask is not None and is_causal:
+        raise ValueError("ring_attention: pass either is_causal=True or a SequenceMask (with causal=True), not both")
     if group is None:
         group = dist.group.WORLD
+    if mask is not None:
+        _validate_mask(mask, q, dist.get_world_size(group))
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
-    return _RingAttention.apply(q, k, v, group, is_causal, scale, comm, _select_kernel(q, is_causal))
+    return _RingAttention.apply(q, k, v, group, is_causal, scale, comm, _select_kernel(q, is_causal), mask)
+
+
+def _validate_mask(mask: SequenceMask, q: torch.Tensor, cp: int) -> None:
+    if q.size(2) % 2:
+        raise ValueError(f"local sequence length {q.size(2)} is odd, but a SequenceMask needs the zigzag layout (two"
+                         " equal chunks per rank); make the global length a multiple of 2*cp")
+    if mask.window is not None and mask.window < 1:
+        raise ValueError(f"SequenceMask.window={mask.window}: a window holds at least the query itself (>= 1)")
+    for name in ("key_valid", "documents"):
+        t = getattr(mask, name)
+        if t is not None and (t.dim() != 2 or t.size(0) != q.size(0) or t.size(1) != q.size(2) * cp):
+            raise ValueError(f"SequenceMask.{name} must be [batch, whole sequence] = [{q.size(0)}, {q.size(2) * cp}],"
+                             f" got {tuple(t.shape)}")

@@ -1,0 +1,178 @@
+"""Ring attention under masks beyond causal and full attention (issue #29): padding, sliding windows, packed
+documents and their combinations, as a :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`.
+
+One 4-process launch (cp groups of 4 and of 2 carved out of it, as in tests/test_ring_attention.py) runs every
+case: each rank's output and gradients against fp64 ``F.scaled_dot_product_attention`` over the whole sequence
+with the same mask written out densely, within 1e-5. The launch also counts the tile pairs each rank computes
+under a sliding window as the sequence grows: the count must stay flat past the window (skipped tiles), which
+fails if the mask were applied to every tile.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import traceback
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, shard_sequence
+from tests.parity import spawn
+
+LAUNCH_TIMEOUT_S = 150
+TOL = 1e-5
+BATCH, HEAD_DIM = 2, 8
+WORLD = 4
+ring = importlib.import_module("lightning_4d.context_parallel.ring_attention")  # the module, not the function
+GROUPINGS = {"world": None, "pairs": [[0, 1], [2, 3]]}
+
+
+@dataclass(frozen=True)
+class Case:
+    grouping: str
+    cp: int
+    comm: str
+    kind: str  # padding, window, documents, padding+documents, window+padding, bidirectional+padding, ...
+    seq_len: int
+    hkv: int = 2
+    kernel: str = "auto"
+
+    @property
+    def name(self) -> str:
+        return f"{self.grouping}-cp{self.cp}-{self.comm}-{self.kind}-L{self.seq_len}-kv{self.hkv}-{self.kernel}"
+
+
+KINDS = ("padding", "window", "documents", "padding+documents", "window+padding", "window+documents",
+         "bidirectional+padding", "bidirectional+documents")
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for comm in ("ring", "allgather"):
+        for kind in KINDS:
+            cases.append(Case("world", 4, comm, kind, 32))
+            cases.append(Case("pairs", 2, comm, kind, 24))
+        cases.append(Case("pairs", 2, comm, "padding+documents", 16, hkv=4, kernel="math"))
+        cases.append(Case("world", 4, comm, "window", 32, hkv=1, kernel="math"))
+    return cases
+
+
+def _mask(case: Case, gen: torch.Generator) -> SequenceMask:
+    """A random mask of the case's kind over [BATCH, seq_len]: right padding, documents of unequal lengths."""
+    length = case.seq_len
+    key_valid = documents = window = None
+    if "padding" in case.kind:
+        lengths = torch.randint(length // 3, length + 1, (BATCH,), generator=gen)
+        key_valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    if "documents" in case.kind:
+        starts = torch.rand(BATCH, length, generator=gen) < 0.2
+        starts[:, 0] = True
+        documents = starts.long().cumsum(1)
+    if "window" in case.kind:
+        window = length // 4
+    return SequenceMask(causal="bidirectional" not in case.kind, window=window, key_valid=key_valid,
+                        documents=documents)
+
+
+def _run_case(case: Case, group, cp_rank: int, group_id: int) -> dict:
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + group_id)
+    mask = _mask(case, gen)
+    length, hq = case.seq_len, 4
+
+    def full(heads):
+        return torch.randn(BATCH, heads, length, HEAD_DIM, generator=gen).double()
+
+    ref_inputs = [full(hq).requires_grad_(), full(case.hkv).requires_grad_(), full(case.hkv).requires_grad_()]
+    dout = full(hq)
+    dense = mask.between(torch.arange(length), torch.arange(length))
+    ref_out = F.scaled_dot_product_attention(*ref_inputs, attn_mask=dense, enable_gqa=True)
+    ref_out.backward(dout)
+    refs = [ref_out.detach()] + [t.grad for t in ref_inputs]
+
+    q, k, v = (shard_sequence(t.detach(), 2, case.cp, cp_rank).float().requires_grad_() for t in ref_inputs)
+    if case.kernel == "math":
+        out = ring._RingAttention.apply(q, k, v, group, False, HEAD_DIM ** -0.5, case.comm, ring._MathKernel(), mask)
+    else:
+        out = ring_attention(q, k, v, group=group, comm=case.comm, mask=mask)
+    out.backward(shard_sequence(dout, 2, case.cp, cp_rank).float())
+    errors = {}
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), refs):
+        errors[name] = (got.double() - shard_sequence(ref, 2, case.cp, cp_rank)).abs().max().item()
+    return errors
+
+
+def _work(length: int, cp: int, rank: int, window: Optional[int]) -> int:
+    """Query x key elements of the tile pairs one rank computes for one causal sequence of ``length``."""
+    tiles = ring._tile_rows(length // cp, window)
+    mask = SequenceMask(causal=True, window=window)
+    return sum((tiles[i].stop - tiles[i].start) * (tiles[j].stop - tiles[j].start)
+               for owner in range(cp) for j in range(len(tiles))
+               for i, _, _ in ring._pairs(rank, owner, j, tiles, cp, False, mask))
+
+
+def _worker(rank: int, world: int, result_dir: str) -> None:
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{Path(result_dir, 'init')}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        groups = {}
+        for grouping, layout in GROUPINGS.items():
+            if layout is None:
+                groups[grouping] = (dist.group.WORLD, rank, 0)
+                continue
+            for group_id, ranks in enumerate(layout):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[grouping] = (group, ranks.index(rank), group_id)
+        for case in _cases():
+            group, cp_rank, group_id = groups[case.grouping]
+            results[case.name] = _run_case(case, group, cp_rank, group_id)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        results["__error__"] = traceback.format_exc()
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    results = spawn(_worker, WORLD, LAUNCH_TIMEOUT_S)
+    for rank, data in enumerate(results):
+        if "__error__" in data:
+            pytest.fail(f"rank {rank} raised:\n{data['__error__']}")
+    return results
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.name)
+def test_masked_ring_attention_matches_full_attention(case, dist_results):
+    for rank, per_rank in enumerate(dist_results):
+        for name, error in per_rank[case.name].items():
+            assert error <= TOL, f"{case.name} rank {rank}: {name} max abs error {error:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_sliding_window_work_per_token_stays_flat_as_the_sequence_grows(cp):
+    """Attention elements computed per rank and query token with a 64-token window, from 4x to 16x the window:
+    bounded by two windows whatever the length (tiles outside the window skipped, tiles no longer than the
+    window; a token's own window costs one), where causal attention alone grows with the length."""
+    window, lengths = 64, (4 * 64, 8 * 64, 16 * 64)
+    for rank in range(cp):
+        per_token = [_work(length, cp, rank, window) / (length // cp) for length in lengths]
+        causal = [_work(length, cp, rank, None) / (length // cp) for length in lengths]
+        assert all(window / 2 <= work <= 2 * window for work in per_token), per_token
+        assert causal[2] >= 3.5 * causal[0] and causal[2] > 4 * per_token[2], causal
+
+
+def test_bad_masks_are_refused():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="either is_causal=True or a SequenceMask"):
+        ring_attention(q, q, q, group=None, is_causal=True, mask=SequenceMask())
