@@ -389,7 +389,10 @@ class ParallelModel:
             config: ContextParallelConfig = self.options["context"]
             self.context = ContextParallel(self.module, self.mesh.group("cp"), comm=config.comm, seq_dim=config.seq_dim,
                                            batch_keys=config.batch_keys, position_modules=config.position_modules,
-                                           buffers=config.buffers, sequence_parallel=sp)
+                                           buffers=config.buffers, sequence_parallel=sp,
+                                           document_key=config.document_key)
+            if self.pipeline is not None:  # a micro-batch's masks read its rows of the step's padding and documents
+                self.pipeline.before_microbatch = self.context.select_rows
         if dims.cp_enabled and self._multihead is None:
             # torch's nn.MultiheadAttention computes attention out of the interception's reach: lightning_4d's
             # forward on each instance (tensor parallelism gave the ones it shards theirs already, for good).

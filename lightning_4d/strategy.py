@@ -75,7 +75,7 @@ class FourDStrategy(ModelParallelStrategy):
             a Hugging Face directory (``save_pretrained``), a torch DCP directory, a lightning-4d checkpoint
             directory, a Lightning checkpoint file, or a file with a plain ``state_dict``; and the module path
             under which the file's keys are the module's (e.g. ``"model."``; ``None``: found automatically).
-        cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers: see
+        cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers, cp_document_key: see
             :class:`~lightning_4d.context_parallel.config.ContextParallelConfig` (``None``: found by name).
         pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the schedule (``gpipe``,
             ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``,
@@ -130,6 +130,7 @@ class FourDStrategy(ModelParallelStrategy):
         cp_batch_keys: Optional[list[Union[str, int]]] = None,
         cp_position_modules: Optional[list[str]] = None,
         cp_buffers: Optional[list[str]] = None,
+        cp_document_key: Optional[str] = None,
         pp_schedule: str = "1f1b",
         pp_microbatches: Optional[int] = None,
         pp_blocks: Optional[str] = None,
@@ -163,7 +164,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.init_from_prefix = init_from_prefix
         self.reduce_scatter_every_batch = bool(reduce_scatter_every_batch)
         # Typed per-dimension options, each validated on construction (before any process starts).
-        self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers)
+        self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers,
+                                               cp_document_key)
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
         self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check, tp_strict)
         self.tp_config.check_with_pipeline(self.pp_config.pp)

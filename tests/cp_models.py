@@ -99,7 +99,7 @@ def odd_length_data(train: bool = True):
 
 
 def window_length_data(train: bool = True):
-    """Sequences of SlidingWindowMistral's window (12 tokens): the fix its refusal under cp suggests."""
+    """Sequences of SlidingWindowMistral's window (12 tokens), which then masks nothing."""
     return token_data(train, seq_len=12)
 
 

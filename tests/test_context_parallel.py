@@ -55,9 +55,12 @@ TWO = [
     Case("cp2_batch_positions", module="tests.cp_models:BatchPositionsGPT",
          data="tests.cp_models:token_data_with_positions", max_steps=4,
          strategy={"cp": 2, "cp_batch_keys": ["0", "1", "2"], "cp_position_modules": ["transformer.wpe"]}),
-    # The fix that the sliding-window refusal names: sequences no longer than the window.
+    # A sliding window as long as the sequence masks nothing; one shorter than it (12 of 16 tokens) is applied
+    # over the whole sequence (tests/test_cp_masks.py has the larger cases).
     Case("cp2_sliding_window_at_window_length", module="tests.cp_models:SlidingWindowMistral",
          data="tests.cp_models:window_length_data", strategy={"cp": 2}, max_steps=4),
+    Case("cp2_sliding_window_shorter_than_sequence", module="tests.cp_models:SlidingWindowMistral", strategy={"cp": 2},
+         **LM),
 ]
 # Position handling off: these must NOT match one process. Some final weight element differs by more than
 # ten times parity's bound (measured: 7.9e-4 with local rotary tables, 0.11 with local learned positions;
@@ -71,7 +74,7 @@ UNHANDLED = [
          strategy={"cp": 2, "cp_position_modules": []}, **LM),
 ]
 # name -> (case, exception type, phrases of its message)
-MASK_ERROR = "is not a plain causal mask"
+MASK_ERROR = "that context parallelism cannot carry over to the whole sequence"
 FAILING = {
     "length": (Case("length", module=MODELS["gpt"], data="tests.cp_models:odd_length_data", strategy={"cp": 2},
                     max_steps=1),
@@ -84,12 +87,6 @@ FAILING = {
                          **LM), "ValueError", [MASK_ERROR]),
     "documents_mask": (Case("documents_mask", module=VARIANT, module_kwargs={"attention": "documents"},
                             strategy={"cp": 2}, **LM), "ValueError", [MASK_ERROR]),
-    "sliding_window_config": (Case("sliding_window_config", module="tests.cp_models:SlidingWindowMistral",
-                                   strategy={"cp": 2}, **LM),
-                              "ValueError", ["model (MistralForCausalLM) has config.sliding_window=12",
-                                             "shorter than the sequences (16 tokens)",
-                                             "band mask on the tiles at the window's edge",
-                                             "sequences of at most 12 tokens"]),
     # A regression MLP has no sequence: its 16 features are split as one, and the first linear fails.
     "no_sequence": (Case("no_sequence", module="tests.models:Classifier", data="tests.models:classification_data",
                          strategy={"cp": 2}, max_steps=2),

@@ -7,8 +7,9 @@ they are adjusted while a step runs:
 
 * Attention. Every call of scaled-dot-product attention is caught by a ``TorchFunctionMode`` (which sees
   ``F.scaled_dot_product_attention`` under any import name: they are all one function) and computed as ring
-  attention over the group. Only full and causal attention
-  keep the same meaning on a shard, so any other mask is an error.
+  attention over the group. A mask the model built on its shard (padding, a sliding window, packed documents)
+  is read for its meaning and applied over the whole sequence (:mod:`.masks`); a mask of another kind is an
+  error.
 * Positions derived from the local length. ``wpe(torch.arange(T))`` and a rotary embedding's
   ``position_ids`` input are mapped to the tokens' global positions by forward pre-hooks, and tables sliced
   ``buf[:T]`` are swapped for ``buf[global positions]`` for the duration of the step.
@@ -36,8 +37,9 @@ from torch.overrides import TorchFunctionMode
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
+from lightning_4d.context_parallel.masks import AttentionLayer, SequenceFacts, attention_layer, explain, unmasked
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
-from lightning_4d.context_parallel.ring_attention import ring_attention, zigzag_positions
+from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
 _SDPA = F.scaled_dot_product_attention
@@ -50,7 +52,7 @@ def _shifts_labels(module: nn.Module) -> bool:
 
 
 def _sliding_windows(module: nn.Module) -> dict[str, int]:
-    """Hugging Face configs with an active sliding window: their masks look causal on a short enough shard."""
+    """Hugging Face configs with an active sliding window (tried when the attention layer running is unknown)."""
     windows = {}
     for fqn, sub in module.named_modules():
         config = getattr(sub, "config", None)
@@ -121,8 +123,9 @@ class ContextParallel:
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, comm: str = "ring", seq_dim: int = 1,
                  batch_keys: Optional[Sequence[Union[str, int]]] = None,
                  position_modules: Optional[Sequence[str]] = None, buffers: Optional[Sequence[str]] = None,
-                 sequence_parallel: int = 1) -> None:
-        ContextParallelConfig(dist.get_world_size(group), comm, seq_dim, batch_keys, position_modules, buffers)
+                 sequence_parallel: int = 1, document_key: Optional[str] = None) -> None:
+        ContextParallelConfig(dist.get_world_size(group), comm, seq_dim, batch_keys, position_modules, buffers,
+                              document_key)
         self.module = module
         self.group = group
         self.size = dist.get_world_size(group)
@@ -134,10 +137,13 @@ class ContextParallel:
         self.position_modules = find_position_modules(module, position_modules)
         self.buffers = find_position_buffers(module, buffers)
         self.sliding_windows = _sliding_windows(module)
+        self.document_key = document_key
         self.attention_calls = 0
+        self._facts: Optional[SequenceFacts] = None  # the whole sequences' padding and documents, this step
+        self._explained: dict[int, tuple[Tensor, int, Optional[AttentionLayer], tuple[bool, Optional[SequenceMask]]]] = {}
+        self._layer: Optional[AttentionLayer] = None  # the Hugging Face attention module running
         self._sharded_shapes: dict[str, tuple[int, ...]] = {}  # the last sharded batch's entries, whole
         self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
-        self._causal_mask: Optional[tuple[Tensor, int]] = None  # the last mask found causal, and its version
         self._seq_len = 0
         self._active = False
         self._verified = False
@@ -148,6 +154,11 @@ class ContextParallel:
         ]
         self._hooks += [sub.register_forward_pre_hook(self._labels_hook(fqn), with_kwargs=True)
                         for fqn, sub in module.named_modules() if _shifts_labels(sub)]
+        for sub in module.modules():  # which attention layer (its causality and window) builds on a mask
+            layer = attention_layer(sub)
+            if layer is not None:
+                self._hooks.append(sub.register_forward_pre_hook(self._layer_hook(layer)))
+                self._hooks.append(sub.register_forward_hook(self._layer_hook(None), always_call=True))
         # A module that recomputes its forward during backward (its own activation checkpointing: Hugging
         # Face's, torch.utils.checkpoint in its code) runs outside any interception: a mode is off while its own
         # handler runs, and the step's handler is what called backward. Each module's forward, when run in
@@ -170,7 +181,6 @@ class ContextParallel:
         paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
         check_sequence_length(length, self.size, self.sequence_parallel,
                               where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
-        self._check_model(length)
         if not self._announced:
             rank_zero_info(f"Context parallelism (cp={self.size}) shards {', '.join(repr(p) for p in paths)} on dim"
                            f" {self.seq_dim}; global positions go to modules {sorted(self.position_modules)} and"
@@ -186,22 +196,35 @@ class ContextParallel:
             index = on_device.setdefault(tensor.device, positions.to(tensor.device))
             return tensor.index_select(self.seq_dim, index)
 
-        self._sharded_shapes = {path: tuple(tensor.shape) for path, tensor in _tensors(batch).items() if path in selected}
+        tensors = _tensors(batch)
+        self._sharded_shapes = {path: tuple(tensor.shape) for path, tensor in tensors.items() if path in selected}
         sharded = _map_tensors(batch, shard)
         self._positions = next(iter(on_device.values()))
         self._seq_len = length
+        self._facts = self._sequence_facts(tensors, length, positions)
+        self._explained = {}
         return sharded
 
-    def _check_model(self, length: int) -> None:
-        """Model settings under which a shard's attention would quietly differ from the whole sequence's."""
-        for where, window in self.sliding_windows.items():
-            if window < length:
-                raise ValueError(f"{where} has config.sliding_window={window}, shorter than the sequences ({length}"
-                                 " tokens). Ring attention computes whole tiles of the sequence with kernels that"
-                                 " take only a causal flag; a window needs a band mask on the tiles at the window's"
-                                 " edge, which it does not implement yet. Train on sequences of at most"
-                                 f" {window} tokens (the window then masks nothing, and the model is the same), or"
-                                 " use cp=1.")
+    def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor) -> SequenceFacts:
+        """The whole batch's ``attention_mask`` and ``position_ids`` ([batch, length], by name) and the named
+        document ids, for the masks the model builds on its shard (:mod:`.masks`)."""
+        def named(name: str) -> Optional[Tensor]:
+            found = [t for path, t in tensors.items() if path.rpartition(".")[2] == name and t.dim() == 2
+                     and t.size(1) == length]
+            return found[0] if found else None
+
+        documents = None
+        if self.document_key is not None:
+            documents = tensors.get(self.document_key)
+            if documents is None or documents.dim() != 2 or documents.size(1) != length:
+                raise ValueError(f"cp_document_key={self.document_key!r}: the batch has no [batch, {length}] tensor"
+                                 f" there (tensors: {', '.join(f'{p}: {tuple(t.shape)}' for p, t in tensors.items())}).")
+        return SequenceFacts(named("attention_mask"), named("position_ids"), documents, positions)
+
+    def select_rows(self, index: int, count: int) -> None:
+        """Pipeline parallelism runs micro-batch ``index`` of ``count``: its rows of the step's facts apply."""
+        if self._facts is not None and not self._facts.empty:
+            self._facts.select(index, count)
 
     # -------------------------------------------------------------------------------------- the step
 
@@ -316,6 +339,12 @@ class ContextParallel:
 
         return hook
 
+    def _layer_hook(self, layer: Optional[AttentionLayer]) -> Callable:
+        def hook(*_: Any) -> None:
+            self._layer = layer
+
+        return hook
+
     def _labels_hook(self, fqn: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._active and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -359,22 +388,45 @@ class ContextParallel:
             if is_causal:
                 raise ValueError("scaled_dot_product_attention: an explicit attn_mask cannot be set with"
                                  " is_causal=True.")
-            checked = self._causal_mask
-            # Models build one mask per forward and pass it to every layer: check it once, not per layer.
-            if (checked is None or checked[0] is not attn_mask or checked[1] != compat.tensor_version(attn_mask)) \
-                    and not is_causal_mask(attn_mask, local):
-                raise ValueError(
-                    f"Context parallelism supports only causal or full attention, but scaled_dot_product_attention got"
-                    f" an attn_mask of shape {tuple(attn_mask.shape)} ({attn_mask.dtype}) that is not a plain causal"
-                    " mask (padding, sliding window or document masks would change meaning on a shard). Train on"
-                    " unpadded, unpacked sequences, or with cp=1. (A Hugging Face model given position_ids treats"
-                    " the sharded ones as packed sequences: leave them out, the rotary embedding gets global ones.)")
-            self._causal_mask = (attn_mask, compat.tensor_version(attn_mask))
-            is_causal = True
+            is_causal, mask = self._mask_meaning(attn_mask, local)
+        else:
+            mask = unmasked(bool(is_causal), self._facts, self._layer, query.shape[0] if query.dim() == 4 else 1,
+                            query.device, self._seq_len)
+            is_causal = is_causal and mask is None
         if query.size(-3) != key.size(-3) and not enable_gqa:
             raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"
                              f" {key.size(-3)}; pass enable_gqa=True for grouped-query attention.")
         lead = query.shape[:-3]
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-        out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm)
+        out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
+                             mask=mask)
         return out.reshape(*lead, *out.shape[1:])
+
+    def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:
+        """``(is_causal, SequenceMask or None)`` over the whole sequence for a mask the model built on its shard.
+        Models build a mask per forward and pass it to every layer: it is read once per layer kind, not per
+        call."""
+        key = id(attn_mask)
+        cached = self._explained.get(key)
+        version = compat.tensor_version(attn_mask)
+        if cached is not None and cached[0] is attn_mask and cached[1] == version and cached[2] == self._layer:
+            return cached[3]
+        windowed = self._layer is not None and self._layer.window is not None
+        if self._facts.empty and not windowed and is_causal_mask(attn_mask, local):
+            meaning: tuple[bool, Optional[SequenceMask]] = (True, None)
+        else:  # a shard without padding (or whose window spans it) can look causal: the facts decide
+            found = explain(attn_mask, local, self._facts, self._layer, tuple(sorted(set(self.sliding_windows.values()))),
+                            self._seq_len)
+            if found is None:
+                raise ValueError(
+                    f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)}"
+                    f" ({attn_mask.dtype}) that context parallelism cannot carry over to the whole sequence: no"
+                    " combination of causal order, the layer's sliding window, the batch's padding"
+                    " ('attention_mask'), packed documents (restarting 'position_ids', or the document ids named"
+                    f" by cp_document_key={self.document_key!r}) gives that mask on this rank's shard. A bias or a"
+                    " pattern of the model's own has no meaning on a shard: use cp=1, or pass the padding or"
+                    " document ids the mask comes from in the batch under those names.")
+            plain = found.window is None and found.key_valid is None and found.documents is None
+            meaning = (found.causal, None) if plain else (False, found)
+        self._explained[key] = (attn_mask, version, self._layer, meaning)
+        return meaning

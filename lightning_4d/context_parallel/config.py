@@ -23,7 +23,9 @@ class ContextParallelConfig:
     seq_dim: the sequence dim of the batch's tensors. batch_keys: the batch entries to shard (dict keys, tuple
     indices as strings, dotted for nesting; ``None``: every tensor as long on ``seq_dim`` as the first one).
     position_modules: FQN globs of modules whose position input must see global positions. buffers: FQN globs
-    of per-position tables that code slices by length. See ``docs/context_parallel.md``."""
+    of per-position tables that code slices by length. document_key: the batch entry holding a document id per
+    token (packed sequences, for models that build their document mask from it). See
+    ``docs/context_parallel.md``."""
 
     cp: int = 1
     comm: str = "ring"
@@ -31,6 +33,7 @@ class ContextParallelConfig:
     batch_keys: Optional[Sequence[Union[str, int]]] = None
     position_modules: Optional[Sequence[str]] = None
     buffers: Optional[Sequence[str]] = None
+    document_key: Optional[str] = None
 
     def __post_init__(self) -> None:
         ParallelDims.check_sizes(1, 1, self.cp, 1)
@@ -41,6 +44,9 @@ class ContextParallelConfig:
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
             raise ValueError(f"cp_seq_dim={seq_dim!r} must be the non-negative index of the sequence dim of the"
                              " batch's tensors (1 for [batch, seq, ...]).")
+        if self.document_key is not None and not isinstance(self.document_key, str):
+            raise ValueError(f"cp_document_key={self.document_key!r} must be the name of a batch entry (a dict key,"
+                             " a tuple index as a string, dotted for nesting), e.g. cp_document_key='document_ids'.")
         for field, name in (("batch_keys", "cp_batch_keys"), ("position_modules", "cp_position_modules"),
                             ("buffers", "cp_buffers")):
             value = getattr(self, field)

@@ -140,6 +140,9 @@ class PipelineRunner:
         self._token_losses: Optional[TokenMeanLosses] = None  # this training step's token-mean losses
         self._token_window = False  # the step's gradients are divided by its accumulation window's count
         self.token_count: Optional[Tensor] = None  # the valid targets of the last training batch, over dp x cp
+        # Called with (micro-batch index, micro-batches) before each micro-batch's forward, by whoever needs to
+        # know which rows of the step's batch run (context parallelism's masks).
+        self.before_microbatch: Optional[Callable[[int, int], None]] = None
         self._token_counts: dict[int, Tensor] = {}  # micro-batch -> the count its returned loss averages over
         self._grad_scale: Optional[float] = None  # what the step's gradients are multiplied by when committed
         self._token_problem: Optional[str] = None  # why this step's token-mean loss cannot be weighted
@@ -247,6 +250,8 @@ class PipelineRunner:
         self.split.enter(stage)
         before = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         try:
+            if self.before_microbatch is not None:
+                self.before_microbatch(index, self.config.num_microbatches)
             with logs.recording(index if stage == self.last else None):
                 output = self._call(index)
         except _StageExit as stop:

@@ -1,0 +1,181 @@
+"""What an attention mask built on a shard means for the whole sequence: padding, sliding windows, documents.
+
+A model builds its attention mask from what it sees: under context parallelism, a zigzag shard of each
+sequence, numbered 0..S-1 as if it were the whole. Causal order survives that (a shard's tokens are in
+increasing global order), but a sliding window, a padding mask and packed documents are about global
+positions and other ranks' keys, which the shard's mask cannot express. So the mask's values are not used;
+its meaning is:
+
+* :class:`SequenceFacts` holds, per step, the whole sequences' facts every cp rank has before sharding: the
+  batch's 2-D ``attention_mask`` (padding), its ``position_ids`` (documents where they restart, as Hugging
+  Face detects packed sequences) and a document-id tensor the user names (``cp_document_key``).
+* :func:`explain` finds which combination of causal order, the calling attention layer's sliding window,
+  padding and documents gives exactly the mask the model built on this shard, numbering the shard as the
+  model did, and returns the same combination over the whole sequences (a
+  :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`). A mask no combination explains (a
+  bias, a pattern of the model's own) is refused: its meaning on the whole sequence is unknown.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_4d.context_parallel.ring_attention import SequenceMask
+
+__all__ = ["AttentionLayer", "SequenceFacts", "attention_layer", "explain", "packed_documents", "simplest",
+           "unmasked"]
+
+
+def packed_documents(position_ids: Tensor) -> Tensor:
+    """Document index per token from position ids that restart (Hugging Face's packed-sequence rule: a new
+    document wherever the position is not the previous one plus one)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What a Hugging Face attention module says of its own mask: causal or not, and its sliding window."""
+
+    causal: bool
+    window: Optional[int]
+
+
+def attention_layer(module: nn.Module) -> Optional[AttentionLayer]:
+    """The :class:`AttentionLayer` of a Hugging Face attention module (``is_causal`` and a ``sliding_window``
+    of its own or of its ``config``), None for any other module."""
+    causal = getattr(module, "is_causal", None)
+    config = getattr(module, "config", None)
+    if not isinstance(causal, bool) or (not hasattr(module, "sliding_window") and config is None):
+        return None
+    if hasattr(module, "sliding_window"):  # per layer (Gemma 2/3, Qwen2: None on the global layers)
+        window = module.sliding_window
+    elif getattr(config, "use_sliding_window", True) is False:
+        window = None
+    else:  # Mistral: one window for every layer, in the config
+        window = getattr(config, "sliding_window", None)
+    return AttentionLayer(causal, window if isinstance(window, int) and not isinstance(window, bool) else None)
+
+
+class SequenceFacts:
+    """The whole sequences' padding, position ids and document ids of one step (rows of the current
+    pipeline micro-batch selected with :meth:`select`)."""
+
+    def __init__(self, padding: Optional[Tensor], position_ids: Optional[Tensor], documents: Optional[Tensor],
+                 positions: Tensor) -> None:
+        self.padding, self.position_ids, self.documents = padding, position_ids, documents
+        self.positions = positions  # global positions of this rank's tokens
+        self.rows = slice(None)
+
+    def select(self, index: int, count: int) -> None:
+        """Micro-batch ``index`` of ``count`` equal ones (pipeline parallelism) is running."""
+        rows = next(t for t in (self.padding, self.position_ids, self.documents) if t is not None).size(0) // count
+        self.rows = slice(index * rows, (index + 1) * rows)
+
+    @property
+    def empty(self) -> bool:
+        return self.padding is None and self.position_ids is None and self.documents is None
+
+    def _whole(self, t: Optional[Tensor], batch: int, device: torch.device) -> Optional[Tensor]:
+        if t is None:
+            return None
+        t = t[self.rows] if t.size(0) > 1 else t
+        return t.expand(batch, -1).to(device)
+
+    def candidates(self, batch: int, device: torch.device) -> dict[str, tuple[Tensor, Tensor]]:
+        """Name -> (what the model saw on this shard, the same over the whole sequence), for padding
+        (``key_valid``) and the documents (``documents``) the step's facts offer."""
+        local = self.positions.to(device)
+        found = {}
+        padding = self._whole(self.padding, batch, device)
+        if padding is not None:
+            found["padding"] = (padding[:, local].bool(), padding.bool())
+        position_ids = self._whole(self.position_ids, batch, device)
+        if position_ids is not None:  # what the model detects on its shard's ids, and on the whole ids
+            found["position_ids"] = (packed_documents(position_ids[:, local]), packed_documents(position_ids))
+        documents = self._whole(self.documents, batch, device)
+        if documents is not None:
+            found["documents"] = (documents[:, local], documents)
+        return found
+
+
+def _seen(mask: Tensor, length: int) -> Optional[Tensor]:
+    """A boolean or additive attention mask as [B, 1, S, S] booleans (True: seen); None for anything else
+    (another shape, a bias that is not 0 or a large negative number, heads that differ)."""
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+        return None
+    if mask.dtype == torch.bool:
+        seen = mask
+    elif mask.is_floating_point():
+        hidden = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((hidden | (mask == 0)).all()):
+            return None
+        seen = ~hidden
+    else:
+        return None
+    if seen.dim() > 4:
+        return None
+    while seen.dim() < 4:  # broadcast as SDPA does: [S, S] and [H, S, S] align on the right
+        seen = seen.unsqueeze(0)
+    if seen.size(1) > 1:
+        if not bool((seen == seen[:, :1]).all()):
+            return None
+        seen = seen[:, :1]
+    return seen
+
+
+def explain(mask: Tensor, length: int, facts: SequenceFacts, layer: Optional[AttentionLayer],
+            windows: tuple[int, ...], whole_length: int) -> Optional[SequenceMask]:
+    """The :class:`SequenceMask` over the whole sequences whose shard-numbered form is ``mask`` (None: none
+    explains it). ``layer``: the attention module running, when known; ``windows``: the sliding windows the
+    model's configs declare (tried when the layer is unknown)."""
+    seen = _seen(mask, length)
+    if seen is None:
+        return None
+    batch = seen.size(0)
+    found = facts.candidates(batch, seen.device)
+    shard = torch.arange(length, device=seen.device)
+    causal_options = (layer.causal,) if layer is not None else (True, False)
+    window_options = (layer.window,) if layer is not None else (*windows, None)
+    # Where the shard cannot tell (no padded key, one document here), the facts the batch has apply: every
+    # rank then reads the mask the same way, as one process on the whole batch does.
+    document_options = [name for name in ("documents", "position_ids") if name in found] + [None]
+    for causal, window, padded, documents in itertools.product(causal_options, window_options,
+                                                               (True, False) if "padding" in found else (False,),
+                                                               document_options):
+        on_shard = SequenceMask(causal, window, found["padding"][0] if padded else None,
+                                found[documents][0] if documents else None)
+        if torch.equal(on_shard.between(shard, shard).expand_as(seen), seen):
+            return simplest(SequenceMask(causal, window, found["padding"][1] if padded else None,
+                                          found[documents][1] if documents else None), whole_length)
+    return None
+
+
+def simplest(mask: SequenceMask, length: int) -> SequenceMask:
+    """``mask`` without the parts that hide nothing: a window as long as the sequence, padding with every key
+    valid, one document per row."""
+    window = mask.window if mask.window is not None and mask.window < length else None
+    key_valid = mask.key_valid if mask.key_valid is not None and not bool(mask.key_valid.all()) else None
+    documents = mask.documents
+    if documents is not None and bool((documents == documents[:, :1]).all()):
+        documents = None
+    return SequenceMask(mask.causal, window, key_valid, documents)
+
+
+def unmasked(is_causal: bool, facts: SequenceFacts, layer: Optional[AttentionLayer], batch: int,
+             device: torch.device, whole_length: int) -> Optional[SequenceMask]:
+    """What a Hugging Face attention layer's call without a mask means for the whole sequence: Hugging Face
+    leaves the mask out where it hides nothing on the tokens it sees (a shard without padding, a window as
+    long as the shard), so the batch's padding and the layer's window still apply. None: plain causal or full
+    attention (also for any other module: its call means what it says)."""
+    if layer is None:
+        return None
+    padding = facts.candidates(batch, device).get("padding")
+    mask = simplest(SequenceMask(is_causal, layer.window if is_causal else None,
+                                 padding[1] if padding is not None else None), whole_length)
+    return None if mask.window is None and mask.key_valid is None else mask
