@@ -119,3 +119,16 @@ def apply_activation_checkpointing(blocks: list[tuple[int, nn.Module]], config: 
             block.forward = _checkpointed_forward(block.forward, context_fn)
             done.append(position)
     return done
+
+
+def disable_kv_caches(module: nn.Module) -> list[str]:
+    """Turn off the key/value cache of every Hugging Face model in ``module`` (``config.use_cache``), as
+    ``gradient_checkpointing_enable`` does: a checkpointed layer recomputed in backward would append its keys
+    and values to the cache a second time and attend over twice the sequence. Returns the models changed."""
+    changed = []
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if hasattr(sub, "gradient_checkpointing_enable") and getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            changed.append(f"{name or 'the module'} ({type(sub).__name__})")
+    return changed

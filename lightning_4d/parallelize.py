@@ -49,13 +49,14 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_4d import checkpoint
-from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
+from lightning_4d.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
+                                                   disable_kv_caches)
 from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
@@ -183,6 +184,10 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     if compile.enabled and not compile_outside:
         parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if activation_checkpointing.enabled:
+        cached = disable_kv_caches(module)
+        if cached:
+            rank_zero_info(f"activation_checkpointing={activation_checkpointing.mode!r}: config.use_cache=False on"
+                           f" {', '.join(cached)} (a recomputed layer would add its keys and values to the cache again).")
         parallel.checkpointed_blocks = apply_activation_checkpointing(
             _held_blocks(module, plans.pipeline, pipeline), activation_checkpointing,
             parallel.recompute_context if mesh.dims.cp_enabled else None)

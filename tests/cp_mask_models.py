@@ -34,7 +34,8 @@ def _config(family: str, unmasked: bool = False):
 
 class MaskedLM(pl.LightningModule):
     """A Hugging Face causal LM given the batch's ``attention_mask`` and ``position_ids`` as they come;
-    ``unmasked``: given neither, and without sliding windows, to show what the masks change."""
+    ``unmasked``: without padding, document and sliding-window masks (the positions stay), to show what the
+    masks change."""
 
     def __init__(self, family: str = "llama", unmasked: bool = False):
         super().__init__()
@@ -44,9 +45,11 @@ class MaskedLM(pl.LightningModule):
         self.unmasked = unmasked
 
     def training_step(self, batch, batch_idx):
-        masks = {} if self.unmasked else dict(attention_mask=batch.get("attention_mask"),
-                                              position_ids=batch.get("position_ids"))
-        logits = self.model(input_ids=batch["input_ids"], **masks).logits
+        # Hugging Face detects packed documents only without a cache (past_key_values): a training step has none.
+        # Unmasked: no padding mask, and the cache turns the detection off (the positions stay).
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
+                            attention_mask=None if self.unmasked else batch.get("attention_mask"),
+                            use_cache=self.unmasked).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1))
         self.log("train_loss", loss, sync_dist=True)
         return loss

@@ -129,3 +129,20 @@ def test_bad_options_are_refused_before_launch():
         ActivationCheckpointConfig("some")
     with pytest.raises(ValueError, match="activation_checkpointing_every=0 must be a positive number of blocks"):
         ActivationCheckpointConfig("every_n", 0)
+
+
+def test_hugging_face_kv_caches_are_turned_off():
+    """A checkpointed Hugging Face layer recomputed with use_cache=True appends its keys and values to the cache
+    again (torch's checkpoint then sees tensors of twice the length): turned off, as gradient_checkpointing_enable
+    turns it off, and named."""
+    import transformers
+
+    from lightning_4d.activation_checkpointing import disable_kv_caches
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    wrapper = torch.nn.ModuleDict({"model": transformers.LlamaForCausalLM(config)})
+    assert wrapper["model"].config.use_cache is True
+    assert disable_kv_caches(wrapper) == ["model (LlamaForCausalLM)"]
+    assert wrapper["model"].config.use_cache is False
+    assert disable_kv_caches(wrapper) == []

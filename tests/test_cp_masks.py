@@ -4,7 +4,7 @@ A Hugging Face Llama on right-padded SFT batches (``attention_mask``) and on pac
 restarting at 0), Mistral with a sliding window on sequences of four windows, Gemma 3 alternating a sliding-
 window layer and a global one, and a hand-written model masking documents from a ``document_ids`` entry
 (``cp_document_key``): each trained under cp=2 (one launch) and cp=4, cp2 x tp2 and cp2 x pp2 (one launch of
-four processes) against one process on the same batches (tests/parity.py: per-step losses, logged train_loss
+four processes), some also with activation checkpointing and with dp_shard=2, against one process on the same batches (tests/parity.py: per-step losses, logged train_loss
 and final weights within 1e-5, fp32, SGD). Each mask matters: one process without it trains to other numbers
 (tests/test_ring_attention_masks.py checks the attention itself against dense masks).
 """
@@ -31,16 +31,27 @@ LAYOUTS = {2: {"cp2": {"cp": 2}},
            4: {"cp4": {"cp": 4}, "cp2_tp2": {"cp": 2, "tp": 2}, "cp2_pp2": {"cp": 2, "pp": 2, "pp_microbatches": 2}}}
 
 
+# Composed with activation checkpointing (the attention recomputed in backward) and with sharded data parallelism.
+COMPOSED = {2: [("padded_llama", "cp2_checkpointed", {"cp": 2, "activation_checkpointing": "full"}),
+                ("window_mistral", "cp2_checkpointed", {"cp": 2, "activation_checkpointing": "full"}),
+                ("packed_llama", "cp2_checkpointed", {"cp": 2, "activation_checkpointing": "full"})],
+            4: [("padded_llama", "cp2_dp_shard2", {"cp": 2, "dp_shard": 2}),
+                ("packed_llama", "cp2_dp_shard2", {"cp": 2, "dp_shard": 2}),
+                ("mixed_gemma3", "cp2_dp_shard2", {"cp": 2, "dp_shard": 2})]}
+
+
+def _case(model_name: str, layout_name: str, layout: dict) -> Case:
+    spec = dict(MODELS[model_name])
+    strategy = {**spec.pop("strategy", {}), **layout}
+    return Case(f"{model_name}-{layout_name}", strategy=strategy, max_steps=3, batch_size=4, **spec)
+
+
 def _cases(world_size: int) -> list[Case]:
-    cases = []
-    for layout_name, layout in LAYOUTS[world_size].items():
-        for model_name, spec in MODELS.items():
-            if model_name == "document_ids" and ("tp" in layout or "pp" in layout):
-                continue  # one attention layer: nothing to split into stages or shard by plan
-            spec = dict(spec)
-            strategy = {**spec.pop("strategy", {}), **layout}
-            cases.append(Case(f"{model_name}-{layout_name}", strategy=strategy, max_steps=3, batch_size=4, **spec))
-    return cases
+    cases = [_case(model_name, layout_name, layout) for layout_name, layout in LAYOUTS[world_size].items()
+             for model_name in MODELS
+             # one attention layer: nothing to split into stages or shard by plan
+             if not (model_name == "document_ids" and ("tp" in layout or "pp" in layout))]
+    return cases + [_case(*composed) for composed in COMPOSED[world_size]]
 
 
 CASES = {case.name: case for size in LAYOUTS for case in _cases(size)}
@@ -80,3 +91,20 @@ def test_each_mask_changes_what_one_process_trains(model):
     unmasked = replace(case, module_kwargs={**case.module_kwargs, "unmasked": True})
     loss, weight = max_difference(reference(case), reference(unmasked))
     assert loss > 1e-4 or weight > 1e-4, (loss, weight)
+
+
+def test_an_unknown_micro_batch_in_recomputation_is_refused():
+    """Pipeline x context parallelism with activation checkpointing: a Hugging Face layer recomputed during
+    backward without a mask on a padded batch cannot know its micro-batch's rows; refused rather than guessed."""
+    import torch
+
+    from lightning_4d.context_parallel.masks import AttentionLayer, SequenceFacts, unmasked
+
+    padding = torch.ones(4, 8, dtype=torch.long)
+    padding[0, :2] = 0
+    facts = SequenceFacts(padding, None, None, torch.tensor([0, 1, 6, 7]))
+    facts.select(1, 2)
+    layer = AttentionLayer(causal=True, window=None)
+    assert unmasked(True, facts, layer, 2, torch.device("cpu"), 8) is None  # rows 2-3: no padding anywhere
+    with pytest.raises(ValueError, match="activation_checkpointing='none' with pp and cp on padded batches"):
+        unmasked(True, facts, layer, 2, torch.device("cpu"), 8, recomputing=True)

@@ -391,7 +391,7 @@ class ContextParallel:
             is_causal, mask = self._mask_meaning(attn_mask, local)
         else:
             mask = unmasked(bool(is_causal), self._facts, self._layer, query.shape[0] if query.dim() == 4 else 1,
-                            query.device, self._seq_len)
+                            query.device, self._seq_len, recomputing=compat.in_backward())
             is_causal = is_causal and mask is None
         if query.size(-3) != key.size(-3) and not enable_gqa:
             raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"

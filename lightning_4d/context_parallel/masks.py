@@ -71,11 +71,13 @@ class SequenceFacts:
         self.padding, self.position_ids, self.documents = padding, position_ids, documents
         self.positions = positions  # global positions of this rank's tokens
         self.rows = slice(None)
+        self.pipelined = False  # rows are selected per micro-batch (known in forward only)
 
     def select(self, index: int, count: int) -> None:
         """Micro-batch ``index`` of ``count`` equal ones (pipeline parallelism) is running."""
         rows = next(t for t in (self.padding, self.position_ids, self.documents) if t is not None).size(0) // count
         self.rows = slice(index * rows, (index + 1) * rows)
+        self.pipelined = True
 
     @property
     def empty(self) -> bool:
@@ -168,13 +170,21 @@ def simplest(mask: SequenceMask, length: int) -> SequenceMask:
 
 
 def unmasked(is_causal: bool, facts: SequenceFacts, layer: Optional[AttentionLayer], batch: int,
-             device: torch.device, whole_length: int) -> Optional[SequenceMask]:
+             device: torch.device, whole_length: int, recomputing: bool = False) -> Optional[SequenceMask]:
     """What a Hugging Face attention layer's call without a mask means for the whole sequence: Hugging Face
     leaves the mask out where it hides nothing on the tokens it sees (a shard without padding, a window as
     long as the shard), so the batch's padding and the layer's window still apply. None: plain causal or full
-    attention (also for any other module: its call means what it says)."""
+    attention (also for any other module: its call means what it says). ``recomputing``: the call runs again
+    during backward (activation checkpointing)."""
     if layer is None:
         return None
+    if recomputing and facts.pipelined and facts.padding is not None and not bool(facts.padding.bool().all()):
+        raise ValueError(
+            "A Hugging Face attention layer recomputed during backward (activation checkpointing) under pipeline"
+            " and context parallelism called attention without a mask on a padded batch: its shard held no"
+            " padding, but other shards' keys may, and which micro-batch it recomputes is not known there. Use"
+            " activation_checkpointing='none' with pp and cp on padded batches, pack the samples without padding"
+            " (position_ids restarting at 0), or use pp=1.")
     padding = facts.candidates(batch, device).get("padding")
     mask = simplest(SequenceMask(is_causal, layer.window if is_causal else None,
                                  padding[1] if padding is not None else None), whole_length)
