@@ -395,7 +395,8 @@ class ParallelModel:
             self.context = ContextParallel(self.module, self.mesh.group("cp"), comm=config.comm, seq_dim=config.seq_dim,
                                            batch_keys=config.batch_keys, position_modules=config.position_modules,
                                            buffers=config.buffers, sequence_parallel=sp,
-                                           document_key=config.document_key)
+                                           document_key=config.document_key,
+                                           tensor_parallel=dims.tp if self.tensor_plan is not None else 1)
             if self.pipeline is not None:  # a micro-batch's masks read its rows of the step's padding and documents
                 self.pipeline.before_microbatch = self.context.select_rows
         if dims.cp_enabled and self._multihead is None:

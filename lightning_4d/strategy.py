@@ -125,7 +125,7 @@ class FourDStrategy(ModelParallelStrategy):
         process_group_backend: Optional[str] = None,
         init_from: Optional[str] = None,
         init_from_prefix: Optional[str] = None,
-        cp_comm: Literal["ring", "allgather"] = "ring",
+        cp_comm: Literal["ring", "allgather", "a2a"] = "ring",
         cp_seq_dim: int = 1,
         cp_batch_keys: Optional[list[Union[str, int]]] = None,
         cp_position_modules: Optional[list[str]] = None,

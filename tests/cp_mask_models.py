@@ -23,6 +23,8 @@ def _config(family: str, unmasked: bool = False):
                   num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa")
     if family == "llama":
         return transformers.LlamaConfig(**common)
+    if family == "llama8":  # 8 query and 4 key/value heads: cp=4 divides both (Ulysses)
+        return transformers.LlamaConfig(**{**common, "num_attention_heads": 8, "num_key_value_heads": 4})
     if family == "mistral":  # one window for every layer (unmasked: none)
         return transformers.MistralConfig(**common, sliding_window=None if unmasked else WINDOW)
     if family == "gemma3":  # a sliding-window layer, then a global one (unmasked: two global ones)

@@ -26,6 +26,8 @@ from lightning_4d.planner import (
     Training,
     activation_bytes_per_layer,
     all_layouts,
+    choose_cp_comm,
+    cp_exchanges,
     estimate,
     layout_problems,
     plan,
@@ -102,7 +104,23 @@ def test_model_state_and_communication_by_dim():
     pp = estimate(model, training, Layout(pp=2))  # 1F1B, 4 micro-batches of 2 samples
     assert pp.comm["pp"] == 4 * 64 * 2 * 256 * 2 and pp.memory["pipeline_grads"] == pp.memory["grads"]
     cp = estimate(model, training, Layout(cp=2))
-    assert cp.comm["cp"] == 3 * 1 * (2 * 32 * 8 * 256 * 2) * layers
+    q_block = 32 * 8 * 256 * 2  # this rank's 32 tokens of 8 samples, all heads, bf16
+    assert cp.comm["cp"] == 2 * 1 / 2 * (2 * q_block + 2 * q_block) * layers  # Ulysses: 8 heads, cp=2 divides them
+
+
+def test_the_planner_chooses_the_context_parallel_exchange():
+    """Ring: 3 (cp-1) K/V blocks per layer; Ulysses (a2a): (cp-1)/cp of q, k, v, out and their gradients.
+    Multi-head attention at cp=2 sends less by a2a; 32 query heads over 8 key/value heads at cp=2 less by the ring
+    (its K/V blocks are a quarter of q); a2a is not offered where cp does not divide the heads per tp rank."""
+    training = Training(seq_len=4096, global_batch=8)
+    mha = Model.from_sizes(layers=4, hidden=1024, heads=16, vocab=1024)
+    gqa = Model.from_sizes(layers=4, hidden=1024, heads=32, kv_heads=8, vocab=1024)
+    exchanges = cp_exchanges(mha, training, Layout(cp=2))
+    assert exchanges["a2a"] == pytest.approx(exchanges["ring"] * 4 / 6)
+    assert choose_cp_comm(mha, training, Layout(cp=2)) == "a2a"
+    assert choose_cp_comm(gqa, training, Layout(cp=2)) == "ring"
+    assert choose_cp_comm(gqa, training, Layout(cp=8)) == "a2a"  # the ring's 3 (cp-1) blocks grow with cp
+    assert "a2a" not in cp_exchanges(gqa, training, Layout(cp=4, tp=4))  # 2 kv heads per tp rank
 
 
 def test_layouts_are_every_factorization_and_problems_name_the_constraint():

@@ -1,5 +1,6 @@
 """Ring attention under masks beyond causal and full attention (issue #29): padding, sliding windows, packed
-documents and their combinations, as a :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`.
+documents and their combinations, as a :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`; and
+Ulysses attention (``cp_comm='a2a'``) with the same masks and grouped heads.
 
 One 4-process launch (cp groups of 4 and of 2 carved out of it, as in tests/test_ring_attention.py) runs every
 case: each rank's output and gradients against fp64 ``F.scaled_dot_product_attention`` over the whole sequence
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, shard_sequence
+from lightning_4d.context_parallel.ulysses import ulysses_attention
 from tests.parity import spawn
 
 LAUNCH_TIMEOUT_S = 150
@@ -39,15 +41,17 @@ GROUPINGS = {"world": None, "pairs": [[0, 1], [2, 3]]}
 class Case:
     grouping: str
     cp: int
-    comm: str
-    kind: str  # padding, window, documents, padding+documents, window+padding, bidirectional+padding, ...
+    comm: str  # ring, allgather, or a2a (Ulysses)
+    kind: str  # padding, window, documents, padding+documents, window+padding, bidirectional+padding, causal, ...
     seq_len: int
     hkv: int = 2
     kernel: str = "auto"
+    hq: int = 4
 
     @property
     def name(self) -> str:
-        return f"{self.grouping}-cp{self.cp}-{self.comm}-{self.kind}-L{self.seq_len}-kv{self.hkv}-{self.kernel}"
+        return (f"{self.grouping}-cp{self.cp}-{self.comm}-{self.kind}-L{self.seq_len}-q{self.hq}kv{self.hkv}"
+                f"-{self.kernel}")
 
 
 KINDS = ("padding", "window", "documents", "padding+documents", "window+padding", "window+documents",
@@ -62,6 +66,9 @@ def _cases() -> list[Case]:
             cases.append(Case("pairs", 2, comm, kind, 24))
         cases.append(Case("pairs", 2, comm, "padding+documents", 16, hkv=4, kernel="math"))
         cases.append(Case("world", 4, comm, "window", 32, hkv=1, kernel="math"))
+    for kind in ("causal", "bidirectional", "padding", "window+padding", "documents"):  # Ulysses
+        cases.append(Case("world", 4, "a2a", kind, 32, hq=8, hkv=4))
+        cases.append(Case("pairs", 2, "a2a", kind, 24, hq=4, hkv=2))
     return cases
 
 
@@ -78,6 +85,8 @@ def _mask(case: Case, gen: torch.Generator) -> SequenceMask:
         documents = starts.long().cumsum(1)
     if "window" in case.kind:
         window = length // 4
+    if case.kind in ("causal", "bidirectional"):
+        return None
     return SequenceMask(causal="bidirectional" not in case.kind, window=window, key_valid=key_valid,
                         documents=documents)
 
@@ -85,20 +94,23 @@ def _mask(case: Case, gen: torch.Generator) -> SequenceMask:
 def _run_case(case: Case, group, cp_rank: int, group_id: int) -> dict:
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + group_id)
     mask = _mask(case, gen)
-    length, hq = case.seq_len, 4
+    length, hq = case.seq_len, case.hq
+    causal = case.kind == "causal"
 
     def full(heads):
         return torch.randn(BATCH, heads, length, HEAD_DIM, generator=gen).double()
 
     ref_inputs = [full(hq).requires_grad_(), full(case.hkv).requires_grad_(), full(case.hkv).requires_grad_()]
     dout = full(hq)
-    dense = mask.between(torch.arange(length), torch.arange(length))
-    ref_out = F.scaled_dot_product_attention(*ref_inputs, attn_mask=dense, enable_gqa=True)
+    dense = mask.between(torch.arange(length), torch.arange(length)) if mask is not None else None
+    ref_out = F.scaled_dot_product_attention(*ref_inputs, attn_mask=dense, is_causal=causal, enable_gqa=True)
     ref_out.backward(dout)
     refs = [ref_out.detach()] + [t.grad for t in ref_inputs]
 
     q, k, v = (shard_sequence(t.detach(), 2, case.cp, cp_rank).float().requires_grad_() for t in ref_inputs)
-    if case.kernel == "math":
+    if case.comm == "a2a":
+        out = ulysses_attention(q, k, v, group=group, is_causal=causal, mask=mask)
+    elif case.kernel == "math":
         out = ring._RingAttention.apply(q, k, v, group, False, HEAD_DIM ** -0.5, case.comm, ring._MathKernel(), mask)
     else:
         out = ring_attention(q, k, v, group=group, comm=case.comm, mask=mask)
@@ -176,3 +188,11 @@ def test_bad_masks_are_refused():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="either is_causal=True or a SequenceMask"):
         ring_attention(q, q, q, group=None, is_causal=True, mask=SequenceMask())
+
+
+
+def test_ulysses_refuses_heads_cp_does_not_divide():
+    from lightning_4d.context_parallel.ulysses import check_heads
+
+    with pytest.raises(ValueError, match=r"cp_comm='a2a' .* has 2 key/value heads .* cp_comm='ring'"):
+        check_heads(8, 2, 4, "model.layers.0 (LlamaAttention)")

@@ -40,6 +40,7 @@ from lightning_4d.context_parallel.config import ContextParallelConfig, check_se
 from lightning_4d.context_parallel.masks import AttentionLayer, SequenceFacts, attention_layer, explain, unmasked
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
 from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, zigzag_positions
+from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.step_logging import StepLogs
 
 _SDPA = F.scaled_dot_product_attention
@@ -62,6 +63,18 @@ def _sliding_windows(module: nn.Module) -> dict[str, int]:
                 and any("sliding" in str(kind) for kind in layer_types)):
             windows[f"{fqn or 'the module'} ({type(sub).__name__})"] = window
     return windows
+
+
+def _check_a2a_heads(module: nn.Module, cp: int, tp: int) -> None:
+    """Under ``cp_comm='a2a'``, refuse before any step a Hugging Face config whose query or key/value heads, after
+    tensor parallelism's split, ``cp`` does not divide (other models are checked at their first attention)."""
+    for fqn, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if isinstance(heads, int) and hasattr(sub, "gradient_checkpointing_enable"):
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            check_heads(heads // tp, kv_heads // tp, cp, f"{fqn or 'the module'} ({type(sub).__name__}, tp={tp})")
+            return
 
 
 # ----------------------------------------------------------------------------------------- attention
@@ -123,7 +136,7 @@ class ContextParallel:
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, comm: str = "ring", seq_dim: int = 1,
                  batch_keys: Optional[Sequence[Union[str, int]]] = None,
                  position_modules: Optional[Sequence[str]] = None, buffers: Optional[Sequence[str]] = None,
-                 sequence_parallel: int = 1, document_key: Optional[str] = None) -> None:
+                 sequence_parallel: int = 1, document_key: Optional[str] = None, tensor_parallel: int = 1) -> None:
         ContextParallelConfig(dist.get_world_size(group), comm, seq_dim, batch_keys, position_modules, buffers,
                               document_key)
         self.module = module
@@ -138,6 +151,8 @@ class ContextParallel:
         self.buffers = find_position_buffers(module, buffers)
         self.sliding_windows = _sliding_windows(module)
         self.document_key = document_key
+        if comm == "a2a":
+            _check_a2a_heads(module, self.size, tensor_parallel)
         self.attention_calls = 0
         self._facts: Optional[SequenceFacts] = None  # the whole sequences' padding and documents, this step
         self._explained: dict[int, tuple[Tensor, int, Optional[AttentionLayer], tuple[bool, Optional[SequenceMask]]]] = {}
@@ -398,8 +413,11 @@ class ContextParallel:
                              f" {key.size(-3)}; pass enable_gqa=True for grouped-query attention.")
         lead = query.shape[:-3]
         q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-        out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
-                             mask=mask)
+        if self.comm == "a2a":
+            out = ulysses_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, mask=mask)
+        else:
+            out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
+                                 mask=mask)
         return out.reshape(*lead, *out.shape[1:])
 
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:

@@ -10,7 +10,7 @@ from typing import Optional, Union
 from lightning_4d.context_parallel.ring_attention import _nearest_multiples
 from lightning_4d.parallel_dims import ParallelDims
 
-COMM_MODES = ("ring", "allgather")
+COMM_MODES = ("ring", "allgather", "a2a")
 _EXAMPLES = {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.wpe", "cp_buffers": "model.cos"}
 
 
@@ -19,7 +19,8 @@ class ContextParallelConfig:
     """The ``cp`` size and ``cp_*`` options of ``FourDStrategy``, validated on construction. The name lists
     (``None``: found automatically) are kept as tuples.
 
-    comm: how keys and values travel: ``"ring"`` (blocks passed round the group) or ``"allgather"``.
+    comm: how keys and values travel: ``"ring"`` (blocks passed round the group), ``"allgather"``, or ``"a2a"``
+    (Ulysses: all-to-all from sequence shards to head shards).
     seq_dim: the sequence dim of the batch's tensors. batch_keys: the batch entries to shard (dict keys, tuple
     indices as strings, dotted for nesting; ``None``: every tensor as long on ``seq_dim`` as the first one).
     position_modules: FQN globs of modules whose position input must see global positions. buffers: FQN globs
@@ -39,7 +40,9 @@ class ContextParallelConfig:
         ParallelDims.check_sizes(1, 1, self.cp, 1)
         if self.comm not in COMM_MODES:
             raise ValueError(f"cp_comm={self.comm!r} is not a communication mode: use 'ring' (K/V blocks passed round"
-                             " the group, O(L/cp) memory) or 'allgather' (all K/V gathered at once, O(L) memory).")
+                             " the group, O(L/cp) memory), 'allgather' (all K/V gathered at once, O(L) memory) or"
+                             " 'a2a' (Ulysses: all-to-all to whole sequences of heads/cp heads; cp must divide the"
+                             " heads).")
         seq_dim = self.seq_dim
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int) or seq_dim < 0:
             raise ValueError(f"cp_seq_dim={seq_dim!r} must be the non-negative index of the sequence dim of the"

@@ -2,11 +2,12 @@
 module), what a layout costs in memory and communication (:mod:`.estimate`), and ``python -m
 lightning_4d.plan`` (:mod:`.cli`). Arithmetic only: importing it imports no torch."""
 
-from lightning_4d.planner.estimate import (AC_MODES, BUILDS, OPTIMIZER_STATES, PP_SCHEDULES, PRECISIONS, Estimate,
-                                           Layout, Training, activation_bytes_per_layer, all_layouts, estimate,
-                                           kept_bytes_per_layer, layout_problems, plan)
+from lightning_4d.planner.estimate import (AC_MODES, BUILDS, CP_COMMS, OPTIMIZER_STATES, PP_SCHEDULES, PRECISIONS,
+                                           Estimate, Layout, Training, activation_bytes_per_layer, all_layouts,
+                                           choose_cp_comm, cp_exchanges, estimate, kept_bytes_per_layer,
+                                           layout_problems, plan)
 from lightning_4d.planner.model_sizes import Model, PlanError
 
-__all__ = ["AC_MODES", "BUILDS", "OPTIMIZER_STATES", "PP_SCHEDULES", "PRECISIONS", "Estimate", "Layout", "Model",
-           "PlanError", "Training", "activation_bytes_per_layer", "all_layouts", "estimate", "kept_bytes_per_layer",
-           "layout_problems", "plan"]
+__all__ = ["AC_MODES", "BUILDS", "CP_COMMS", "OPTIMIZER_STATES", "PP_SCHEDULES", "PRECISIONS", "Estimate", "Layout",
+           "Model", "PlanError", "Training", "activation_bytes_per_layer", "all_layouts", "choose_cp_comm",
+           "cp_exchanges", "estimate", "kept_bytes_per_layer", "layout_problems", "plan"]

@@ -26,6 +26,8 @@ from lightning_4d.planner.estimate import (
     PlanError,
     Training,
     _format_bytes,
+    choose_cp_comm,
+    cp_exchanges,
     plan,
 )
 
@@ -186,4 +188,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + "; memory = state + gathered + max(activations + pp grads, buckets); setup = peak while the model is"
             f" built ({args.build}); comm = bytes sent per device per step\n")
     print(format_table(estimates))
+    with_cp = [est for est in estimates if est.layout.cp > 1]
+    if with_cp:
+        print("\ncontext-parallel exchange (bytes one device sends per attention layer and micro-batch, forward and"
+              " backward; the comm/step column counts the chosen one):")
+        for est in with_cp[:5]:
+            exchanges = cp_exchanges(model, training, est.layout)
+            ways = ", ".join(f"{name} {_format_bytes(cost)}" for name, cost in exchanges.items())
+            missing = "" if "a2a" in exchanges else f"; a2a: cp={est.layout.cp} does not divide the heads per tp rank"
+            print(f"  {est.layout}: cp_comm={choose_cp_comm(model, training, est.layout)!r} ({ways}{missing})")
     return 0

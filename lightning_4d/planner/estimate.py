@@ -392,6 +392,39 @@ def _gathered(model: Model, layout: Layout, stage: int, layers: int, e: int) -> 
     return (around + 2 * min(2, layers) * block) * e
 
 
+CP_COMMS = ("ring", "allgather", "a2a")
+
+
+def cp_exchanges(model: Model, training: Training, layout: Layout) -> dict[str, float]:
+    """Bytes one device sends per attention layer and micro-batch for each context-parallel exchange (forward
+    and backward; ``a2a`` only where cp divides the heads and key/value heads left by tp):
+
+    * ring: every other rank's K/V block passes through it once forward and once backward, and the dK/dV
+      partial sums once: ``3 (cp - 1)`` K/V blocks;
+    * allgather: the same bytes as one all-gather forward, one backward and a reduce-scatter of dK/dV (fewer,
+      larger messages; all K/V held at once);
+    * a2a (Ulysses): ``(cp - 1) / cp`` of q, k, v and the output forward, and of their gradients backward.
+    """
+    cp, t, e = layout.cp, layout.tp, PRECISIONS[training.precision][2]
+    tokens = _tokens(training, layout)
+    head_dim = model.hidden // model.heads
+    q_block = tokens * model.heads * head_dim / t * e
+    kv_block = 2 * tokens * model.kv_heads * head_dim / t * e
+    exchanges = {"ring": 3 * (cp - 1) * kv_block, "allgather": 3 * (cp - 1) * kv_block}
+    if (model.heads // t) % cp == 0 and (max(model.kv_heads // t, 1)) % cp == 0:
+        exchanges["a2a"] = 2 * (cp - 1) / cp * (2 * q_block + kv_block)
+    return exchanges
+
+
+def choose_cp_comm(model: Model, training: Training, layout: Layout) -> str:
+    """The exchange the planner recommends: a2a where it sends clearly less (by a quarter or more), else ring,
+    which holds only tiles of other ranks' K/V where all-gather holds all of them."""
+    exchanges = cp_exchanges(model, training, layout)
+    if "a2a" in exchanges and exchanges["a2a"] <= 0.75 * exchanges["ring"]:
+        return "a2a"
+    return "ring"
+
+
 def _communication(model: Model, training: Training, layout: Layout, grad_bytes: float,
                    layers: int) -> dict[str, float]:
     e = PRECISIONS[training.precision][2]
@@ -415,8 +448,7 @@ def _communication(model: Model, training: Training, layout: Layout, grad_bytes:
     comm["tp"] = 4 * 2 * (t - 1) / t * activation * layers * m
     if t > 1:
         comm["tp"] += 2 * (t - 1) / t * activation * m  # the vocabulary-parallel embedding's all-reduce
-    kv_block = 2 * tokens * model.kv_heads * (model.hidden // model.heads) / t * e
-    comm["cp"] = 3 * (layout.cp - 1) * kv_block * layers * m
+    comm["cp"] = cp_exchanges(model, training, layout)[choose_cp_comm(model, training, layout)] * layers * m
     boundary = activation / (t if training.sequence_parallel else 1)
     comm["pp"] = (2 if layout.pp > 2 else 1) * m * boundary if layout.pp > 1 else 0.0
     comm["total"] = sum(comm.values())
