@@ -1,14 +1,18 @@
 """Context-parallel attention over a sweep of sequence lengths: peak memory per rank and time, against one
 process.
 
-    OMP_NUM_THREADS=1 python bench/cp.py [--seq 16384 ...] [--cp 4 ...] [--variants single ring allgather]
+    OMP_NUM_THREADS=1 python bench/cp.py [--seq 16384 ...] [--cp 4 ...] [--variants single ring allgather a2a]
+                                         [--mask causal|window|packed] [--window 1024] [--documents equal|mixed]
                                          [--heads 4] [--head-dim 64] [--iters 2] [--name cp]
 
-For every ``--seq``, one causal attention call, forward and backward, over that many tokens
+For every ``--seq``, one attention call, forward and backward, over that many tokens
 ([1, heads, seq, head_dim], fp32): computed by one process with ``F.scaled_dot_product_attention``, and for
 every ``--cp`` by that many processes (gloo) each holding ``seq / cp`` tokens with ring attention,
-``comm="ring"`` and ``comm="allgather"``. Every variant runs in fresh processes. Results go to
-``bench/results/NAME.json``.
+``comm="ring"`` and ``comm="allgather"``, or with Ulysses (``a2a``). The mask is causal, or a causal sliding
+``--window``, or packed documents (``--documents equal``: all of ``--window`` tokens; ``mixed``: lengths drawn
+from 1/16 to 4 times that, seeded), given to one process written out and to the others as a ``SequenceMask``.
+Every variant runs in fresh processes. Results go to ``bench/results/NAME.json``; each row also has the
+slowest and the fastest rank's CPU time, whose ratio is the load imbalance of the zigzag layout under the mask.
 
 Memory is the peak of tensor storage alive at once on a rank during one forward+backward, counted by a
 dispatch mode from the inputs on (q, k, v and the output gradient, the output, log-sum-exp, gradients,
@@ -42,9 +46,11 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from bench.common import command, write  # noqa: E402
 from bench.report import table  # noqa: E402
-from lightning_4d.context_parallel.ring_attention import ring_attention  # noqa: E402
+from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention  # noqa: E402
+from lightning_4d.context_parallel.ulysses import ulysses_attention  # noqa: E402
 
-VARIANTS = ("single", "ring", "allgather")
+VARIANTS = ("single", "ring", "allgather", "a2a")
+MASKS = ("causal", "window", "packed")
 TIMEOUT_S = 900
 
 
@@ -84,10 +90,18 @@ def worker(variant: str, rank: int, world: int, args: argparse.Namespace, out: P
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
 
+    mask = sequence_mask(args)
+
     def attend(q, k, v):
+        length = q.size(2) * world
         if variant == "single":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return ring_attention(q, k, v, group=None, is_causal=True, comm=variant)
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            whole = torch.arange(length)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=sized(mask, length).between(whole, whole))
+        if variant == "a2a":
+            return ulysses_attention(q, k, v, group=None, is_causal=mask is None, mask=sized(mask, length))
+        return ring_attention(q, k, v, group=None, is_causal=mask is None, comm=variant, mask=sized(mask, length))
 
     def inputs(tokens: int) -> list[torch.Tensor]:
         generator = torch.Generator().manual_seed(rank)
@@ -117,6 +131,32 @@ def worker(variant: str, rank: int, world: int, args: argparse.Namespace, out: P
     out.write_text(json.dumps({"peak_mib": memory.peak / 2**20, "wall_s": min(wall), "cpu_s": min(cpu)}))
     if world > 1:
         dist.destroy_process_group()
+
+
+def sequence_mask(args: argparse.Namespace):
+    """The benchmark's mask over ``args.seq`` tokens (None: plain causal)."""
+    if args.mask == "causal":
+        return None
+    if args.mask == "window":
+        return SequenceMask(causal=True, window=args.window)
+    generator = torch.Generator().manual_seed(0)
+    lengths, total = [], 0
+    while total < args.seq:
+        if args.documents == "equal":
+            length = args.window
+        else:
+            length = int(torch.randint(max(args.window // 16, 1), 4 * args.window + 1, (1,), generator=generator))
+        lengths.append(min(length, args.seq - total))
+        total += lengths[-1]
+    documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+    return SequenceMask(causal=True, documents=documents)
+
+
+def sized(mask, length: int):
+    """``mask`` for a sequence of ``length`` (the warm-up runs a shorter one): documents cut to it."""
+    if mask is None or mask.documents is None:
+        return mask
+    return SequenceMask(causal=True, documents=mask.documents[:, :length])
 
 
 def _free_port() -> int:
@@ -152,6 +192,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--mask", choices=MASKS, default="causal")
+    parser.add_argument("--window", type=int, default=1024, help="the sliding window; the packed documents' length")
+    parser.add_argument("--documents", choices=("equal", "mixed"), default="mixed")
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--worker", choices=VARIANTS)
     parser.add_argument("--rank", type=int, default=0)
@@ -172,22 +215,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seq in args.seq:
             argv = ["--seq", str(seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-                    "--iters", str(args.iters)]
+                    "--iters", str(args.iters), "--mask", args.mask, "--window", str(args.window),
+                    "--documents", args.documents]
             runs = [(variant, 1 if variant == "single" else cp) for variant in args.variants
                     for cp in ([1] if variant == "single" else args.cp)]
             for variant, world in runs:
                 ranks = run_variant(variant, world, argv, Path(tmp))
-                rows.append({"seq": seq, "variant": variant, "processes": world,
+                rows.append({"seq": seq, "mask": _mask_name(args), "variant": variant, "processes": world,
                              "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
                              "wall_s": max(r["wall_s"] for r in ranks),
-                             "cpu_s_per_rank": max(r["cpu_s"] for r in ranks)})
+                             "cpu_s_per_rank": max(r["cpu_s"] for r in ranks),
+                             "cpu_s_fastest_rank": min(r["cpu_s"] for r in ranks)})
     for row in rows:
         single = [r for r in rows if r["seq"] == row["seq"] and r["variant"] == "single"]
         if single:
             row["memory_vs_single"] = row["peak_mib_per_rank"] / single[0]["peak_mib_per_rank"]
     payload = {"command": command("cp.py"), "heads": args.heads, "head_dim": args.head_dim, "iters": args.iters,
-               "results": rows}
+               "mask": _mask_name(args), "results": rows}
     print(table("cp", payload), f"\n(written to {write(args.name, payload)})")
+
+
+def _mask_name(args: argparse.Namespace) -> str:
+    if args.mask == "window":
+        return f"window {args.window}"
+    if args.mask == "packed":
+        return f"packed {args.documents} (~{args.window})"
+    return "causal"
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ def _cp_name(row: dict) -> str:
 
 
 def _cp(payload: dict) -> str:
-    rows = [[str(r["seq"]), _cp_name(r), f"{r['peak_mib_per_rank']:.1f}",
+    rows = [[str(r["seq"]), r.get("mask", "causal"), _cp_name(r), f"{r['peak_mib_per_rank']:.1f}",
              f"{r['memory_vs_single']:.2f}x" if "memory_vs_single" in r else "", f"{r['wall_s']:.2f}",
-             f"{r['cpu_s_per_rank']:.2f}"] for r in payload["results"]]
-    return _rows(["tokens", "attention", "peak memory per rank (MiB)", "vs one process", "wall time (s)",
-                  "CPU time per rank (s)"], rows)
+             f"{r['cpu_s_per_rank']:.2f}",
+             f"{r['cpu_s_per_rank'] / r['cpu_s_fastest_rank']:.2f}" if r.get("cpu_s_fastest_rank") else ""]
+            for r in payload["results"]]
+    return _rows(["tokens", "mask", "attention", "peak memory per rank (MiB)", "vs one process", "wall time (s)",
+                  "CPU time per rank (s)", "slowest / fastest rank"], rows)
 
 
 def _memory(payload: dict) -> str:

@@ -31,7 +31,7 @@ from tests.test_parity_matrix import ZOO_FAMILIES as FOUR_D_FAMILIES
 
 # The families of the zoo: tiny configs of library classes (see tests/zoo_models.py): Hugging Face, torch and
 # Lightning's own, litgpt and torchtitan.
-ZOO = zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES + zoo_models.FINE_TUNING_FAMILIES
+ZOO = zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES + zoo_models.FINE_TUNING_FAMILIES + zoo_models.MASK_FAMILIES
 DIMENSIONS = ("dp", "tp", "cp", "pp")
 # Each dimension at 2, nothing else named; tensor parallelism strict: a family whose automatic plan shards less
 # than 90% of its body is refused, so a cell at parity cannot come from a model left mostly whole.
@@ -119,6 +119,12 @@ NOTES: dict[tuple[str, str], str] = {
                          " whole window): sequence shards hold different numbers of answer tokens, weighted as one"
                          " process weighs them (docs/fine_tuning.md; tests/test_fine_tuning.py has more layouts)",
     ("llama_mlm", "cp"): "masked-LM targets, about 15% of the positions, the rest -100",
+    ("llama_packed", "cp"): "documents of 2 to 12 tokens packed into each row, `position_ids` restarting at 0: each"
+                            " document attends only to itself, across shards (docs/context_parallel.md#masks-padding"
+                            "-sliding-windows-packed-documents; tests/test_cp_masks.py has more layouts)",
+    ("mistral_sliding", "cp"): "a sliding window of 8 tokens on sequences of 32: tiles outside the window skipped",
+    ("gemma3_sliding", "cp"): "a sliding-window layer (8 tokens) and a global layer on sequences of 32, each with its"
+                              " own mask",
     ("llama_manual", "tp"): "`manual_backward`, `clip_gradients` by the norm over the whole model (clipping: 0.5,"
                             " below the real norm), `step`; tests/test_manual_optimization.py has more layouts",
 }

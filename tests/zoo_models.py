@@ -65,8 +65,13 @@ FAMILIES = HF_FAMILIES + ("lightning_demo", "torch_transformer")
 # supervised fine-tuning batches (prompts masked with -100) and masked-LM targets (tests/fine_tuning_models.py);
 # with manual optimization and clipping.
 FINE_TUNING_FAMILIES = ("llama_lora", "llama_frozen_embedding", "llama_sft", "llama_mlm", "llama_manual")
+# Long-context masks (tests/cp_mask_models.py): packed documents with restarting position_ids, Mistral's sliding
+# window and Gemma 3's sliding and global layers on sequences of four windows.
+MASK_FAMILIES = ("llama_packed", "mistral_sliding", "gemma3_sliding")
 # The data a family trains on, where it is not tests.lm_models:token_data.
-FAMILY_DATA = {"llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data"}
+FAMILY_DATA = {"llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data",
+               "llama_packed": "tests.cp_mask_models:packed_data", "mistral_sliding": "tests.cp_mask_models:plain_data",
+               "gemma3_sliding": "tests.cp_mask_models:plain_data"}
 
 
 class HFZooLM(_CausalLM):
@@ -232,6 +237,10 @@ class TorchTitanLM(_CausalLM):
 
 
 def zoo_lm(family: str = "llama") -> _CausalLM:
+    if family in MASK_FAMILIES:
+        from tests.cp_mask_models import MaskedLM
+
+        return MaskedLM(family.split("_")[0])
     if family in ("llama_sft", "llama_mlm"):
         return HFZooLM("llama")
     if family == "llama_manual":
