@@ -47,7 +47,7 @@ BENCHMARKS = {
                     ("--pp", "2", "--steps", "2", "--rounds", "1", "--schedules", "gpipe", "1f1b"), 4, gpu=False),
     "cp": Benchmark("Context parallelism: attention memory and time vs sequence length",
                     ("--seq", "2048", "4096", "8192", "16384", "--cp", "2", "4", "--variants", "single", "ring",
-                     "--iters", "1"),
+                     "a2a", "--iters", "1"),
                     ("--seq", "1024", "2048", "--cp", "2", "--variants", "single", "ring", "--iters", "1"), 4,
                     gpu=False),
     "memory": Benchmark("Memory per rank vs layout and model size, measured and planned",
