@@ -142,7 +142,8 @@ def four(sources, tmp_path_factory):
     cases = [_case("single-tp2_dp_shard2", {**layout, "init_from": str(sources["single"])}),
              _case("sharded-tp2_dp_shard2", {**layout, "init_from": str(sources["sharded"])}, max_steps=4,
                    save_last=True),
-             _meta_case("meta-sharded-tp2_dp_shard2", {**layout, "init_from": str(sources["sharded"])})]
+             replace(_meta_case("meta-sharded-tp2_dp_shard2", {**layout, "init_from": str(sources["sharded"])}),
+                     save_last=True)]
     return workdir, train_layout(cases, 4, timeout=420, workdir=str(workdir))
 
 
@@ -243,3 +244,21 @@ def test_round_trip_through_export_gives_the_trained_logits(four, tmp_path):
     checkpoint.load_weights(out, again)
     for key, value in again.state_dict().items():
         assert torch.equal(value, trained.state_dict()[key]), key
+
+
+def test_export_builds_a_module_whose_model_comes_from_configure_model(four, tmp_path):
+    """``MetaLlama`` builds its Hugging Face model in configure_model (under trainer.init_module): the command
+    line runs that hook on the meta device to find the model, its config and its key names."""
+    workdir, records = four
+    last = workdir / "meta-sharded-tp2_dp_shard2" / "last.ckpt"
+    out = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "lightning_4d.export", str(last), str(out), "--format", "hf",
+                           "--module", "tests.meta_models:MetaLlama"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    from transformers import LlamaForCausalLM
+
+    exported = LlamaForCausalLM.from_pretrained(out)
+    weights = records["meta-sharded-tp2_dp_shard2"]["weights"]
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, weights[f"model.{key}"]), key

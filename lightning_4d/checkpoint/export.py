@@ -19,6 +19,8 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning_4d._cli import CLASS_SYNTAX, CommandLineError, fail, import_class
@@ -156,6 +158,39 @@ def export_hugging_face(checkpoint_dir: str | os.PathLike, module: nn.Module, ou
     return output_dir
 
 
+class _MetaTrainer:
+    """Just enough of a Trainer for a ``configure_model`` that builds under ``self.trainer.init_module()``: on the
+    meta device, as ``FourDStrategy`` builds it."""
+
+    @contextmanager
+    def init_module(self, empty_init: Optional[bool] = None) -> Iterator[None]:
+        import torch
+
+        with torch.device("meta"):
+            yield
+
+
+def _configure_on_meta(module: nn.Module, spec: str) -> None:
+    """Run a LightningModule's own ``configure_model`` on the meta device, where the model is built there (the
+    constructor left it out): the export then finds the Hugging Face model, its config and its key names."""
+    import lightning.pytorch as pl
+    import torch
+
+    if not isinstance(module, pl.LightningModule) or type(module).configure_model is pl.LightningModule.configure_model:
+        return
+    module.trainer = _MetaTrainer()
+    try:
+        with torch.device("meta"):
+            module.configure_model()
+    except Exception as error:  # the user's hook: any failure is reported in one line
+        raise CommandLineError(f"--module {spec}: {type(module).__name__}.configure_model() on the meta device failed:"
+                               f" {type(error).__name__}: {error}. It may use only self.trainer.init_module() of the"
+                               " Trainer; export from Python with export_hugging_face(checkpoint, module, out)"
+                               " instead.") from None
+    finally:
+        module.trainer = None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The ``python -m lightning_4d.export`` command line; returns the exit status (2, with one line on stderr,
     for a bad argument or a known failure: no checkpoint there, a class that cannot be imported or built)."""
@@ -195,6 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             except Exception as error:  # the user's constructor: any failure is reported in one line
                 raise CommandLineError(f"--module {args.module}: {cls.__name__}(**hyper_parameters) failed:"
                                        f" {type(error).__name__}: {error}") from None
+            _configure_on_meta(module, args.module)
             path = export_hugging_face(args.checkpoint, module, args.output, args.max_shard_size)
         else:
             path = export_checkpoint(args.checkpoint, args.output)
