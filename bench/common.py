@@ -178,7 +178,8 @@ class RssSampler:
 
     def __init__(self, interval: float = 0.002) -> None:
         self.interval = interval
-        self.peaks = proc_status("RssAnon", "RssFile")
+        self.start = proc_status("RssAnon", "RssFile")
+        self.peaks = dict(self.start)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
