@@ -95,7 +95,8 @@ def _compile(payload: dict) -> str:
 def _goal(ratio: float | None, goal: float | None, met: bool | None, excess_gb: float) -> str:
     if goal is None:
         return "" if ratio is None else f"{ratio:.2f}"
-    return f"{ratio:.2f} (≤ {goal}: {'met' if met else f'**missed** by {excess_gb:.2f} GB'})"
+    excess = f"{excess_gb:.3f}" if excess_gb < 0.01 else f"{excess_gb:.2f}"
+    return f"{ratio:.2f} (≤ {goal}: {'met' if met else f'**missed** by {excess} GB'})"
 
 
 def _big_model(payload: dict) -> str:
@@ -273,6 +274,9 @@ def _plot_big_model(payload: dict, figure):
                 mine = {r["layout"]: r for r in rows if r["build"] == build}
                 at = [i for i, spec in enumerate(layouts) if spec in mine and mine[spec][key] is not None]
                 ax.bar([i + offset for i in at], [mine[layouts[i]][key] for i in at], 0.4, label=f"{build}-built")
+                if key == "setup_over_model" and build == "meta":  # what the rank allocated, without mapped files
+                    ax.bar([i + offset for i in at], [mine[layouts[i]]["setup_anon_over_model"] for i in at], 0.4,
+                           fill=False, hatch="//", label="meta-built, allocations only")
                 for i in at:
                     if mine[layouts[i]][goal] is not None:
                         ax.hlines(mine[layouts[i]][goal], i + offset - 0.2, i + offset + 0.2, colors="k")
