@@ -1,5 +1,5 @@
 """Pieces every benchmark shares: a step timer, trainers and data, worker processes, peak memory on CPU,
-the machine description, and where results go."""
+the Hugging Face Llama the memory benchmarks build and save, the machine description, and where results go."""
 
 import argparse
 import json
@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +146,90 @@ def write_rows(rows: list, out: str) -> None:
 # unless the process runs with a fixed mmap threshold; with this one freed tensors go back to the system and the
 # resident set follows live tensors.
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def proc_status(*keys: str) -> dict[str, int]:
+    """Sizes from Linux's ``/proc/self/status`` in bytes (``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``) and, for
+    ``rchar``, the bytes this process read with ``read()`` (``/proc/self/io``)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in keys:
+            fields[key] = int(value.split()[0]) * 1024
+    if "rchar" in keys:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == "rchar":
+                fields[key] = int(value)
+    return fields
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (``/proc/self/statm``), cheaper than parsing ``status``."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    """The peaks of anonymous memory (allocations) and of file-backed pages (bytes mapped from files, such as
+    memory-mapped safetensors) in the resident set, sampled every ``interval`` seconds by a thread while the
+    ``with`` block runs: the high-water mark ``VmHWM`` has no such split. A short peak between samples is
+    missed, so the split explains ``VmHWM`` rather than replacing it."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.start = proc_status("RssAnon", "RssFile")
+        self.peaks = dict(self.start)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            for key, value in proc_status("RssAnon", "RssFile").items():
+                self.peaks[key] = max(self.peaks[key], value)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def llama_config(hidden: int, layers: int, vocab: int, heads: int = 8, intermediate: int | None = None):
+    """A Hugging Face ``LlamaConfig`` from its width and depth (MLP ``4 * hidden`` unless given, untied head, as
+    many key/value heads as heads): the model the memory benchmarks build, of ``llama_params`` parameters."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False,
+        attn_implementation="sdpa", bos_token_id=0, eos_token_id=1, pad_token_id=None)
+
+
+def llama_params(config) -> int:
+    """Parameters of ``LlamaForCausalLM(config)``, counted on the meta device (no memory)."""
+    import transformers
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+
+
+def save_llama(config, root: Path, max_shard_size: str) -> None:
+    """The same randomly initialized weights (seed 0) twice under ``root``: ``hf/`` with ``save_pretrained``
+    (safetensors shards of at most ``max_shard_size`` with an index) and ``state_dict.pt`` with ``torch.save``.
+    Kept when already there. This process holds the whole model while it writes."""
+    import transformers
+
+    if (root / "state_dict.pt").is_file():
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(root / "hf", max_shard_size=max_shard_size)
+    torch.save(model.state_dict(), root / "state_dict.pt")
 
 
 def layout(spec: str) -> dict[str, int]:

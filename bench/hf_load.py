@@ -28,46 +28,22 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import RssSampler, llama_config, proc_status, save_llama  # noqa: E402
 
 MODES = ("hf", "mmap", "torch.load")
 
 
 def _status() -> dict[str, int]:
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-            fields[key] = int(value.split()[0]) * 1024
-    for line in Path("/proc/self/io").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key == "rchar":
-            fields[key] = int(value)
-    return fields
+    return proc_status("VmRSS", "VmHWM", "RssAnon", "RssFile", "rchar")
 
 
 def _config(args):
-    import transformers
-
-    return transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                    num_key_value_heads=args.heads, max_position_embeddings=256,
-                                    tie_word_embeddings=False)
-
-
-def _prepare(args, root: Path) -> None:
-    import torch
-    import transformers
-
-    if (root / "state_dict.pt").is_file():
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(_config(args))
-    model.save_pretrained(root / "hf", max_shard_size="200MB")
-    torch.save(model.state_dict(), root / "state_dict.pt")
+    return llama_config(args.hidden, args.layers, args.vocab, heads=args.heads, intermediate=args.intermediate)
 
 
 def _rank(args, root: Path) -> None:
@@ -100,36 +76,25 @@ def _rank(args, root: Path) -> None:
     dist.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
     before = _status()
-    peaks = {"RssAnon": before["RssAnon"], "RssFile": before["RssFile"]}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            now = _status()
-            for key in peaks:
-                peaks[key] = max(peaks[key], now[key])
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    if args.mode == "hf":
-        checkpoint.load_weights(root / "hf", model)
-    elif args.mode == "mmap":
-        checkpoint.load_weights(root / "state_dict.pt", model)
-    else:
-        full = torch.load(root / "state_dict.pt", map_location="cpu", weights_only=True)
-        with torch.no_grad():
-            for key, target in model.state_dict().items():
-                if isinstance(target, DTensor):
-                    part = distribute_tensor(full[key], target.device_mesh, target.placements, src_data_rank=None)
-                    target.to_local().copy_(part.to_local())
-                else:
-                    target.copy_(full[key])
-        del full
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
+    with RssSampler() as sampler:
+        start = time.perf_counter()
+        if args.mode == "hf":
+            checkpoint.load_weights(root / "hf", model)
+        elif args.mode == "mmap":
+            checkpoint.load_weights(root / "state_dict.pt", model)
+        else:
+            full = torch.load(root / "state_dict.pt", map_location="cpu", weights_only=True)
+            with torch.no_grad():
+                for key, target in model.state_dict().items():
+                    if isinstance(target, DTensor):
+                        part = distribute_tensor(full[key], target.device_mesh, target.placements,
+                                                 src_data_rank=None)
+                        target.to_local().copy_(part.to_local())
+                    else:
+                        target.copy_(full[key])
+            del full
+        seconds = time.perf_counter() - start
+    peaks = sampler.peaks
     after = _status()
     held = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * 4 for t in model.state_dict().values())
     # check the values: this rank's part of a few tensors against the file
@@ -167,7 +132,7 @@ def main() -> None:
     if args.mode:
         _rank(args, root)
         return
-    _prepare(args, root)
+    save_llama(_config(args), root, max_shard_size="200MB")
     model_bytes = (root / "state_dict.pt").stat().st_size
     print(f"model: {model_bytes / 1e9:.3f} GB in fp32 ({root})")
     print(f"{'mode':<11} {'rank':>4} {'seconds':>8} {'shard GB':>9} {'peak RSS +GB':>13} {'anon +GB':>9}"
@@ -192,5 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()

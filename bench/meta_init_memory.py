@@ -25,11 +25,6 @@ ROOT = HERE.parent
 LAYOUTS = {"one process": ({}, 1), "tp=2": ({"tp": 2}, 2), "dp_shard=2": ({"dp_shard": 2}, 2)}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _run(args: argparse.Namespace) -> None:
     """One layout (this process is one of its ranks; Lightning starts the others with the same argv)."""
     import lightning.pytorch as pl
@@ -38,13 +33,11 @@ def _run(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
+    from bench.common import llama_config, rss_bytes
     from lightning_4d import FourDStrategy
 
-    before = _rss_bytes()
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
-        attn_implementation="sdpa", bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    before = rss_bytes()
+    config = llama_config(args.hidden, args.layers, args.vocab)
 
     class Model(pl.LightningModule):
         def __init__(self):

@@ -94,6 +94,35 @@ def _compile(payload: dict) -> str:
                    f"{r['compiled_first_step_s']:.1f}", f"{r['spread']:.0%}"] for r in payload["rows"]])
 
 
+def _goal(ratio: float | None, goal: float | None, met: bool | None, excess_gb: float) -> str:
+    if goal is None:
+        return "" if ratio is None else f"{ratio:.2f}"
+    excess = f"{excess_gb:.3f}" if excess_gb < 0.01 else f"{excess_gb:.2f}"
+    return f"{ratio:.2f} (≤ {goal}: {'met' if met else f'**missed** by {excess} GB'})"
+
+
+def _big_model(payload: dict) -> str:
+    gb = 1e9
+    rows = []
+    for r in payload["rows"]:
+        single = r["train_growth"] / r["train_vs_single"] if r["train_vs_single"] else None
+        allowed = (r["setup_goal"] or 0) * r["model_bytes"]
+        train_excess = (r["train_growth"] - (r["train_goal"] or 0) * (single or 0)) / gb
+        rows.append([r["size"], r["layout"], r["build"], str(r["processes"]), f"{r['before'] / gb:.2f}",
+                     f"{r['setup_growth'] / gb:.2f}", f"{r['setup_anon_growth'] / gb:.2f} / {r['setup_file_growth'] / gb:.2f}",
+                     _goal(r["setup_over_model"], r["setup_goal"], r["setup_met"], (r["setup_growth"] - allowed) / gb),
+                     _goal(r["setup_anon_over_model"], r["setup_goal"], r["setup_anon_met"],
+                           (r["setup_anon_growth"] - allowed) / gb),
+                     f"{r['first_step_growth'] / gb:.2f}", f"{r['train_growth'] / gb:.2f}",
+                     _goal(r["train_vs_single"], r["train_goal"], r["train_met"], train_excess),
+                     f"{r['end_growth'] / gb:.2f}", f"{r['setup_s']:.1f}", f"{r['step_s']:.2f}",
+                     f"{r['hf_load_s']:.2f}" if "hf_load_s" in r else "",
+                     f"{r['torch_load_s']:.2f}" if "torch_load_s" in r else ""])
+    return _rows(["model", "layout", "build", "ranks", "before (GB)", "setup peak +GB", "anon / file +GB",
+                  "setup / model bytes", "anon / model bytes", "first step peak +GB", "step peak +GB", "step peak / one process",
+                  "end of step +GB", "setup s", "step s", "HF dir load s", "torch.load s"], rows)
+
+
 def _log2_x(ax, values) -> None:
     """A base-2 log x axis labelled at exactly ``values`` (process counts, micro-batches, lengths)."""
     ax.set_xscale("log", base=2)
@@ -103,7 +132,8 @@ def _log2_x(ax, values) -> None:
 
 
 TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
-          "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile}
+          "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile,
+          "big_model": _big_model}
 
 
 def table(name: str, payload: dict) -> str:
@@ -233,11 +263,38 @@ def _plot_data_parallel_vs_lightning(payload: dict, figure):
                    pair, pair), xlim=(-0.5, len(keys) - 0.5))
 
 
+def _plot_big_model(payload: dict, figure):
+    sizes = list(dict.fromkeys(r["size"] for r in payload["rows"]))
+    panels = (("setup_over_model", "setup peak growth / model bytes", "setup_goal"),
+              ("train_vs_single", "step peak growth / one process's", "train_goal"))
+    for row_index, size in enumerate(sizes):
+        rows = [r for r in payload["rows"] if r["size"] == size]
+        layouts = list(dict.fromkeys(r["layout"] for r in rows))
+        for column, (key, label, goal) in enumerate(panels):
+            ax = figure.add_subplot(len(sizes), 2, 2 * row_index + column + 1)
+            for offset, build in ((-0.2, "whole"), (0.2, "meta")):
+                mine = {r["layout"]: r for r in rows if r["build"] == build}
+                at = [i for i, spec in enumerate(layouts) if spec in mine and mine[spec][key] is not None]
+                ax.bar([i + offset for i in at], [mine[layouts[i]][key] for i in at], 0.4, label=f"{build}-built")
+                if key == "setup_over_model" and build == "meta":  # what the rank allocated, without mapped files
+                    ax.bar([i + offset for i in at], [mine[layouts[i]]["setup_anon_over_model"] for i in at], 0.4,
+                           fill=False, hatch="//", label="meta-built, allocations only")
+                for i in at:
+                    if mine[layouts[i]][goal] is not None:
+                        ax.hlines(mine[layouts[i]][goal], i + offset - 0.2, i + offset + 0.2, colors="k")
+            ax.set_xticks(range(len(layouts)))
+            ax.set_xticklabels(layouts, fontsize=7)
+            ax.set(title=f"{size} Llama (fp32): {label}", ylabel="ratio (black: #27's goal)")
+            ax.title.set_fontsize(8)
+            ax.legend(fontsize=7)
+
+
 PLOTS = {"pp": (_plot_pp, (9, 4)), "cp": (_plot_cp, (9, 4)), "memory": (_plot_memory, (11, 4)),
          "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4)),
          "activation_checkpointing": (_plot_activation_checkpointing, (9, 4)), "compile": (_plot_compile, (6, 4)),
          "sharded_memory": (_plot_sharded_memory, (7, 4)),
-         "data_parallel_vs_lightning": (_plot_data_parallel_vs_lightning, (9, 4))}
+         "data_parallel_vs_lightning": (_plot_data_parallel_vs_lightning, (9, 4)),
+         "big_model": (_plot_big_model, (10, 7))}
 
 
 def plot(name: str, payload: dict, path: Path) -> bool:
