@@ -1,6 +1,6 @@
 """The DTensor parallel styles a ``ModuleStyle`` becomes: torch's column-wise and row-wise styles taught
-transformers' ``Conv1D`` (weight stored ``[in, out]``), and a sequence-parallel style that reads a plain input
-as replicated."""
+transformers' ``Conv1D`` (weight stored ``[in, out]``), whose plain outputs may be modified in place; and a
+sequence-parallel style that reads a plain input as replicated."""
 
 from __future__ import annotations
 
@@ -98,6 +98,45 @@ class _OwnWeights(TorchFunctionMode):
             args = tuple(self._weight(a) for a in args)
             kwargs = {k: self._weight(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)
+
+
+class _OwnTensor(torch.autograd.Function):
+    """Identity whose output is a tensor of its own, not a view.
+
+    ``DTensor.to_local()`` (how column- and row-wise styles hand back a plain output) returns a view made inside
+    its own autograd Function, and autograd forbids modifying such a view in place: ``h += residual`` on an
+    attention's output would raise "Output 0 of _ToTorchTensor is a view and is being modified inplace". A
+    ``detach()`` inside this Function shares the storage and version counter without being a view, so in-place
+    arithmetic works as on a plain module's output, without a copy; anything autograd saved from the DTensor
+    would still be caught by the version counter."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def own_output(module: nn.Module, args: tuple, output: object) -> object:
+    """Forward hook after a style's own: its plain (local) output as a tensor that may be modified in place."""
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+        return _OwnTensor.apply(output)
+    return None
+
+
+class _Colwise(_Conv1DAware, ColwiseParallel):
+    name = "colwise"
+    conv1d = {"weight": Shard(1), "bias": Shard(0)}
+    linear = {"weight": Shard(0), "bias": Shard(0)}
+
+
+class _Rowwise(_Conv1DAware, RowwiseParallel):
+    name = "rowwise"
+    conv1d = {"weight": Shard(0), "bias": Replicate()}
+    linear = {"weight": Shard(1), "bias": Replicate()}
+    own_input_layouts = (Shard(-1),)
 
 
 class _Colwise(_Conv1DAware, ColwiseParallel):
