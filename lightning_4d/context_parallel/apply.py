@@ -37,7 +37,7 @@ from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
-from lightning_4d.context_parallel.ring_attention import ring_attention, zigzag_positions
+from lightning_4d.context_parallel.ring_attention import ring_attention, sdpa_operands, zigzag_positions
 from lightning_4d.step_logging import StepLogs
 
 _SDPA = F.scaled_dot_product_attention
@@ -371,10 +371,12 @@ class ContextParallel:
                     " the sharded ones as packed sequences: leave them out, the rotary embedding gets global ones.)")
             self._causal_mask = (attn_mask, compat.tensor_version(attn_mask))
             is_causal = True
-        if query.size(-3) != key.size(-3) and not enable_gqa:
-            raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"
-                             f" {key.size(-3)}; pass enable_gqa=True for grouped-query attention.")
-        lead = query.shape[:-3]
-        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+        # torch's shape rules: a single key/value head broadcasts over the query heads without enable_gqa.
+        q, k, v, lead = sdpa_operands(query, key, value, enable_gqa)
+        if v.size(-1) != q.size(-1):
+            raise ValueError(
+                f"scaled_dot_product_attention got a value head size {v.size(-1)} unlike the query/key head size"
+                f" {q.size(-1)}: torch accepts it, but ring attention's kernels compute equal head sizes only."
+                " Fix: cp=1 (dp=N instead) for this model.")
         out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm)
-        return out.reshape(*lead, *out.shape[1:])
+        return out.reshape(*lead, *out.shape[2:])
