@@ -3,7 +3,8 @@
 
 - ``InplaceGPT``: in-place arithmetic into what tensor-parallel layers return: ``h += residual`` on an
   attention output, ``m.add_(h)`` on an MLP output, ``q *= scale`` on a projection, ``x *= sqrt(dim)`` on the
-  token embedding's output (each legal in one process: nothing autograd saved is modified).
+  token embedding's output, ``logits *= 2.0``, ``logits.add_(bias)``, ``logits.masked_fill_(mask, v)`` on the
+  LM head's (each legal in one process: nothing autograd saved is modified).
 - ``BroadcastKVGPT``: one key/value head that scaled-dot-product attention broadcasts over the query heads,
   called without ``enable_gqa`` (legal in torch: a head dim of 1 broadcasts).
 - ``LayerNormQKGPT``: LayerNorms over the whole q and k projections (a norm that is not an RMSNorm).
@@ -117,6 +118,7 @@ class _BlockLM(_CausalLM):
         self.layers = nn.ModuleList(Block(dim, n_head, self.attention, self.inplace) for _ in range(n_layer))
         self.norm = RMSNorm(dim)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.register_buffer("logit_bias", torch.linspace(-1.0, 1.0, vocab_size))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)
@@ -128,7 +130,12 @@ class _BlockLM(_CausalLM):
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if self.inplace:  # in place into the LM head's (vocabulary-sharded) logits, with a scalar and a tensor
+            logits *= 2.0
+            logits.add_(self.logit_bias)
+            logits.masked_fill_(self.logit_bias > 0.9, -2.0)  # suppress a few tokens
+        return logits
 
 
 class InplaceGPT(_BlockLM):

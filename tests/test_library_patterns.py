@@ -3,17 +3,19 @@
 below their norm, so the clip's global norm over plain and DTensor gradients takes part):
 
 1. In-place arithmetic into what a tensor-parallel layer returns (``h += residual`` on an attention's output,
-   ``m.add_(h)`` on an MLP's, ``q *= scale`` on a projection's, ``x *= sqrt(dim)`` on the token embedding's):
-   torch's styles return ``DTensor.to_local()``, a view made inside an autograd Function, which autograd forbids
-   modifying in place. At tp=2, tp=2 with sequence parallelism, tp2 x cp2 (with and without it).
+   ``m.add_(h)`` on an MLP's, ``q *= scale`` on a projection's, ``x *= sqrt(dim)`` on the token embedding's,
+   ``logits *= 2.0``, ``logits.add_(bias)``, ``masked_fill_`` on the LM head's vocabulary-sharded logits):
+   torch's styles return ``DTensor.to_local()``, a view made inside an autograd Function, which autograd
+   forbids modifying in place; the logits' change must reach the vocabulary-parallel loss. At tp=2, tp=2 with
+   sequence parallelism, tp2 x cp2 (with and without it).
 2. Scaled-dot-product attention with one key/value head broadcast over the query heads, without ``enable_gqa``
    (legal in torch): ring attention used to demand ``enable_gqa``. At cp=2, tp=2 (query heads split, the one
    key/value head whole on both ranks), tp=2 with sequence parallelism, tp2 x cp2; what torch rejects (2
    key/value heads for 4 query heads without ``enable_gqa``) is rejected with torch's error on every rank.
 3. A norm over a whole q/k projection (Hugging Face ``Olmo2ForCausalLM``'s ``q_norm``/``k_norm``): refused
    before, now sharded with the projection (``sharded_norm``), its statistic from one all-reduce of the per-rank
-   sums of squares. At tp=2 (also with sequence parallelism), tp=4 and tp2 x cp2, each with ``tp_strict``; a
-   LayerNorm over whole projections (no RMSNorm: DTensor's generic path) at tp=2.
+   sums of squares. At tp=2 (also with sequence parallelism), tp=4, tp2 x cp2 and dp_shard2 x tp2, each with
+   ``tp_strict``; a LayerNorm over whole projections (no RMSNorm: DTensor's generic path) at tp=2.
 
 One 2-process and one 4-process launch (tests/parity.py) hold every case; probes in those launches show that
 torch's own style still fails where ours does not (pattern 1) and count the norm's collectives against a
@@ -65,6 +67,9 @@ FOUR = [
     Case("broadcast_kv_tp2_cp2", strategy={"tp": 2, "cp": 2}, **BROADCAST),
     Case("olmo2_tp2_cp2", strategy={"tp": 2, "cp": 2, **STRICT}, **OLMO2),
     Case("olmo2_tp4", strategy={"tp": 4, **STRICT}, **OLMO2),
+    # FSDP2 around the sharded norm: it all-gathers the dp_shard shards of its tp-sharded weight before forward.
+    Case("olmo2_dp_shard2_tp2", strategy={"dp_shard": 2, "tp": 2, **STRICT},
+         **{**OLMO2, "callbacks": [SHARDING]}),
 ]
 # name -> (case, exception type, phrases of its message); each rank must raise it.
 TORCH_MISMATCH = "The size of tensor a (4) must match the size of tensor b (2) at non-singleton dimension 1"

@@ -124,10 +124,15 @@ class _OwnTensor(torch.autograd.Function):
         return grad
 
 
+def own_tensor(local: torch.Tensor) -> torch.Tensor:
+    """``DTensor.to_local()`` or ``full_tensor()``'s result as a tensor that may be modified in place."""
+    return _OwnTensor.apply(local)
+
+
 def own_output(module: nn.Module, args: tuple, output: object) -> object:
     """Forward hook after a style's own: its plain (local) output as a tensor that may be modified in place."""
     if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
-        return _OwnTensor.apply(output)
+        return own_tensor(output)
     return None
 
 
@@ -242,7 +247,7 @@ def shard_norm(module: nn.Module, mesh: DeviceMesh) -> None:
             return output
         if output.placements != (Shard(output.dim() - 1),):
             output = output.redistribute(device_mesh, [Shard(output.dim() - 1)])
-        return _OwnTensor.apply(output.to_local())
+        return own_tensor(output.to_local())
 
     distribute_module(module, mesh, partition, sharded_input, local_output)
 
