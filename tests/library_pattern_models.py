@@ -152,6 +152,16 @@ class LayerNormQKGPT(_BlockLM):
     inplace = False
 
 
+class LogitsAssignGPT(BroadcastKVGPT):
+    """Assigns into its logits (``logits[..., 0] = -1``): refused under tensor parallelism, whose loss reads them
+    sharded over the vocabulary."""
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super()._blocks(x)
+        logits[..., 0] = -1.0
+        return logits
+
+
 class TwoKVHeadsAttention(BroadcastKVAttention):
     kv_heads = 2
 

@@ -79,6 +79,12 @@ FAILING_TWO = {
              strategy={"cp": 2}, max_steps=1),
         "RuntimeError", [TORCH_MISMATCH, "torch's scaled_dot_product_attention rejects these shapes too",
                          "key (8, 2, 8, 8)", "enable_gqa=False"]),
+    # Assignment into the vocabulary-sharded logits: DTensor cannot, and a gathered copy would not reach the loss.
+    "logits_assignment_tp2": (
+        Case("logits_assignment_tp2", module=M + "LogitsAssignGPT", data=LM["data"], strategy={"tp": 2},
+             max_steps=1),
+        "ValueError", ["Assignment into the LM head's logits (logits[...] = value)",
+                       "Fix: logits = logits.masked_fill(mask, value)", "loss_parallel=False"]),
 }
 ALL = {case.name: case for case in TWO + FOUR}
 

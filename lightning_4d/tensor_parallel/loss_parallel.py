@@ -101,20 +101,22 @@ class _VocabShardedLogits(TorchFunctionMode):
         if not getattr(t, _TAG, False):
             return t
         if id(t) not in self.gathered:
-            self.gathered[id(t)] = (t, own_tensor(t.full_tensor()))
+            self.gathered[id(t)] = (t, t.full_tensor())
         return self.gathered[id(t)][1]
 
     def _keep_or_gather(self, out: Any) -> Any:
         if isinstance(out, DTensor):
             if any(p.is_shard() for p in out.placements):
                 return self.track(out)
-            return own_tensor(out.full_tensor())
+            return out.full_tensor()
         return out
 
     def _in_place(self, func, args: tuple, kwargs: dict) -> Any:
         """``logits.mul_(s)``, ``logits /= t``, ``logits.masked_fill_(mask, v)``: on the vocabulary-sharded logits
         themselves (a plain tensor operand read as replicated), so that the loss and later uses see the change
-        (on a gathered copy it would be lost); a gathered copy made before is dropped."""
+        (on a gathered copy it would be lost); a gathered copy made before is dropped. Gathered copies stay views
+        made inside an autograd Function, which autograd refuses to change in place while it records: an in-place
+        op not recognised here fails there instead of changing a copy."""
         logits = args[0]
         mesh = logits.device_mesh
 
@@ -157,6 +159,12 @@ class _VocabShardedLogits(TorchFunctionMode):
                         logits, target, weight=a["weight"], ignore_index=a["ignore_index"], reduction=a["reduction"]
                     )
                 return loss.to_local()
+        if func is torch.Tensor.__setitem__ and getattr(args[0], _TAG, False):
+            raise ValueError(
+                "Assignment into the LM head's logits (logits[...] = value) inside a tensor-parallel step: the logits"
+                " are sharded over the vocabulary for the loss, and DTensor cannot assign into them (on a gathered"
+                " copy the change would not reach the loss). Fix: logits = logits.masked_fill(mask, value) or"
+                " logits.masked_fill_(mask, value), or loss_parallel=False.")
         if _in_place(func) and args and getattr(args[0], _TAG, False):
             return self._in_place(func, args, kwargs)
         if func in _VOCAB_KEEPING and not any(
