@@ -39,7 +39,7 @@ from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequen
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
 from lightning_4d.context_parallel.masks import AttentionLayer, SequenceFacts, attention_layer, explain, unmasked
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
-from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, zigzag_positions
+from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, sdpa_operands, zigzag_positions
 from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.step_logging import StepLogs
 
@@ -403,22 +403,25 @@ class ContextParallel:
             if is_causal:
                 raise ValueError("scaled_dot_product_attention: an explicit attn_mask cannot be set with"
                                  " is_causal=True.")
+        # torch's shape rules: a single key/value head broadcasts over the query heads without enable_gqa.
+        q, k, v, lead = sdpa_operands(query, key, value, enable_gqa)
+        if v.size(-1) != q.size(-1):
+            raise ValueError(
+                f"scaled_dot_product_attention got a value head size {v.size(-1)} unlike the query/key head size"
+                f" {q.size(-1)}: torch accepts it, but ring attention's kernels compute equal head sizes only."
+                " Fix: cp=1 (dp=N instead) for this model.")
+        if attn_mask is not None:
             is_causal, mask = self._mask_meaning(attn_mask, local)
         else:
-            mask = unmasked(bool(is_causal), self._facts, self._layer, query.shape[0] if query.dim() == 4 else 1,
-                            query.device, self._seq_len, recomputing=compat.in_backward())
+            mask = unmasked(bool(is_causal), self._facts, self._layer, q.size(0), q.device, self._seq_len,
+                            recomputing=compat.in_backward())
             is_causal = is_causal and mask is None
-        if query.size(-3) != key.size(-3) and not enable_gqa:
-            raise ValueError(f"scaled_dot_product_attention: query has {query.size(-3)} heads and key"
-                             f" {key.size(-3)}; pass enable_gqa=True for grouped-query attention.")
-        lead = query.shape[:-3]
-        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
         if self.comm == "a2a":
             out = ulysses_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, mask=mask)
         else:
             out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
                                  mask=mask)
-        return out.reshape(*lead, *out.shape[1:])
+        return out.reshape(*lead, *out.shape[2:])
 
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:
         """``(is_causal, SequenceMask or None)`` over the whole sequence for a mask the model built on its shard.

@@ -31,7 +31,13 @@ from lightning_4d.tensor_parallel.plan import (
 )
 from lightning_4d.tensor_parallel.multihead import shard_multihead
 from lightning_4d.tensor_parallel.self_check import TensorParallelSelfCheck, _check_replicas
-from lightning_4d.tensor_parallel.styles import _distribute_params, _fused_state_dict_hooks, _torch_style
+from lightning_4d.tensor_parallel.styles import (
+    _distribute_params,
+    _fused_state_dict_hooks,
+    _torch_style,
+    own_output,
+    shard_norm,
+)
 
 _HIDDEN_ARG_NAMES = ("hidden_states", "x", "hidden", "input", "inputs", "query")
 # Per-head attention biases built for every head outside the attention and passed in, batch and heads flattened
@@ -312,7 +318,11 @@ def apply_tensor_parallel(
         if isinstance(target, nn.MultiheadAttention):  # its fused in_proj by heads; out_proj has its own entry
             shard_multihead(target, tp_mesh)
             continue
+        if style.style == "sharded_norm":  # a norm over a column-wise output's features, on this rank's slice
+            shard_norm(target, tp_mesh)
+            continue
         parallelize_module(target, tp_mesh, _torch_style(style, target))
+        target.register_forward_hook(own_output)  # `h += residual` on its output, as on a plain module's
         if style.role == "head" and plan.loss_parallel:
             target.register_forward_hook(_vocab_head_output)
 

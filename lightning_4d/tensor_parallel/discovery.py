@@ -22,6 +22,7 @@ from lightning_4d.tensor_parallel.plan import (
     FusedQKVLayout,
     GroupedQKVLayout,
     ModuleStyle,
+    SHARDED_STYLES,
     Region,
     TensorParallelPlan,
     _child,
@@ -197,16 +198,38 @@ def _attention_region(
         if kv_heads != heads and kv_heads not in declared_kv:
             return None  # e.g. a cross-attention k|v projection: no q segment, do not guess a layout
         layout = FusedQKVLayout(heads, kv_heads, head_dim, 1 if _is_conv1d(module.get_submodule(fused)) else 0)
-    norms = _head_norms(fqn, module, (*inputs, out), head_dim)
-    return Region("attention", inputs, out, width, q_width, heads, kv_heads, head_dim, layout, norms)
+    # A norm over a whole q or k projection's output (OLMo 2): only with separate projections, whose column-wise
+    # shards are whole heads in order, as the norm's sharded weight is.
+    widths = (q_width, kv_width) if fused is None and len(inputs) == 3 and heads > 1 else ()
+    whole = _projection_norms(module, (*inputs, out), head_dim, widths)
+    norms = _head_norms(fqn, module, (*inputs, out), head_dim, whole)
+    return Region("attention", inputs, out, width, q_width, heads, kv_heads, head_dim, layout, norms,
+                  projection_norms=whole)
 
 
-def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_dim: int | None) -> tuple[str, ...]:
-    """Per-head norms inside a region (their grads get summed over tp); any other parameter is an error."""
+def _is_norm(child: nn.Module) -> bool:
+    return "norm" in type(child).__name__.lower() and not list(child.children())
+
+
+def _projection_norms(module: nn.Module, projections: tuple[str, ...], head_dim: int,
+                      widths: tuple[int, ...]) -> tuple[str, ...]:
+    """Norms of a region whose parameters are vectors as wide as a q or k projection's output (not per head)."""
+    return tuple(
+        name for name, child in module.named_modules()
+        if name and widths and not _under(name, projections) and _is_norm(child)
+        and (params := list(child.parameters(recurse=False)))
+        and all(p.dim() == 1 and p.numel() in widths and p.numel() != head_dim for p in params)
+    )
+
+
+def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_dim: int | None,
+                projection_norms: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Per-head norms inside a region (their grads get summed over tp); any other parameter is an error, except
+    the ``projection_norms`` over whole projections, sharded with them."""
     norms = []
     for name, child in module.named_modules():
         params = list(child.parameters(recurse=False))
-        if not params or (name and _under(name, projections)):
+        if not params or (name and _under(name, projections)) or name in projection_norms:
             continue
         if name and "norm" in type(child).__name__.lower() and head_dim and all(p.numel() == head_dim for p in params):
             norms.append(name)
@@ -302,6 +325,8 @@ def plan_tensor_parallel(
                 plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
         rowwise_output = f"shard({_SEQUENCE_DIM})" if sequence_parallel else None
         plan.styles[_child(fqn, region.output)] = ModuleStyle("rowwise", output=rowwise_output, role=region.kind)
+        for name in region.projection_norms:
+            plan.styles[_child(fqn, name)] = ModuleStyle("sharded_norm", role=region.kind)
         if region.kind == "attention" and fqn not in divide:
             attrs = _local_sizes(fqn, m, region, tp_size)
             config = getattr(m, "config", None)
@@ -383,7 +408,7 @@ def _coverage(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> Covera
     """The share of the body's parameters in modules the plan shards (column- or row-wise), and the body's
     largest modules left whole, grouped by FQN pattern (``model.layers.*.attn.qkv``)."""
     outside = [fqn for fqn, style in plan.styles.items() if style.role in ("embedding", "head")]
-    sharded_modules = [fqn for fqn, style in plan.styles.items() if style.style in ("colwise", "rowwise")]
+    sharded_modules = [fqn for fqn, style in plan.styles.items() if style.style in SHARDED_STYLES]
     sharded = total = 0
     whole: dict[str, list[int]] = {}
     for fqn, m in modules.items():
@@ -469,6 +494,15 @@ def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
                              f" multiple of {kv}. Fix: choose a tensor-parallel size that divides {kv}, or a multiple"
                              f" of {kv} (k and v then stay whole on every rank), or keep the attention unsharded with"
                              f" tp_plan: {{'{_pattern(fqn)}': replicate}}.")
+        kv_width = region.kv_heads * region.head_dim if region.kv_heads else None
+        for name in region.projection_norms if region.kv_replicated and kv_width != region.inner else ():
+            if any(p.numel() == kv_width for p in module.get_submodule(name).parameters()):
+                raise ValueError(
+                    f"{_child(fqn, name)} ({type(module.get_submodule(name)).__name__}) normalizes the whole key"
+                    f" projection ({kv_width} features), but {fqn} ({kind}) has {region.kv_heads} key/value heads,"
+                    f" fewer than tp={tp}: each rank keeps only its key/value head's features, so the norm cannot"
+                    f" see the whole width. Fix: a tensor-parallel size that divides {region.kv_heads}, or keep"
+                    f" the attention unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}.")
         for what, count in (("attention heads", region.heads),):
             if count % tp:
                 raise ValueError(

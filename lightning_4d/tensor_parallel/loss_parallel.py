@@ -17,12 +17,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d._compat import tree_flatten, tree_map
+from lightning_4d.tensor_parallel.styles import own_tensor
 
 _local = threading.local()
 
@@ -54,6 +55,13 @@ _VOCAB_KEEPING = {
     torch.Tensor.permute, torch.permute, torch.Tensor.squeeze, torch.Tensor.unsqueeze,
 }  # fmt: skip
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_IN_PLACE_OPERATORS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__", "__imod__"}
+
+
+def _in_place(func: Any) -> bool:
+    """A tensor method that changes its first argument: ``mul_``, ``add_``, ``__imul__`` (``*=``), ..."""
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.startswith("_"))
 _TAG = "_lightning_4d_vocab_sharded"
 
 
@@ -103,6 +111,24 @@ class _VocabShardedLogits(TorchFunctionMode):
             return out.full_tensor()
         return out
 
+    def _in_place(self, func, args: tuple, kwargs: dict) -> Any:
+        """``logits.mul_(s)``, ``logits /= t``, ``logits.masked_fill_(mask, v)``: on the vocabulary-sharded logits
+        themselves (a plain tensor operand read as replicated), so that the loss and later uses see the change
+        (on a gathered copy it would be lost); a gathered copy made before is dropped. Gathered copies stay views
+        made inside an autograd Function, which autograd refuses to change in place while it records: an in-place
+        op not recognised here fails there instead of changing a copy."""
+        logits = args[0]
+        mesh = logits.device_mesh
+
+        def replicated(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() > 0:
+                return DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return a
+
+        rest, kwargs = tree_map(replicated, (args[1:], kwargs))
+        self.gathered.pop(id(logits), None)
+        return func(logits, *rest, **kwargs)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.live or not any(getattr(a, _TAG, False) for a in tree_flatten((args, kwargs))[0]):
@@ -133,6 +159,14 @@ class _VocabShardedLogits(TorchFunctionMode):
                         logits, target, weight=a["weight"], ignore_index=a["ignore_index"], reduction=a["reduction"]
                     )
                 return loss.to_local()
+        if func is torch.Tensor.__setitem__ and getattr(args[0], _TAG, False):
+            raise ValueError(
+                "Assignment into the LM head's logits (logits[...] = value) inside a tensor-parallel step: the logits"
+                " are sharded over the vocabulary for the loss, and DTensor cannot assign into them (on a gathered"
+                " copy the change would not reach the loss). Fix: logits = logits.masked_fill(mask, value) or"
+                " logits.masked_fill_(mask, value), or loss_parallel=False.")
+        if _in_place(func) and args and getattr(args[0], _TAG, False):
+            return self._in_place(func, args, kwargs)
         if func in _VOCAB_KEEPING and not any(
             isinstance(a, torch.Tensor) and not getattr(a, _TAG, False) for a in tree_flatten((args, kwargs))[0]
         ):
@@ -165,4 +199,4 @@ def tensor_parallel_context(plan: Any) -> Iterator[None]:
 
 def _vocab_head_output(module: nn.Module, inputs: Any, output: DTensor) -> torch.Tensor:
     mode = getattr(_local, "logits_mode", None)
-    return output.full_tensor() if mode is None else mode.track(output)
+    return own_tensor(output.full_tensor()) if mode is None else mode.track(output)

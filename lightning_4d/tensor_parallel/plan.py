@@ -23,7 +23,9 @@ from lightning.fabric.utilities import rank_zero_warn
 from lightning_4d import _compat as compat
 from lightning_4d.tensor_parallel.adapters import base_layer, describe_factors
 
-STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+STYLES = ("colwise", "rowwise", "sequence_parallel", "sharded_norm", "replicate")
+# Styles whose module holds a 1/tp share of its parameters (the plan's sharded share counts them).
+SHARDED_STYLES = ("colwise", "rowwise", "sharded_norm")
 _SEQUENCE_DIM = 1
 
 
@@ -168,6 +170,9 @@ class Region:
     head_dim: int | None = None
     fused: _FusedRows | None = None  # the single input projection's row layout, when it is fused
     head_norms: tuple[str, ...] = ()
+    # Norms over a whole separate projection's output (OLMo 2's q_norm/k_norm over num_heads * head_dim), applied
+    # before the heads are split: sharded like that output ("sharded_norm"), the statistic all-reduced over tp.
+    projection_norms: tuple[str, ...] = ()
     # Fewer key/value heads than tp ranks: k and v stay whole on every rank, each rank keeps the one key/value
     # head its query heads read, and their gradients are summed over tp (Megatron's way). In a fused projection
     # (``fused``) only its k and v rows are held so; its q rows are sharded.
@@ -324,6 +329,9 @@ class TensorParallelPlan:
             }
             local = ("; local " + ", ".join(f"{k}={v}" for k, v in attrs.items())) if attrs else ""
             norms = f"; grads of {', '.join(region.head_norms)} summed over tp" if region.head_norms else ""
+            if region.projection_norms:
+                norms += (f"; {', '.join(region.projection_norms)} sharded with their projections (statistic"
+                          " all-reduced over tp)")
             lines.append(
                 f"  {region.kind:<9} {pattern} (x{count}) [{', '.join(region.inputs)} -> {region.output}]{fused}: "
                 f"{size}{local}{norms}"

@@ -78,6 +78,15 @@ def _parse_user_plan(
                     f"tp_plan entry {key!r}: {fqn} is a {type(module).__name__}; '{style}' applies to "
                     "nn.Linear, transformers Conv1D and nn.Embedding only."
                 )
+            if style == "sharded_norm" and not (
+                any(True for _ in module.parameters()) and not list(module.children())
+                and all(p.dim() == 1 for p in module.parameters())
+            ):
+                raise ValueError(
+                    f"tp_plan entry {key!r}: {fqn} is a {type(module).__name__}; 'sharded_norm' applies to a norm"
+                    " with no submodules whose parameters are vectors over the features it normalizes (the"
+                    " column-wise sharded output of a projection)."
+                )
             if style == "replicate":
                 replicated.append(fqn)
             elif style is not None:
