@@ -317,15 +317,14 @@ class SequenceMask:
 
 
 def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_causal: bool,
-           mask: Optional[SequenceMask]) -> list[tuple[int, bool, Optional[torch.Tensor]]]:
+           mask: Optional[SequenceMask], device: torch.device = torch.device("cpu")
+           ) -> list[tuple[int, bool, Optional[torch.Tensor]]]:
     """The local query tiles that attend to ``owner``'s K/V tile ``kv_tile``: (query tile, whether with the
     kernel's causal flag, the boolean tile mask or None). Under a :class:`SequenceMask` a pair it hides wholly
     is left out and one it leaves whole runs unmasked, so work follows what the mask lets through."""
     if mask is None:
         return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
-    length = cp * tiles[-1].stop
-    device = (mask.key_valid if mask.key_valid is not None else mask.documents)
-    device = device.device if device is not None else torch.device("cpu")
+    length = cp * tiles[-1].stop  # tile masks on ``device``, the queries' (a window alone has no tensor to follow)
     q_positions = zigzag_positions(length, cp, rank).to(device)
     k_positions = zigzag_positions(length, cp, owner).to(device)[tiles[kv_tile]]
     pairs = []
@@ -569,7 +568,7 @@ def _forward_pass(q, k, v, group, is_causal: bool, scale: float, comm: str, kern
     lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
     auxes = []
     for owner, j, k_tile, v_tile in _STREAMS[comm][0](k, v, group, tiles):
-        for i, causal, seen in _pairs(rank, owner, j, tiles, size, is_causal, mask):
+        for i, causal, seen in _pairs(rank, owner, j, tiles, size, is_causal, mask, q.device):
             rows = tiles[i]
             q_tile, out_tile, lse_tile = q[:, :, rows], out[:, :, rows], lse[:, :, rows]
             auxes.append(_forward_tile(kernel, q_tile, k_tile, v_tile, out_tile, lse_tile, causal, scale, seen))
@@ -581,7 +580,7 @@ def _backward_pass(ctx: Any, dout, q, k, v, out, lse, dq, grads) -> None:
     tiles = grads.tiles
     auxes = iter(ctx.auxes)
     for owner, j, k_tile, v_tile in _STREAMS[ctx.comm][0](k, v, ctx.group, tiles):
-        for i, causal, seen in _pairs(rank, owner, j, tiles, size, ctx.is_causal, ctx.mask):
+        for i, causal, seen in _pairs(rank, owner, j, tiles, size, ctx.is_causal, ctx.mask, q.device):
             rows = tiles[i]
             _backward_tile(
                 ctx.kernel,
