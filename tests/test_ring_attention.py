@@ -166,6 +166,9 @@ def _worker(rank: int, world: int, result_dir: str) -> None:
             group, cp_rank, group_id = groups[case.grouping]
             results[case.name] = _run_case(case, group, cp_rank, group_id)
         results["__peak_blocks__"] = _peak_blocks(dist.group.WORLD)
+        from tests.test_ring_attention_masks import run_mask_cases  # the same launch serves the masked cases
+
+        results.update(run_mask_cases(groups))
         dist.barrier()
         dist.destroy_process_group()
     except Exception:
@@ -173,9 +176,10 @@ def _worker(rank: int, world: int, result_dir: str) -> None:
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dist_results():
-    """One 4-process launch serves every distributed case (cp=4, two kinds of cp=2, cp=1)."""
+    """One 4-process launch serves every distributed case (cp=4, two kinds of cp=2, cp=1), those of
+    tests/test_ring_attention_masks.py included."""
     results = spawn(_worker, WORLD, LAUNCH_TIMEOUT_S)
     for rank, data in enumerate(results):
         if "__error__" in data:

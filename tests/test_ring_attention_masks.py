@@ -2,7 +2,7 @@
 documents and their combinations, as a :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`; and
 Ulysses attention (``cp_comm='a2a'``) with the same masks and grouped heads.
 
-One 4-process launch (cp groups of 4 and of 2 carved out of it, as in tests/test_ring_attention.py) runs every
+The 4-process launch of tests/test_ring_attention.py (cp groups of 4 and of 2 carved out of it) runs every
 case: each rank's output and gradients against fp64 ``F.scaled_dot_product_attention`` over the whole sequence
 with the same mask written out densely, within 1e-5. The launch also counts the tile pairs each rank computes
 under a sliding window as the sequence grows: the count must stay flat past the window (skipped tiles), which
@@ -12,29 +12,21 @@ fails if the mask were applied to every tile.
 from __future__ import annotations
 
 import importlib
-import json
-import traceback
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, shard_sequence
 from lightning_4d.context_parallel.ulysses import ulysses_attention
-from tests.parity import spawn
+from tests.test_ring_attention import dist_results  # noqa: F401  (a session fixture: one launch for both files)
 
-LAUNCH_TIMEOUT_S = 150
 TOL = 1e-5
 BATCH, HEAD_DIM = 2, 8
-WORLD = 4
 ring = importlib.import_module("lightning_4d.context_parallel.ring_attention")  # the module, not the function
-GROUPINGS = {"world": None, "pairs": [[0, 1], [2, 3]]}
 
 
 @dataclass(frozen=True)
@@ -130,37 +122,13 @@ def _work(length: int, cp: int, rank: int, window: Optional[int]) -> int:
                for i, _, _ in ring._pairs(rank, owner, j, tiles, cp, False, mask))
 
 
-def _worker(rank: int, world: int, result_dir: str) -> None:
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{Path(result_dir, 'init')}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        groups = {}
-        for grouping, layout in GROUPINGS.items():
-            if layout is None:
-                groups[grouping] = (dist.group.WORLD, rank, 0)
-                continue
-            for group_id, ranks in enumerate(layout):
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    groups[grouping] = (group, ranks.index(rank), group_id)
-        for case in _cases():
-            group, cp_rank, group_id = groups[case.grouping]
-            results[case.name] = _run_case(case, group, cp_rank, group_id)
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception:
-        results["__error__"] = traceback.format_exc()
-    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(results))
-
-
-@pytest.fixture(scope="module")
-def dist_results():
-    results = spawn(_worker, WORLD, LAUNCH_TIMEOUT_S)
-    for rank, data in enumerate(results):
-        if "__error__" in data:
-            pytest.fail(f"rank {rank} raised:\n{data['__error__']}")
+def run_mask_cases(groups: dict) -> dict:
+    """Every case on this rank, in the launch of tests/test_ring_attention.py (its cp groups: name -> (group,
+    rank in it, index of the group))."""
+    results = {}
+    for case in _cases():
+        group, cp_rank, group_id = groups[case.grouping]
+        results[case.name] = _run_case(case, group, cp_rank, group_id)
     return results
 
 
