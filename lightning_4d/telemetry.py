@@ -204,7 +204,8 @@ class _StepMode(TorchFunctionMode):
             position = _ATTENTION[packet]
             causal = kwargs.get("is_causal", args[position] if len(args) > position else False)
             query, key, value = (list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")][len(args):])[:3]
-            self.attention_flops += attention_flops(query, key, value, bool(causal))
+            if query.device.type != "meta":  # a shape check (context parallelism's, on meta tensors) computes nothing
+                self.attention_flops += attention_flops(query, key, value, bool(causal))
         elif type(packet) is compat.OpOverloadPacket and compat.op_qualified_name(packet).startswith(
                 compat.FUNCTIONAL_COLLECTIVE_NAMESPACES):
             return self._collective(packet, func, args, kwargs)
