@@ -316,6 +316,13 @@ class SequenceMask:
         return seen
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_positions(length: int, cp: int, rank: int) -> torch.Tensor:
+    """:func:`zigzag_positions` once per (length, cp, rank): asked for every K/V tile of every masked call (the
+    callers only read it)."""
+    return zigzag_positions(length, cp, rank)
+
+
 def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_causal: bool,
            mask: Optional[SequenceMask], device: torch.device = torch.device("cpu")
            ) -> list[tuple[int, bool, Optional[torch.Tensor]]]:
@@ -325,8 +332,8 @@ def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_
     if mask is None:
         return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
     length = cp * tiles[-1].stop  # tile masks on ``device``, the queries' (a window alone has no tensor to follow)
-    q_positions = zigzag_positions(length, cp, rank).to(device)
-    k_positions = zigzag_positions(length, cp, owner).to(device)[tiles[kv_tile]]
+    q_positions = _cached_positions(length, cp, rank).to(device)
+    k_positions = _cached_positions(length, cp, owner).to(device)[tiles[kv_tile]]
     pairs = []
     for i, rows in enumerate(tiles):
         seen = mask.between(q_positions[rows], k_positions)
