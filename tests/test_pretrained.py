@@ -262,3 +262,33 @@ def test_export_builds_a_module_whose_model_comes_from_configure_model(four, tmp
     weights = records["meta-sharded-tp2_dp_shard2"]["weights"]
     for key, value in exported.state_dict().items():
         assert torch.equal(value, weights[f"model.{key}"]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_slices_read_without_memory_maps_are_the_tensors_slices(tmp_path, monkeypatch, dtype):
+    """Every block size (one row, a few rows, all rows at once), every slice on every dimension, a scalar; and
+    the reader reports a truncated file instead of reading short."""
+    from safetensors.torch import save_file
+
+    from lightning_4d.checkpoint import safetensors_slices
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"cube": (torch.randn(7, 5, 3, generator=generator) * 100).to(dtype),
+               "scalar": torch.tensor(3.5).to(dtype)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    stored = safetensors_slices.read_header(tmp_path / "model.safetensors")
+    for block_bytes in (1, 2 * 15 * dtype.itemsize, 1 << 20):
+        monkeypatch.setattr(safetensors_slices, "BLOCK_BYTES", block_bytes)
+        for offsets, lengths in [((0, 0, 0), (7, 5, 3)), ((3, 0, 0), (4, 5, 3)), ((0, 2, 0), (7, 3, 3)),
+                                 ((1, 1, 2), (5, 3, 1)), ((6, 4, 2), (1, 1, 1))]:
+            out = torch.full(lengths, -1).to(dtype)
+            safetensors_slices.read_slice(stored["cube"], offsets, lengths, out)
+            expected = tensors["cube"][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            assert torch.equal(out, expected), (block_bytes, offsets, lengths)
+    out = torch.zeros(()).to(dtype)
+    safetensors_slices.read_slice(stored["scalar"], (), (), out)
+    assert torch.equal(out, tensors["scalar"])
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:stored["cube"].begin + 8])
+    with pytest.raises(OSError, match="truncated"):
+        safetensors_slices.read_slice(stored["cube"], (0, 0, 0), (7, 5, 3), torch.empty(7, 5, 3).to(dtype))

@@ -3,7 +3,8 @@
 :func:`load_pretrained` takes
 
 - a Hugging Face directory (``save_pretrained``: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
-  with ``model.safetensors.index.json``), read with torch's ``HuggingFaceStorageReader``;
+  with ``model.safetensors.index.json``), planned by torch's ``HuggingFaceStorageReader`` and read with plain
+  reads of each rank's slices (:mod:`~lightning_4d.checkpoint.safetensors_slices`: no memory map);
 - a torch DCP directory (``.metadata`` and ``*.distcp`` files, no lightning-4d ``meta.pt``), read with torch's
   ``FileSystemReader``;
 - a file holding a Lightning checkpoint or a plain ``state_dict``, memory-mapped
@@ -39,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from lightning_4d.checkpoint.safetensors_slices import SafetensorsSliceReader
 from lightning_4d.checkpoint.sharded import META_FILE, PARTIAL_SUFFIX, _load_shards, _set_model_state, model_state, read_meta
 
 HF_INDEX = "model.safetensors.index.json"
@@ -286,7 +288,7 @@ def load_pretrained(path: str | os.PathLike, model: nn.Module, strict: bool = Tr
     if source.tensors is not None:
         _copy_own_parts(source.tensors, file_key, targets)
     else:
-        reader = (dcp.HuggingFaceStorageReader(str(path)) if source.kind.startswith("Hugging")
+        reader = (SafetensorsSliceReader(str(path)) if source.kind.startswith("Hugging")
                   else dcp.FileSystemReader(path))
         state = {file_key[key]: value for key, value in targets.items()}
         dcp.load(state, storage_reader=reader)
