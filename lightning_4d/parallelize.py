@@ -445,9 +445,12 @@ class ParallelModel:
         return self.context.recompute_context() if self.context is not None else nullcontext()
 
     def step(self, name: str, args: tuple, kwargs: dict, *, predicting: bool = False,
-             accumulate_grad_batches: int = 1) -> Any:
+             accumulate_grad_batches: int = 1, gradients_zeroed: bool = False) -> Any:
         """Run the module's step method ``name`` (``training_step``, ``validation_step``, ...) as one process
-        would on the whole batch; under pipelining the schedule runs the backward passes here too."""
+        would on the whole batch; under pipelining the schedule runs the backward passes here too.
+        ``gradients_zeroed``: the training loop zeroes the gradients after this step, before its backward (the
+        first batch of an accumulation window); the pipeline then frees them before its schedule computes new
+        ones instead of holding both."""
         training = name == "training_step"
         if training:
             self._check_still_frozen()
@@ -460,7 +463,8 @@ class ParallelModel:
             token_losses = self._token_losses(self.pipeline is not None, window is not None) if not predicting else None
             if self.pipeline is not None:
                 around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
-                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses)
+                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses,
+                                            gradients_zeroed)
             else:
                 if token_losses is not None:  # validation and test losses are logged like training's
                     stack.enter_context(token_losses)

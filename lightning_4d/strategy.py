@@ -51,7 +51,8 @@ def _step_method(name: str, precision_context: str) -> Callable[..., Any]:
         trainer = self.lightning_module.trainer
         with getattr(self.precision_plugin, precision_context)():
             return self.parallel.step(name, args, kwargs, predicting=trainer.predicting,
-                                      accumulate_grad_batches=trainer.accumulate_grad_batches)
+                                      accumulate_grad_batches=trainer.accumulate_grad_batches,
+                                      gradients_zeroed=name == "training_step" and self._gradients_zeroed)
     step.__name__ = step.__qualname__ = name
     return step
 
@@ -177,6 +178,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.mesh: Optional[ParallelMesh] = None  # every process group by name: ``mesh.group("dp")``
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
         self._train_loaders = TrainLoaders()
+        self._gradients_zeroed = False  # set per training batch (on_train_batch_start)
         positive("debug_steps", debug_steps, "training steps", integer=True)
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
         self.broadcast_buffers = bool(broadcast_buffers)  # read by lightning_4d.faults.FaultTolerance
@@ -239,7 +241,12 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._train_loaders.consumed(batch_idx + 1, self.lightning_module.trainer.num_training_batches)
+        module = self.lightning_module
+        self._train_loaders.consumed(batch_idx + 1, module.trainer.num_training_batches)
+        # Lightning's own rule: automatic optimization zeroes the gradients right after the first training_step
+        # of each accumulation window (unless the module replaces optimizer_zero_grad).
+        self._gradients_zeroed = (module.automatic_optimization and not is_overridden("optimizer_zero_grad", module)
+                                  and batch_idx % module.trainer.accumulate_grad_batches == 0)
         if self._desync is not None:
             self._desync.on_step_start(self.lightning_module, self.lightning_module.trainer.global_step)
 

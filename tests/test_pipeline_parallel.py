@@ -13,9 +13,11 @@ clipping norm over one stage only are all far outside these bounds.
 The models, probes and callbacks below run inside the worker processes (``module:factory`` specs).
 """
 
+import gc
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -87,6 +89,29 @@ class StageProbe(Callback):
         return {"ranks": everyone}
 
 
+class GradientLifetimeProbe(Callback):
+    """Whether the gradients of the previous accumulation window are still alive when Lightning zeroes them
+    after the next window's first training_step: the pipeline schedule ran inside that step, so gradients alive
+    there were held next to the new ones during the whole schedule."""
+
+    def __init__(self) -> None:
+        self.previous: list = []
+        self.alive_at_zero_grad: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.previous = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        gc.collect()
+        if self.previous:
+            self.alive_at_zero_grad.append(sum(ref() is not None for ref in self.previous))
+
+    def parity_extras(self, trainer):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.alive_at_zero_grad)
+        return {"alive_at_zero_grad": everyone}
+
+
 def _held_out() -> DataLoader:
     return DataLoader(token_data(train=False, size=16), batch_size=8)
 
@@ -155,7 +180,8 @@ TWO = [
     _pp("pp2_gpt_gpipe_metrics", 2, METRIC_GPT, "gpipe", layers=8, trainer=VALIDATE_MONITORED, steps=4,
         callbacks=["tests.test_pipeline_parallel:StageProbe", "tests.test_pipeline_parallel:PredictTestExport",
                    *MONITORED]),
-    _pp("pp2_gpt_1f1b_accumulate_clip", 2, GPT, "1f1b", layers=4, trainer=ACCUMULATE_CLIP),
+    _pp("pp2_gpt_1f1b_accumulate_clip", 2, GPT, "1f1b", layers=4, trainer=ACCUMULATE_CLIP,
+        callbacks=["tests.test_pipeline_parallel:GradientLifetimeProbe"]),
     _pp("pp2_llama_interleaved_1f1b", 2, HF, "interleaved_1f1b", kind="llama", layers=4, trainer=VALIDATE, steps=4),
     _pp("pp2_gpt2_1f1b_accumulate_clip", 2, HF, "1f1b", kind="gpt2", layers=4, trainer=ACCUMULATE_CLIP),
     _pp("pp2_gpt2_zbv_accumulate_clip", 2, HF, "zbv_zero_bubble", kind="gpt2", layers=4, trainer=ACCUMULATE_CLIP),
@@ -260,6 +286,12 @@ def test_each_stage_holds_its_share_and_runs_the_user_step_once_per_micro_batch(
     # placeholder activations); only the last stage reached the metric update, once per micro-batch.
     assert [s["step_calls"] for s in stages] == [16, 16]
     assert [s["metric_updates"] for s in stages] == [0, 16]
+
+
+def test_the_previous_windows_gradients_are_freed_before_the_schedule_runs(two):
+    """3 optimizer steps of 2 accumulated batches: at the 2nd and 3rd windows' zero_grad, none of the previous
+    window's gradients is alive on either stage (they used to be set aside during the schedule)."""
+    assert two["pp2_gpt_1f1b_accumulate_clip"]["extras"]["alive_at_zero_grad"] == [[0, 0], [0, 0]]
 
 
 def test_predict_test_and_checkpoint_through_the_pipeline(two):
