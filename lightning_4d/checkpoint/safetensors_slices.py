@@ -29,8 +29,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 
-# The most bytes of one tensor read at once: rows of it, whole (a column slice is cut from them after).
-BLOCK_BYTES = 64 << 20
+# The most bytes of one tensor read at once: rows of it, whole (a column slice is cut from them after). Small, as
+# it adds to a rank's shards at its peak; reads from the page cache cost little per call.
+BLOCK_BYTES = 4 << 20
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
