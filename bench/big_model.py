@@ -72,7 +72,8 @@ SIZES = {"tiny": dict(hidden=128, layers=2, vocab=1024, heads=4),
          "0.6GB": dict(hidden=1024, layers=8, vocab=8192, heads=8),
          "2GB": dict(hidden=1536, layers=12, vocab=16384, heads=12),
          "6.6GB": dict(hidden=2560, layers=15, vocab=16384, heads=20)}
-LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp_shard2": {"dp_shard": 2}, "pp2": {"pp": 2},
+LAYOUTS = {"single": {}, "tp2": {"tp": 2}, "dp_shard2": {"dp_shard": 2},
+           "dp_shard2_modules": {"dp_shard": 2, "shard_units": "modules"}, "pp2": {"pp": 2},
            "tp2dp_shard2": {"tp": 2, "dp_shard": 2}}
 BUILDS = ("whole", "meta")
 # Per rank; pp's default 2 * pp micro-batches take one sequence each.

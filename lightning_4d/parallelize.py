@@ -125,11 +125,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                 compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
                 reshard_after_forward: ReshardAfterForward = "auto", reduce_scatter_every_batch: bool = False,
                 param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens",
-                loading: bool = False) -> ParallelModel:
+                loading: bool = False, shard_units: str = "blocks") -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
-    ``reshard_after_forward``, ``reduce_scatter_every_batch`` and ``param_dtype`` (compute dtype of FSDP's mixed
-    precision) only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
+    ``reshard_after_forward``, ``reduce_scatter_every_batch``, ``param_dtype`` (compute dtype of FSDP's mixed
+    precision) and ``shard_units`` only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
     ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.token_losses`).
     ``loading``: the caller loads every parameter and persistent buffer right after (``init_from``): rank 0's
     weights are not broadcast, and a meta-built module gets storage but only its non-persistent buffers are
@@ -142,7 +142,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                    activation_checkpointing=activation_checkpointing, compile=compile,
                    reshard_after_forward=reshard_after_forward,
                    reduce_scatter_every_batch=reduce_scatter_every_batch, param_dtype=param_dtype,
-                   loss_normalization=loss_normalization)
+                   loss_normalization=loss_normalization, shard_units=shard_units)
     existing = parallelized(module)
     if existing is not None:
         if existing.options != options:
@@ -195,14 +195,17 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if mesh.dims.dp_shard_enabled:
         parallel.replicated_params = _gradient_hooked(module, parallel.tensor_plan)
-        outside = None
+        outside, around = None, []
         if runner is not None:
             outside, kept = _units_around_blocks(module, runner.split.path, runner.split.ends())
             parallel.replicated_params += [p for p in kept if all(p is not q for q in parallel.replicated_params)]
+        elif shard_units == "modules":
+            around = _modules_around_blocks(module, pipeline)
         parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                           ignored_params=set(parallel.replicated_params), outside=outside,
-                                          every_batch=reduce_scatter_every_batch)
+                                          every_batch=reduce_scatter_every_batch, around=around,
+                                          skip=_shared_params(module))
     if meta:  # every placement is decided: allocate what this rank holds, then fill it
         owners = materialize(module, device)
         initialize(module, owners, device, _agreed_seed(device), loading=loading)
@@ -272,6 +275,27 @@ def _units_around_blocks(module: nn.Module, path: str,
     kept_ids = {id(p) for p in kept}
     units = [child for child in candidates if any(id(p) not in kept_ids for p in child.parameters())]
     return units, kept
+
+
+def _modules_around_blocks(module: nn.Module, config: PipelineConfig) -> list[nn.Module]:
+    """``shard_units="modules"``: the modules around the block list that become FSDP units of their own, those
+    of :func:`_units_around_blocks` that hold no parameter another module holds too (a tied embedding and head
+    stay in the root unit, which gathers them once for both)."""
+    try:
+        path, _ = find_blocks(module, config.blocks)
+    except ValueError:
+        return []
+    units, kept = _units_around_blocks(module, path, [])
+    kept_ids = {id(p) for p in kept}
+    return [unit for unit in units if all(id(p) not in kept_ids for p in unit.parameters())]
+
+
+def _shared_params(module: nn.Module) -> frozenset[int]:
+    """Ids of the parameters registered in more than one place."""
+    seen: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return frozenset(key for key, count in seen.items() if count > 1)
 
 
 def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> list[nn.Parameter]:

@@ -33,7 +33,8 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders
 from lightning_4d.compile import CompileConfig
 from lightning_4d.context_parallel import ContextParallelConfig
-from lightning_4d.data_parallel import DEFAULT_BUCKET_MB, check_reshard_after_forward, param_dtype_for
+from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_forward, check_shard_units,
+                                        param_dtype_for)
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.report import destroy_process_groups_at_exit
@@ -67,6 +68,8 @@ class FourDStrategy(ModelParallelStrategy):
             gradients and optimizer state (FSDP2; HSDP with ``dp > 1``; ``"auto"`` fills the world), whether a
             block frees its gathered weights after forward (``"auto"``: all but the last), and whether every
             batch of ``accumulate_grad_batches`` reduce-scatters (less memory); see :mod:`lightning_4d.data_parallel.fsdp`.
+        shard_units: FSDP's units: ``"blocks"`` (one per block, the rest in the root) or ``"modules"`` (also one per
+            weight matrix inside a block and per module around the blocks: least memory, more collectives).
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout, init_timeout: how long a collective may wait before the waiting ranks fail and print what
             every rank was last doing: once training runs (2 minutes), and while the run starts and around
@@ -120,6 +123,7 @@ class FourDStrategy(ModelParallelStrategy):
         dp_shard: Size = 1,
         reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         reduce_scatter_every_batch: bool = False,
+        shard_units: Literal["blocks", "modules"] = "blocks",
         bucket_mb: float = DEFAULT_BUCKET_MB,
         timeout: timedelta = DEFAULT_TIMEOUT,
         init_timeout: timedelta = DEFAULT_INIT_TIMEOUT,
@@ -164,6 +168,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.reshard_after_forward, self.bucket_mb, self.init_from = reshard_after_forward, float(bucket_mb), init_from
         self.init_from_prefix = init_from_prefix
         self.reduce_scatter_every_batch = bool(reduce_scatter_every_batch)
+        self.shard_units = shard_units
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers,
                                                cp_document_key)
@@ -174,6 +179,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.loss_normalization = loss_normalization
         self.ac_config = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
         self.compile_config = CompileConfig.build(compile)
+        check_shard_units(shard_units, self.pp_config.pp, self.tp_config.tp, self.compile_config.enabled)
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None  # every process group by name: ``mesh.group("dp")``
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
@@ -266,7 +272,8 @@ class FourDStrategy(ModelParallelStrategy):
                                     bucket_mb=self.bucket_mb, reshard_after_forward=self.reshard_after_forward,
                                     reduce_scatter_every_batch=self.reduce_scatter_every_batch,
                                     param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))),
-                                    loss_normalization=self.loss_normalization, loading=loading)
+                                    loss_normalization=self.loss_normalization, loading=loading,
+                                    shard_units=self.shard_units)
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         self._install_clipping()

@@ -64,3 +64,15 @@ class CommLabels(Telemetry):
     def parity_extras(self, trainer):
         return {"comm_labels": sorted(key.split("/")[-1] for key, value in self.last_metrics.items()
                                       if key.startswith("telemetry/comm_s/") and value > 0)}
+
+
+class UnitNames(Callback):
+    """The FSDP units (module names) and the parameters each manages, after setup."""
+
+    def on_fit_start(self, trainer, pl_module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = sorted(name for name, m in pl_module.named_modules() if isinstance(m, FSDPModule))
+
+    def parity_extras(self, trainer):
+        return {"units": self.units}

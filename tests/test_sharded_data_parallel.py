@@ -57,6 +57,13 @@ def _two(workdir) -> list[Case]:
              trainer=dict(ACCUMULATE_CLIP, **VALIDATE)),
         _gpt("shard2_gpt", {"dp_shard": 2}, callbacks=TRACE),
         _gpt("shard2_gpt_zero2", {"dp_shard": 2, "reshard_after_forward": False}),
+        # One FSDP unit per weight matrix and per module around the blocks (the example GPT's head is untied).
+        _gpt("shard2_gpt_module_units", {"dp_shard": 2, "shard_units": "modules"},
+             callbacks=TRACE + ["tests.fsdp_probes:UnitNames"]),
+        replace(_gpt("shard2_llama_module_units_checkpointed", {"dp_shard": 2, "shard_units": "modules",
+                                                                 "activation_checkpointing": "full"},
+                     callbacks=["tests.fsdp_probes:UnitNames"]),
+                module="tests.test_tp_strategy:BodyAndHead", module_kwargs={"kind": "llama"}),
         # Reduce-scatter after every batch of the accumulation too; with the strategy's desync checks on.
         _gpt("shard2_every_batch_debug", {"dp_shard": 2, "reduce_scatter_every_batch": True, "debug": True},
              callbacks=TRACE),
@@ -267,3 +274,35 @@ def test_strategy_takes_dp_shard_from_yaml():
         FourDStrategy(reshard_after_forward="always")
     with pytest.raises(ValueError, match=r"dp_shard=-1 is not a valid size"):
         FourDStrategy(dp_shard=-1)
+
+
+def test_module_units_shard_each_weight_matrix_on_its_own(runs):
+    """shard_units='modules': every linear of a block and the modules around the blocks are FSDP units (the
+    root and each block keep the norms); parity is in the tests above. The default has one unit per block."""
+    _, records = runs
+    gpt = records["shard2_gpt_module_units"]["extras"]["units"]
+    blocks = sorted({name.rsplit(".", 2)[0] for name in gpt if ".layers." in name and name.count(".") > 2})
+    assert len(blocks) >= 2 and "" in gpt, gpt
+    weight_units = [name for name in gpt if name.count(".") > 2]
+    assert len(weight_units) >= 4 * len(blocks), gpt  # q/k/v/o or qkv/proj and the MLP's linears in every block
+    assert any("head" in name for name in gpt) and any("emb" in name for name in gpt), gpt
+    llama = records["shard2_llama_module_units_checkpointed"]["extras"]["units"]
+    for block in ("model.layers.0", "model.layers.1"):
+        for linear in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            assert any(name.endswith(f"{block}.{linear}") for name in llama), (block, linear, llama)
+    assert any(name.endswith("lm_head") for name in llama) and any(name.endswith("embed_tokens") for name in llama)
+    assert len(records["shard2_gpt"]["extras"]["layout"]) > 0
+
+
+def test_module_units_are_refused_where_they_save_nothing_or_break_compile():
+    from lightning_4d import FourDStrategy
+
+    with pytest.raises(ValueError, match="shard_units='modules' with pp=2"):
+        FourDStrategy(dp_shard=2, pp=2, shard_units="modules")
+    with pytest.raises(ValueError, match="shard_units='modules' with tp=2"):
+        FourDStrategy(dp_shard=2, tp=2, shard_units="modules")
+    with pytest.raises(ValueError, match="shard_units='modules' with compile=True"):
+        FourDStrategy(dp_shard=2, shard_units="modules", compile=True)
+    with pytest.raises(ValueError, match="shard_units='layers' is not valid"):
+        FourDStrategy(dp_shard=2, shard_units="layers")

@@ -2,7 +2,15 @@
 
 Each block of the module's block list becomes one FSDP unit (its parameters all-gathered just before it runs
 and freed after), and the module itself becomes the root unit that holds everything outside the blocks
-(embeddings, head, norms). A module without a block list is one unit. Parameters, gradients and optimizer
+(embeddings, head, norms). A module without a block list is one unit.
+
+``shard_units="modules"`` cuts finer, for models where one block is a large share of the model: inside each block
+every module that holds a weight matrix directly (a linear or fused-expert weight: a parameter of two or more
+dimensions) is a unit of its own, and so is each module around the blocks (embedding, head) that shares no
+parameter with another. A rank then holds its shards plus about one weight matrix gathered, with its unsharded
+gradient, instead of a block or two and the whole root (embedding and head, gathered from the first forward to
+the last backward). It costs an all-gather and a reduce-scatter per unit instead of per block, and code that
+reads such a module's weight outside that module's forward (``F.linear(h, self.lm_head.weight)``) reads a shard. Parameters, gradients and optimizer
 state are DTensors sharded on dim 0 over the ``dp_shard x cp`` ranks (context-parallel ranks hold the same
 weights, so they share the shards); under tensor parallelism the shards are cut again from each tp shard.
 With ``dp_replicate > 1`` the mesh is 2-D and the reduce-scattered gradients are also all-reduced over the
@@ -43,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from lightning_4d import _compat as compat
 
 RESHARD_CHOICES = ("auto", True, False)
+UNIT_CHOICES = ("blocks", "modules")
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 ReshardAfterForward = Union[bool, str]
@@ -54,6 +63,37 @@ def check_reshard_after_forward(value: object) -> None:
         raise ValueError(f"reshard_after_forward={value!r} is not valid: use 'auto' (free each block's gathered"
                          " weights after its forward, except the last block's), True (every block) or False (keep"
                          " them until backward: more memory, one all-gather less per block).")
+
+
+def check_shard_units(value: object, pp: int = 1, tp: int = 1, compile: bool = False) -> None:
+    """``shard_units`` is ``"blocks"`` or ``"modules"``; ``"modules"`` needs eager blocks without pipelining or
+    tensor parallelism (checked before any process starts)."""
+    if value not in UNIT_CHOICES:
+        raise ValueError(f"shard_units={value!r} is not valid: use 'blocks' (one FSDP unit per block, the rest in the"
+                         " root) or 'modules' (also one unit per weight matrix inside a block and per module around"
+                         " the blocks: least memory, more collectives).")
+    if value == "modules" and pp > 1:
+        raise ValueError(f"shard_units='modules' with pp={pp}: a pipeline stage keeps its units gathered for the"
+                         " whole step, so finer units would save nothing. Use shard_units='blocks' with pp > 1.")
+    if value == "modules" and tp > 1:
+        raise ValueError(f"shard_units='modules' with tp={tp}: tensor parallelism's hooks on an attention's projections"
+                         " must run before FSDP's, which a unit per projection would reverse. Use shard_units='blocks'"
+                         f" with tp > 1 (tp={tp} already cuts each weight matrix {tp} ways).")
+    if value == "modules" and compile:
+        raise ValueError("shard_units='modules' with compile=True: FSDP's hooks inside a compiled block would"
+                         " break its graph at every weight. Use shard_units='blocks' to compile, or compile=False.")
+
+
+def weight_modules(block: nn.Module, skip: frozenset[int] = frozenset()) -> list[nn.Module]:
+    """The modules inside ``block`` that hold a weight matrix directly (a parameter of two or more dimensions),
+    in ``modules()`` order (outer before inner); a parameter in ``skip`` (by id: replicated or shared) keeps its module out."""
+    found = []
+    for module in block.modules():
+        own = list(module.parameters(recurse=False))
+        if module is block or not any(p.dim() >= 2 for p in own) or any(id(p) in skip for p in own):
+            continue
+        found.append(module)
+    return found
 
 
 def block_reshard(position: int, count: int, reshard_after_forward: ReshardAfterForward) -> bool:
@@ -81,13 +121,18 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
                    reshard_after_forward: ReshardAfterForward = "auto",
                    param_dtype: Optional[torch.dtype] = None,
                    ignored_params: Optional[set[nn.Parameter]] = None,
-                   outside: Optional[Sequence[nn.Module]] = None, every_batch: bool = False) -> ShardedUnits:
+                   outside: Optional[Sequence[nn.Module]] = None, every_batch: bool = False,
+                   around: Sequence[nn.Module] = (), skip: frozenset[int] = frozenset()) -> ShardedUnits:
     """Shard ``blocks`` (one FSDP unit each) and then ``module`` (the root unit) over ``mesh``; collective.
 
     Under pipelining (``outside`` given) the module is not a unit: the user's step stops inside it at a stage
     boundary, which would leave a root unit's forward unfinished. Each module of ``outside`` (those around the
     blocks that hold parameters) is a unit of its own instead, and every unit keeps its gathered weights from
     the start of a pipeline step to its end (:meth:`ShardedUnits.pipelined_step`).
+
+    ``around`` (``shard_units="modules"``, no pipelining): modules around the blocks that become units of their own
+    before the root, and the blocks' weight modules become units before their blocks, except those holding a
+    parameter whose id is in ``skip`` (shared with another module).
 
     ``ignored_params`` stay as they are (replicated; their gradients are the caller's to reduce). Gradient sync
     starts off (see :meth:`ShardedUnits.gradient_sync`), unless ``every_batch``: then every backward
@@ -97,14 +142,21 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
     ignored = ignored_params or None
     pipelined = outside is not None
     units: list[FSDPModule] = []
+    fine = bool(around)
+    skip = skip | {id(p) for p in ignored or ()}
     for position, block in enumerate(blocks):
         reshard = False if pipelined else block_reshard(position, len(blocks), reshard_after_forward)
+        for inner in reversed(weight_modules(block, skip)) if fine else ():  # inner modules before outer ones
+            units.append(fully_shard(inner, mesh=mesh, mp_policy=policy, ignored_params=ignored,
+                                     reshard_after_forward=reshard))
         units.append(fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored,
                                  reshard_after_forward=reshard))
     if pipelined:
         units += [fully_shard(m, mesh=mesh, mp_policy=policy, ignored_params=ignored, reshard_after_forward=False)
                   for m in outside]
     else:
+        units += [fully_shard(m, mesh=mesh, mp_policy=policy, ignored_params=ignored,
+                              reshard_after_forward=reshard_after_forward is not False) for m in around]
         root_reshard = False if reshard_after_forward == "auto" else bool(reshard_after_forward)
         units.append(fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshard,
                                  ignored_params=ignored))
