@@ -292,3 +292,30 @@ def test_slices_read_without_memory_maps_are_the_tensors_slices(tmp_path, monkey
     (tmp_path / "model.safetensors").write_bytes(data[:stored["cube"].begin + 8])
     with pytest.raises(OSError, match="truncated"):
         safetensors_slices.read_slice(stored["cube"], (0, 0, 0), (7, 5, 3), torch.empty(7, 5, 3).to(dtype))
+
+
+def test_a_state_dict_files_pages_leave_the_resident_set_once_copied(tmp_path):
+    """Loading from a memory-mapped state_dict file: after the copy, the file's mapping holds (almost) no resident
+    pages, although the mapping itself is still open; the weights are the file's. Linux: /proc/self/smaps."""
+    from lightning_4d.checkpoint.pretrained import _copy_own_parts
+
+    weights = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 4 MB
+    torch.save(weights, tmp_path / "weights.pt")
+    mapped = torch.load(tmp_path / "weights.pt", weights_only=True, mmap=True)
+    targets = {key: torch.empty(256, 1024) for key in weights}
+    _copy_own_parts(mapped, {key: key for key in weights}, targets, mapped=True)
+    assert all(torch.equal(targets[key], weights[key]) for key in weights)
+    assert _resident_kb(tmp_path / "weights.pt") <= 8, _resident_kb(tmp_path / "weights.pt")
+    assert all(torch.equal(mapped[key], weights[key]) for key in weights)  # read back from the page cache
+    assert _resident_kb(tmp_path / "weights.pt") >= 4000  # what reading the file keeps without the release
+
+
+def _resident_kb(path) -> int:
+    """Resident kB of this process's mappings of ``path``."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total

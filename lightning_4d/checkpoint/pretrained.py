@@ -26,8 +26,10 @@ the keys and the shapes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +66,8 @@ class _Source:
     path: Path
     stored: dict[str, _Stored]
     problems: list[str]  # missing or damaged files
-    tensors: Optional[Mapping[str, torch.Tensor]] = None  # the memory-mapped file's tensors
+    tensors: Optional[Mapping[str, torch.Tensor]] = None  # the file's tensors
+    mapped: bool = False  # they are memory-mapped (their pages can be dropped once read)
 
 
 def is_hugging_face_dir(path: Path) -> bool:
@@ -111,17 +114,17 @@ def _torch_dcp(path: Path) -> _Source:
 
 def _state_dict_file(path: Path) -> _Source:
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        loaded, mapped = torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
     except RuntimeError as error:
         if "mmap" not in str(error):
             raise
         # A file in torch's legacy (pre-1.6) format cannot be memory-mapped: read it whole.
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        loaded, mapped = torch.load(path, map_location="cpu", weights_only=True), False
     full = loaded.get("state_dict", loaded) if isinstance(loaded, Mapping) else None
     if not isinstance(full, Mapping) or not all(isinstance(v, torch.Tensor) for v in full.values()):
         raise PretrainedWeightsError(f"{path} holds neither a Lightning checkpoint nor a state_dict of tensors.")
     stored = {key: _Stored(tuple(value.shape), path.name) for key, value in full.items()}
-    return _Source("file", path, stored, [], tensors=full)
+    return _Source("file", path, stored, [], tensors=full, mapped=mapped)
 
 
 def _few(keys: list[str], most: int = 8) -> str:
@@ -286,7 +289,7 @@ def load_pretrained(path: str | os.PathLike, model: nn.Module, strict: bool = Tr
     file_key = {keymap.module_key(key): key for key in source.stored}
     targets = {key: value for key, value in held.items() if key in file_key}
     if source.tensors is not None:
-        _copy_own_parts(source.tensors, file_key, targets)
+        _copy_own_parts(source.tensors, file_key, targets, source.mapped)
     else:
         reader = (SafetensorsSliceReader(str(path)) if source.kind.startswith("Hugging")
                   else dcp.FileSystemReader(path))
@@ -297,8 +300,9 @@ def load_pretrained(path: str | os.PathLike, model: nn.Module, strict: bool = Tr
 
 
 def _copy_own_parts(tensors: Mapping[str, torch.Tensor], file_key: Mapping[str, str],
-                    targets: Mapping[str, Any]) -> None:
-    """From a memory-mapped state dict, each target's own part, one tensor at a time (only its pages are read)."""
+                    targets: Mapping[str, Any], mapped: bool) -> None:
+    """From a state dict, each target's own part, one tensor at a time; when it is memory-mapped only its pages
+    are read, and they leave the resident set once copied."""
     with torch.no_grad():
         for key, target in targets.items():
             source = tensors[file_key[key]]
@@ -308,3 +312,21 @@ def _copy_own_parts(tensors: Mapping[str, torch.Tensor], file_key: Mapping[str, 
                 del part
             else:
                 target.copy_(source)
+            if mapped:
+                release_pages(source)
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drop the pages of a memory-mapped, read-only tensor (never anonymous memory: it would read back zeros) from this process's resident set (Linux; elsewhere
+    nothing). A private file mapping keeps every page a rank touched resident until it is unmapped, which for a
+    state dict is after the whole load: a rank reading its slices of every tensor would show most of the file.
+    Dropped pages stay in the page cache and are read again from it if touched, so nothing is lost."""
+    if not sys.platform.startswith("linux") or tensor.numel() == 0:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
