@@ -46,7 +46,8 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from bench.common import command, write  # noqa: E402
 from bench.report import table  # noqa: E402
-from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention  # noqa: E402
+from lightning_4d.context_parallel.ring_attention import ring_attention  # noqa: E402
+from lightning_4d.context_parallel.sequence_mask import SequenceMask  # noqa: E402
 from lightning_4d.context_parallel.ulysses import ulysses_attention  # noqa: E402
 
 VARIANTS = ("single", "ring", "allgather", "a2a")

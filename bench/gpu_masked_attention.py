@@ -20,7 +20,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention  # noqa: E402
+from lightning_4d.context_parallel.ring_attention import ring_attention  # noqa: E402
+from lightning_4d.context_parallel.sequence_mask import SequenceMask  # noqa: E402
 
 
 def masks(batch: int, length: int, device: torch.device) -> dict[str, SequenceMask]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_4d import FourDStrategy
 from lightning_4d.pipeline.microbatch import split_batch
-from lightning_4d.context_parallel.ring_attention import zigzag_positions
+from lightning_4d.context_parallel.zigzag import zigzag_positions
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from tests import tp_models as M
 from tests.lm_models import HFCausalLM, tiny_gpt

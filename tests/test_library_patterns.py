@@ -34,7 +34,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-from lightning_4d.context_parallel.ring_attention import sdpa_operands
+from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from lightning_4d.tensor_parallel.styles import _OwnTensor, own_output, rms_form
 from tests.library_pattern_models import BroadcastKVGPT, Olmo2LM

@@ -29,10 +29,8 @@ from lightning_4d.context_parallel.ring_attention import (
     _MathKernel,
     _RingAttention,
     ring_attention,
-    shard_sequence,
-    unshard_sequence,
-    zigzag_positions,
 )
+from lightning_4d.context_parallel.zigzag import shard_sequence, unshard_sequence, zigzag_positions
 from tests.parity import spawn
 
 LAUNCH_TIMEOUT_S = 150

@@ -1,5 +1,5 @@
 """Ring attention under masks beyond causal and full attention (issue #29): padding, sliding windows, packed
-documents and their combinations, as a :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`; and
+documents and their combinations, as a :class:`~lightning_4d.context_parallel.sequence_mask.SequenceMask`; and
 Ulysses attention (``cp_comm='a2a'``) with the same masks and grouped heads.
 
 The 4-process launch of tests/test_ring_attention.py (cp groups of 4 and of 2 carved out of it) runs every
@@ -20,7 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, shard_sequence
+from lightning_4d.context_parallel.ring_attention import ring_attention
+from lightning_4d.context_parallel.sequence_mask import SequenceMask
+from lightning_4d.context_parallel.zigzag import shard_sequence
 from lightning_4d.context_parallel.ulysses import ulysses_attention
 from tests.test_ring_attention import dist_results  # noqa: F401  (a session fixture: one launch for both files)
 

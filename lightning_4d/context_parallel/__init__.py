@@ -8,8 +8,8 @@ from lightning_4d.context_parallel.batches import sequence_paths
 from lightning_4d.context_parallel.config import COMM_MODES, ContextParallelConfig, check_sequence_length
 from lightning_4d.context_parallel.positions import find_position_buffers, find_position_modules
 from lightning_4d.context_parallel.reachability import check_attention_reachable
-from lightning_4d.context_parallel.ring_attention import (ring_attention, shard_sequence, unshard_sequence,
-                                                          zigzag_positions)
+from lightning_4d.context_parallel.ring_attention import ring_attention
+from lightning_4d.context_parallel.zigzag import shard_sequence, unshard_sequence, zigzag_positions
 
 __all__ = ["COMM_MODES", "ContextParallel", "ContextParallelConfig", "attention_kernels", "check_attention_reachable",
            "check_sequence_length", "find_position_buffers", "find_position_modules", "is_causal_mask",

@@ -1,7 +1,7 @@
 """Context parallelism for an unchanged module: sharded sequences, global positions, ring attention.
 
 The ``cp`` ranks of a context-parallel group receive the same samples and each keeps a zigzag shard of every
-sequence (:func:`~lightning_4d.context_parallel.ring_attention.zigzag_positions`). The module's own code then runs on
+sequence (:func:`~lightning_4d.context_parallel.zigzag.zigzag_positions`). The module's own code then runs on
 ``L / cp`` tokens per sequence, and three things it does would silently mean something else on a shard, so
 they are adjusted while a step runs:
 
@@ -39,7 +39,10 @@ from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequen
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
 from lightning_4d.context_parallel.masks import AttentionLayer, SequenceFacts, attention_layer, explain, unmasked
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
-from lightning_4d.context_parallel.ring_attention import SequenceMask, ring_attention, sdpa_operands, zigzag_positions
+from lightning_4d.context_parallel.ring_attention import ring_attention
+from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
+from lightning_4d.context_parallel.sequence_mask import SequenceMask
+from lightning_4d.context_parallel.zigzag import zigzag_positions
 from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.step_logging import StepLogs
 

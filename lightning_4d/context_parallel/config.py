@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from lightning_4d.context_parallel.ring_attention import _nearest_multiples
+from lightning_4d.context_parallel.zigzag import _nearest_multiples
 from lightning_4d.parallel_dims import ParallelDims
 
 COMM_MODES = ("ring", "allgather", "a2a")

@@ -12,7 +12,7 @@ its meaning is:
 * :func:`explain` finds which combination of causal order, the calling attention layer's sliding window,
   padding and documents gives exactly the mask the model built on this shard, numbering the shard as the
   model did, and returns the same combination over the whole sequences (a
-  :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`). A mask no combination explains (a
+  :class:`~lightning_4d.context_parallel.sequence_mask.SequenceMask`). A mask no combination explains (a
   bias, a pattern of the model's own) is refused: its meaning on the whole sequence is unknown.
 """
 
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_4d.context_parallel.ring_attention import SequenceMask
+from lightning_4d.context_parallel.sequence_mask import SequenceMask
 
 __all__ = ["AttentionLayer", "SequenceFacts", "attention_layer", "explain", "packed_documents", "simplest",
            "unmasked"]

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_4d import _compat as compat
+from lightning_4d.context_parallel.sequence_mask import SequenceMask, check_mask
+from lightning_4d.context_parallel.zigzag import cached_positions
 
-__all__ = ["SequenceMask", "ring_attention", "sdpa_operands", "shard_sequence", "unshard_sequence",
-           "zigzag_positions"]
+__all__ = ["ring_attention"]
 
 # K/V and dK/dV exchanges can be in flight at the same time between the same peers;
 # separate tags keep them from being matched with each other.
@@ -45,58 +45,6 @@ _GRAD_TAG = 1
 # blocks of others' K/V, and as much of dK/dV partial sums, at a cost of n messages per block
 # step and about n * n / 2 kernel calls per block.
 _TILES = 4
-
-
-# --------------------------------------------------------------------------- layout
-
-
-def _nearest_multiples(length: int, multiple: int) -> str:
-    """The positive multiples of ``multiple`` next to ``length``, for an error message: "8 or 12", "4"."""
-    below = length // multiple * multiple
-    return f"{below} or {below + multiple}" if below > 0 else f"{below + multiple}"
-
-
-def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global positions of the tokens held by ``cp_rank``, in local order.
-
-    Rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r`` of ``2 * cp_size`` equal
-    chunks, concatenated in that order, so local order is increasing in global position.
-    """
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    n_chunks = 2 * cp_size
-    if seq_len <= 0 or seq_len % n_chunks:
-        raise ValueError(
-            f"sequence length {seq_len} is not a positive multiple of 2*cp = {n_chunks} "
-            f"(zigzag context parallelism needs 2 equal chunks per cp rank); "
-            f"pad or truncate it to {_nearest_multiples(seq_len, n_chunks)}"
-        )
-    chunk = seq_len // n_chunks
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    second = torch.arange((n_chunks - 1 - cp_rank) * chunk, (n_chunks - cp_rank) * chunk)
-    return torch.cat([first, second])
-
-
-def shard_sequence(t: torch.Tensor, dim: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """This rank's zigzag shard of ``t`` along the sequence dimension ``dim``."""
-    positions = zigzag_positions(t.size(dim), cp_size, cp_rank).to(t.device)
-    return t.index_select(dim, positions)
-
-
-def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
-    """Reassemble the full sequence from every rank's zigzag shard (in cp-rank order).
-
-    The inverse of :func:`shard_sequence`; pair it with ``dist.all_gather`` to rebuild a
-    full tensor on every rank (e.g. to check results or to compute a sequence-level loss).
-    """
-    cp_size = len(shards)
-    if cp_size == 0:
-        raise ValueError("unshard_sequence needs at least one shard")
-    seq_len = shards[0].size(dim) * cp_size
-    order = torch.cat([zigzag_positions(seq_len, cp_size, r) for r in range(cp_size)])
-    return torch.cat(list(shards), dim=dim).index_select(dim, order.argsort().to(shards[0].device))
 
 
 # --------------------------------------------------------------------------- local kernels
@@ -286,43 +234,6 @@ def _visible(q_rank: int, kv_rank: int, kv_tile: int, tiles: int, cp: int, is_ca
     return [(i, key == query) for i, query in enumerate(queries) if key <= query]
 
 
-@dataclass(frozen=True)
-class SequenceMask:
-    """Which keys each query sees, in global terms over the whole sequences (the same on every cp rank).
-
-    ``causal``: keys at later positions are hidden. ``window``: keys ``window`` or more positions before the
-    query are hidden too (Hugging Face's sliding window: a query at ``q`` sees ``q - window < k <= q``).
-    ``key_valid`` ([B, L] bool): padding keys are hidden. ``documents`` ([B, L] integers): keys of another
-    document than the query's are hidden (packed sequences). The shards must be in the zigzag layout.
-    """
-
-    causal: bool = True
-    window: Optional[int] = None
-    key_valid: Optional[torch.Tensor] = None
-    documents: Optional[torch.Tensor] = None
-
-    def between(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """[B or 1, 1, len(q_pos), len(k_pos)] bool: whether each query sees each key."""
-        seen = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
-        if self.causal:
-            seen &= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-        if self.window is not None:
-            seen &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
-        seen = seen[None, None]
-        if self.key_valid is not None:
-            seen = seen & self.key_valid[:, k_pos][:, None, None, :]
-        if self.documents is not None:
-            seen = seen & (self.documents[:, q_pos].unsqueeze(-1) == self.documents[:, k_pos].unsqueeze(-2)).unsqueeze(1)
-        return seen
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_positions(length: int, cp: int, rank: int) -> torch.Tensor:
-    """:func:`zigzag_positions` once per (length, cp, rank): asked for every K/V tile of every masked call (the
-    callers only read it)."""
-    return zigzag_positions(length, cp, rank)
-
-
 def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_causal: bool,
            mask: Optional[SequenceMask], device: torch.device = torch.device("cpu")
            ) -> list[tuple[int, bool, Optional[torch.Tensor]]]:
@@ -332,8 +243,8 @@ def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_
     if mask is None:
         return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
     length = cp * tiles[-1].stop  # tile masks on ``device``, the queries' (a window alone has no tensor to follow)
-    q_positions = _cached_positions(length, cp, rank).to(device)
-    k_positions = _cached_positions(length, cp, owner).to(device)[tiles[kv_tile]]
+    q_positions = cached_positions(length, cp, rank).to(device)
+    k_positions = cached_positions(length, cp, owner).to(device)[tiles[kv_tile]]
     pairs = []
     for i, rows in enumerate(tiles):
         seen = mask.between(q_positions[rows], k_positions)
@@ -668,53 +579,6 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         )
 
 
-def sdpa_operands(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Size]:
-    """The operands of a ``scaled_dot_product_attention(query, key, value, enable_gqa=...)`` call as
-    :func:`ring_attention` takes them: ``q`` ``[N, H, S, E]``, ``k`` and ``v`` ``[N, Hkv, S, E]`` with ``Hkv``
-    dividing ``H`` (query head ``h`` reads key/value head ``h // (H // Hkv)``), and the output's leading dims,
-    ``[*lead, H]``, that ring attention's ``[N, H, S, Ev]`` output is reshaped to.
-
-    The shapes torch accepts are accepted, with torch's meaning; what torch rejects is rejected with torch's own
-    error, because torch itself checks them (on the meta device, no data). Without ``enable_gqa`` the dims before
-    the last two broadcast as in a matmul: a key/value head dim of 1 is read by every query head (multi-query
-    attention written without ``enable_gqa``), while 2 key/value heads for 4 query heads is torch's size
-    mismatch. With ``enable_gqa`` key and value heads are repeated (``repeat_interleave``) to the query's. A
-    single broadcast head stays one head here (the kernels read it for every query head, and it travels round
-    the ring once); dims of size 1 that broadcast otherwise (batch, or fewer heads in one of key and value only)
-    are expanded.
-    """
-    try:
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            *(t.new_empty(t.shape, device="meta") for t in (query, key, value)), enable_gqa=enable_gqa
-        )
-    except (RuntimeError, ValueError) as error:
-        raise type(error)(
-            f"{error} (torch's scaled_dot_product_attention rejects these shapes too: query {tuple(query.shape)},"
-            f" key {tuple(key.shape)}, value {tuple(value.shape)}, enable_gqa={enable_gqa})"
-        ) from error
-    *lead, heads, _, _ = expected.shape
-    lead = torch.Size(lead)
-
-    def kv_heads(t: torch.Tensor) -> int:
-        return t.size(-3) if t.dim() >= 3 else 1
-
-    hk, hv = kv_heads(key), kv_heads(value)
-    groups = hk if hk == hv else (max(hk, hv) if max(hk, hv) % min(hk, hv) == 0 else heads)
-
-    def grouped(t: torch.Tensor, h: int) -> torch.Tensor:
-        if t.dim() < 3:
-            t = t.unsqueeze(0)
-        if h != groups:  # torch's meaning in both cases: enable_gqa repeats each head, a single head broadcasts
-            t = t.repeat_interleave(groups // h, dim=-3)
-        return t.expand(*lead, groups, *t.shape[-2:]).reshape(-1, groups, *t.shape[-2:])
-
-    q = query if query.dim() >= 3 else query.unsqueeze(0)
-    q = q.expand(*lead, heads, *q.shape[-2:]).reshape(-1, heads, *q.shape[-2:])
-    return q, grouped(key, hk), grouped(value, hv), torch.Size((*lead, heads))
-
-
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -745,20 +609,7 @@ def ring_attention(
     if group is None:
         group = dist.group.WORLD
     if mask is not None:
-        _validate_mask(mask, q, dist.get_world_size(group))
+        check_mask(mask, q, dist.get_world_size(group))
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
     return _RingAttention.apply(q, k, v, group, is_causal, scale, comm, _select_kernel(q, is_causal), mask)
-
-
-def _validate_mask(mask: SequenceMask, q: torch.Tensor, cp: int) -> None:
-    if q.size(2) % 2:
-        raise ValueError(f"local sequence length {q.size(2)} is odd, but a SequenceMask needs the zigzag layout (two"
-                         " equal chunks per rank); make the global length a multiple of 2*cp")
-    if mask.window is not None and mask.window < 1:
-        raise ValueError(f"SequenceMask.window={mask.window}: a window holds at least the query itself (>= 1)")
-    for name in ("key_valid", "documents"):
-        t = getattr(mask, name)
-        if t is not None and (t.dim() != 2 or t.size(0) != q.size(0) or t.size(1) != q.size(2) * cp):
-            raise ValueError(f"SequenceMask.{name} must be [batch, whole sequence] = [{q.size(0)}, {q.size(2) * cp}],"
-                             f" got {tuple(t.shape)}")

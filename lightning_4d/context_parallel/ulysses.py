@@ -2,7 +2,7 @@
 
 Each of the ``cp`` ranks holds a zigzag shard of every sequence with all heads. One all-to-all trades that for
 all tokens of ``heads / cp`` heads; each rank then computes ordinary attention over the whole sequence for its
-heads (the mask, causal or a :class:`~lightning_4d.context_parallel.ring_attention.SequenceMask`, applies
+heads (the mask, causal or a :class:`~lightning_4d.context_parallel.sequence_mask.SequenceMask`, applies
 directly), and a second all-to-all returns every rank its tokens with all heads. Per layer a rank sends
 ``(cp - 1) / cp`` of its q, k, v and output once, where the ring passes every K/V block ``cp - 1`` times: less
 traffic when the heads divide evenly, at the price of holding the whole sequence of its heads (attention
@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_4d.context_parallel.ring_attention import SequenceMask, zigzag_positions
+from lightning_4d.context_parallel.sequence_mask import SequenceMask
+from lightning_4d.context_parallel.zigzag import zigzag_positions
 
 __all__ = ["check_heads", "ulysses_attention"]
 

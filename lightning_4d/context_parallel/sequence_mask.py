@@ -1,0 +1,56 @@
+"""Which keys each query sees, in global terms over the whole sequences: causal order, a sliding window, key
+padding, packed documents. Small (one number per token), held alike by every cp rank, so ring attention and
+Ulysses compute a tile pair's mask where it is needed and nothing extra travels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["SequenceMask", "check_mask"]
+
+
+@dataclass(frozen=True)
+class SequenceMask:
+    """Which keys each query sees, in global terms over the whole sequences (the same on every cp rank).
+
+    ``causal``: keys at later positions are hidden. ``window``: keys ``window`` or more positions before the
+    query are hidden too (Hugging Face's sliding window: a query at ``q`` sees ``q - window < k <= q``).
+    ``key_valid`` ([B, L] bool): padding keys are hidden. ``documents`` ([B, L] integers): keys of another
+    document than the query's are hidden (packed sequences). The shards must be in the zigzag layout.
+    """
+
+    causal: bool = True
+    window: Optional[int] = None
+    key_valid: Optional[torch.Tensor] = None
+    documents: Optional[torch.Tensor] = None
+
+    def between(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[B or 1, 1, len(q_pos), len(k_pos)] bool: whether each query sees each key."""
+        seen = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
+        if self.causal:
+            seen &= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        if self.window is not None:
+            seen &= k_pos.unsqueeze(0) > q_pos.unsqueeze(1) - self.window
+        seen = seen[None, None]
+        if self.key_valid is not None:
+            seen = seen & self.key_valid[:, k_pos][:, None, None, :]
+        if self.documents is not None:
+            seen = seen & (self.documents[:, q_pos].unsqueeze(-1) == self.documents[:, k_pos].unsqueeze(-2)).unsqueeze(1)
+        return seen
+
+
+def check_mask(mask: SequenceMask, q: torch.Tensor, cp: int) -> None:
+    """``mask`` fits local queries ``q`` [B, H, S, D] of a sequence split over ``cp`` ranks (zigzag shards)."""
+    if q.size(2) % 2:
+        raise ValueError(f"local sequence length {q.size(2)} is odd, but a SequenceMask needs the zigzag layout (two"
+                         " equal chunks per rank); make the global length a multiple of 2*cp")
+    if mask.window is not None and mask.window < 1:
+        raise ValueError(f"SequenceMask.window={mask.window}: a window holds at least the query itself (>= 1)")
+    for name in ("key_valid", "documents"):
+        t = getattr(mask, name)
+        if t is not None and (t.dim() != 2 or t.size(0) != q.size(0) or t.size(1) != q.size(2) * cp):
+            raise ValueError(f"SequenceMask.{name} must be [batch, whole sequence] = [{q.size(0)}, {q.size(2) * cp}],"
+                             f" got {tuple(t.shape)}")
