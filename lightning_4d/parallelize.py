@@ -379,6 +379,7 @@ class ParallelModel:
         self.eager_reason: Optional[str] = None  # why compile=True left the blocks eager in this layout
         self._self_check = self_check
         self._buckets: dict[Optional[int], GradientBuckets] = {}  # by id(optimizer); _MANUAL: all optimizers'
+        self._optimizers: list[Optimizer] = []
         self._armed: Optional[GradientBuckets] = None
         self._sync_blocked = False  # inside block_sync(): manual backwards accumulate this rank's gradients only
         self._unsynchronized = False  # the gradients hold a blocked manual backward's, not synchronized since
@@ -472,12 +473,16 @@ class ParallelModel:
              accumulate_grad_batches: int = 1, gradients_zeroed: bool = False) -> Any:
         """Run the module's step method ``name`` (``training_step``, ``validation_step``, ...) as one process
         would on the whole batch; under pipelining the schedule runs the backward passes here too.
-        ``gradients_zeroed``: the training loop zeroes the gradients after this step, before its backward (the
-        first batch of an accumulation window); the pipeline then frees them before its schedule computes new
-        ones instead of holding both."""
+        ``gradients_zeroed``: the training loop zeroes the optimizers' gradients after this step, before its
+        backward (Lightning's automatic optimization, on the first batch of an accumulation window); they are
+        freed before the step instead, which gives the same gradients without holding the previous ones through
+        the forward (and, under pipelining, through the whole schedule)."""
         training = name == "training_step"
         if training:
             self._check_still_frozen()
+            if gradients_zeroed:
+                for param in (p for optimizer in self._optimizers for g in optimizer.param_groups for p in g["params"]):
+                    param.grad = None
         check, self._self_check = (self._self_check, None) if training else (None, self._self_check)
         with ExitStack() as stack:
             if check is not None:
@@ -487,8 +492,7 @@ class ParallelModel:
             token_losses = self._token_losses(self.pipeline is not None, window is not None) if not predicting else None
             if self.pipeline is not None:
                 around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
-                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses,
-                                            gradients_zeroed)
+                output = self.pipeline.step(name, args, kwargs, accumulate_grad_batches, around, token_losses)
             else:
                 if token_losses is not None:  # validation and test losses are logged like training's
                     stack.enter_context(token_losses)
@@ -592,6 +596,7 @@ class ParallelModel:
         a ``manual_backward`` is tied to no optimizer and may reach the parameters of several."""
         for buckets in self._buckets.values():
             buckets.remove()
+        self._optimizers = list(optimizers)
         group = self.mesh.group("dp_cp")
         kept = {id(p) for p in self.replicated_params}
         by_key = {_MANUAL: optimizers} if self.manual else {id(optimizer): [optimizer] for optimizer in optimizers}

@@ -1,6 +1,8 @@
 """Callbacks that observe a distributed run from inside; the harness collects their ``parity_extras``."""
 
+import gc
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -151,3 +153,26 @@ class DieWhileSaving(Callback):
             return original(writer, plan, planner)
 
         FileSystemWriter.write_data = write_data
+
+
+class GradientLifetimeProbe(Callback):
+    """Whether the gradients of the previous accumulation window are still alive when Lightning zeroes them
+    after the next window's first training_step: gradients alive there were held through that step's forward
+    next to the activations (under pipelining, next to the new gradients during the whole schedule)."""
+
+    def __init__(self) -> None:
+        self.previous: list = []
+        self.alive_at_zero_grad: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.previous = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        gc.collect()
+        if self.previous:
+            self.alive_at_zero_grad.append(sum(ref() is not None for ref in self.previous))
+
+    def parity_extras(self, trainer):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.alive_at_zero_grad)
+        return {"alive_at_zero_grad": everyone}

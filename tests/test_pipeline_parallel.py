@@ -13,11 +13,9 @@ clipping norm over one stage only are all far outside these bounds.
 The models, probes and callbacks below run inside the worker processes (``module:factory`` specs).
 """
 
-import gc
 import os
 import shutil
 import tempfile
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -89,29 +87,6 @@ class StageProbe(Callback):
         return {"ranks": everyone}
 
 
-class GradientLifetimeProbe(Callback):
-    """Whether the gradients of the previous accumulation window are still alive when Lightning zeroes them
-    after the next window's first training_step: the pipeline schedule ran inside that step, so gradients alive
-    there were held next to the new ones during the whole schedule."""
-
-    def __init__(self) -> None:
-        self.previous: list = []
-        self.alive_at_zero_grad: list[int] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.previous = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
-
-    def on_before_zero_grad(self, trainer, pl_module, optimizer):
-        gc.collect()
-        if self.previous:
-            self.alive_at_zero_grad.append(sum(ref() is not None for ref in self.previous))
-
-    def parity_extras(self, trainer):
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.alive_at_zero_grad)
-        return {"alive_at_zero_grad": everyone}
-
-
 def _held_out() -> DataLoader:
     return DataLoader(token_data(train=False, size=16), batch_size=8)
 
@@ -181,7 +156,7 @@ TWO = [
         callbacks=["tests.test_pipeline_parallel:StageProbe", "tests.test_pipeline_parallel:PredictTestExport",
                    *MONITORED]),
     _pp("pp2_gpt_1f1b_accumulate_clip", 2, GPT, "1f1b", layers=4, trainer=ACCUMULATE_CLIP,
-        callbacks=["tests.test_pipeline_parallel:GradientLifetimeProbe"]),
+        callbacks=["tests.probes:GradientLifetimeProbe"]),
     _pp("pp2_llama_interleaved_1f1b", 2, HF, "interleaved_1f1b", kind="llama", layers=4, trainer=VALIDATE, steps=4),
     _pp("pp2_gpt2_1f1b_accumulate_clip", 2, HF, "1f1b", kind="gpt2", layers=4, trainer=ACCUMULATE_CLIP),
     _pp("pp2_gpt2_zbv_accumulate_clip", 2, HF, "zbv_zero_bubble", kind="gpt2", layers=4, trainer=ACCUMULATE_CLIP),

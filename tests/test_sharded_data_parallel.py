@@ -59,7 +59,7 @@ def _two(workdir) -> list[Case]:
         _gpt("shard2_gpt_zero2", {"dp_shard": 2, "reshard_after_forward": False}),
         # One FSDP unit per weight matrix and per module around the blocks (the example GPT's head is untied).
         _gpt("shard2_gpt_module_units", {"dp_shard": 2, "shard_units": "modules"},
-             callbacks=TRACE + ["tests.fsdp_probes:UnitNames"]),
+             callbacks=TRACE + ["tests.fsdp_probes:UnitNames", "tests.probes:GradientLifetimeProbe"]),
         replace(_gpt("shard2_llama_module_units_checkpointed", {"dp_shard": 2, "shard_units": "modules",
                                                                  "activation_checkpointing": "full"},
                      callbacks=["tests.fsdp_probes:UnitNames"]),
@@ -293,6 +293,13 @@ def test_module_units_shard_each_weight_matrix_on_its_own(runs):
             assert any(name.endswith(f"{block}.{linear}") for name in llama), (block, linear, llama)
     assert any(name.endswith("lm_head") for name in llama) and any(name.endswith("embed_tokens") for name in llama)
     assert len(records["shard2_gpt"]["extras"]["layout"]) > 0
+
+
+def test_the_previous_windows_gradients_are_freed_before_the_next_forward(runs):
+    """4 optimizer steps of 2 accumulated batches: when Lightning zeroes the gradients after each later window's
+    first training_step, none of the previous window's sharded gradients is alive on either rank."""
+    _, records = runs
+    assert records["shard2_gpt_module_units"]["extras"]["alive_at_zero_grad"] == [[0, 0, 0], [0, 0, 0]]
 
 
 def test_module_units_are_refused_where_they_save_nothing_or_break_compile():

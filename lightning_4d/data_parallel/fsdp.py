@@ -23,7 +23,8 @@ instead of reduce-scattering each.
 ``reshard_after_forward``: ``"auto"`` frees every block's gathered parameters after its forward (ZeRO-3-like)
 except the last block's, which backward needs first, and keeps the root's (small, used again by the loss and
 first in backward); ``True``/``False`` apply to every block (``False``: ZeRO-2-like, more memory, no second
-all-gather in backward).
+all-gather in backward). The finer units of ``shard_units="modules"`` are freed after their forward under
+``"auto"`` too (gathering one weight matrix again costs little; keeping the last block's would cost a block).
 
 Step methods: FSDP runs its root hooks around ``forward``; a LightningModule's ``training_step`` may call its
 submodules without ``forward``, so the step methods the module defines are registered as FSDP forward
@@ -148,7 +149,7 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
         reshard = False if pipelined else block_reshard(position, len(blocks), reshard_after_forward)
         for inner in reversed(weight_modules(block, skip)) if fine else ():  # inner modules before outer ones
             units.append(fully_shard(inner, mesh=mesh, mp_policy=policy, ignored_params=ignored,
-                                     reshard_after_forward=reshard))
+                                     reshard_after_forward=reshard_after_forward is not False))
         units.append(fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored,
                                  reshard_after_forward=reshard))
     if pipelined:

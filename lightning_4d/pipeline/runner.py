@@ -16,9 +16,9 @@ exactly once per micro-batch.
 Lightning's closure calls ``zero_grad`` after ``training_step`` and before ``backward``, but the schedule
 computes the gradients inside ``training_step``. So the fresh gradients are set aside after the schedule
 (:meth:`PipelineRunner.step`) and committed in the strategy's ``backward`` (:meth:`commit_gradients`), which
-keeps zero_grad, gradient accumulation and the backward hooks where Lightning puts them. On the first batch of an
-accumulation window the gradients from before, which that zero_grad clears, are freed before the schedule instead
-of set aside: holding them would keep two sets of gradients during every step.
+keeps zero_grad, gradient accumulation and the backward hooks where Lightning puts them. (On the first batch of an
+accumulation window :meth:`~lightning_4d.parallelize.ParallelModel.step` frees the gradients that zero_grad would
+clear before the schedule runs, so there are none to set aside.)
 
 Logs: ``self.log`` calls are recorded per micro-batch (:class:`~lightning_4d.step_logging.StepLogs`). Only the
 last stage ran the whole step; it merges its records, broadcasts them with the step's output over the
@@ -164,16 +164,14 @@ class PipelineRunner:
 
     def step(self, method: str, args: tuple, kwargs: dict, accumulate_grad_batches: int = 1,
              around: Callable[[bool], AbstractContextManager[None]] = lambda training: nullcontext(),
-             token_losses: Optional[TokenMeanLosses] = None, gradients_zeroed: bool = False) -> Any:
+             token_losses: Optional[TokenMeanLosses] = None) -> Any:
         """Run ``module.<method>`` on every micro-batch of ``args[0]`` through the pipeline; returns the step
         output on every rank (the merged outputs of the micro-batches, computed on the last stage). Training
         losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them.
         ``around(training)`` is entered around the schedule (sharded data parallelism gathers and reduces there);
         the gradients are set aside after it. ``token_losses`` (deferred): token-mean losses count every valid
         target of the whole batch once; the step's gradients are divided by the batch's count when committed, and
-        the micro-batches' logged losses are combined weighted by their counts (in evaluation steps too).
-        ``gradients_zeroed``: the loop zeroes the gradients before this step's backward, so the ones from before
-        are freed now rather than set aside (a second set of gradients in memory during the schedule)."""
+        the micro-batches' logged losses are combined weighted by their counts (in evaluation steps too)."""
         training = self._training = method == "training_step"
         n = self.config.num_microbatches
         micro = split_batch(args[0], n)
@@ -188,8 +186,6 @@ class PipelineRunner:
             self._loss_scale = 1.0 / (n * accumulate_grad_batches)
             self._params = list(self.module.parameters())
             earlier = self._take_grads()
-            if gradients_zeroed:
-                earlier = [None] * len(earlier)
             try:
                 with around(True), token_losses if token_losses is not None else nullcontext():
                     schedule = self._schedule(training, shape_key(micro[0]))
