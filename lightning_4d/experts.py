@@ -1,0 +1,187 @@
+"""Mixture-of-experts layers as tensor and expert parallelism both see them (a shared module).
+
+Hugging Face transformers 5.x stores a layer's routed experts as one module holding fused 3-D parameters,
+``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called by its block as ``experts(hidden [T, H],
+top_k_index [T, k], top_k_weights [T, k])`` after the router chose; the module's own code (its
+``experts_implementation``: eager, batched_mm, grouped_mm) computes each token's weighted sum over its experts.
+:func:`find_fused_experts` finds such modules by their parameters' shapes.
+
+:class:`ExpertsForward` replaces such a module's forward once, and both dimensions set their part on it:
+tensor parallelism (``tp_group``: each rank holds every expert's slice of the intermediate dimension, the
+output is summed over tp once, after the combine), expert parallelism (``dispatch``: each rank holds E/ep whole
+experts; tokens travel to them and back). The experts' arithmetic stays the module's own: its original forward
+runs on a view of the module whose weights are this rank's local tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+FUSED_NAMES = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """Sizes of one fused-experts module: ``experts`` E, ``hidden`` H, ``inner`` I."""
+
+    fqn: str
+    cls: str
+    experts: int
+    hidden: int
+    inner: int
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.experts * self.hidden * self.inner
+
+
+def _full_shape(param: Any) -> tuple[int, ...]:
+    return tuple(param.shape)
+
+
+def find_fused_experts(module: nn.Module) -> dict[str, FusedExperts]:
+    """Every module holding fused 3-D experts ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] (weights
+    not transposed, no biases), by FQN; pure and shape-only (works on the meta device)."""
+    found = {}
+    for fqn, m in module.named_modules():
+        params = dict(m.named_parameters(recurse=False))
+        gate_up, down = params.get("gate_up_proj"), params.get("down_proj")
+        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+            continue
+        experts, double, hidden = _full_shape(gate_up)
+        if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False) or not getattr(m, "has_gate", True):
+            continue
+        if double % 2 or _full_shape(down) != (experts, hidden, double // 2):
+            continue
+        found[fqn] = FusedExperts(fqn, type(m).__name__, experts, hidden, double // 2)
+    return found
+
+
+class _View:
+    """The experts module as its original forward sees it, with this rank's local weights and expert count."""
+
+    def __init__(self, module: nn.Module, **overrides: Any) -> None:
+        self.__dict__.update(overrides)
+        self.__dict__["_module"] = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group``: an input every tp rank reads whole, each
+    rank's slice of the experts adding its part of the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOver(torch.autograd.Function):
+    """Forward sums the per-rank partial outputs over ``group``; backward passes the (replicated) gradient on."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def local(param: Tensor) -> Tensor:
+    """This rank's part of a parameter, differentiable (a DTensor's local shard)."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+# (hidden [T, H], top_k_index [T, k], top_k_weights [T, k], compute) -> [T, H], where compute(tokens [S, H],
+# local_expert [S]) runs this rank's experts on the tokens it received.
+Dispatch = Callable[[Tensor, Tensor, Tensor, Callable[[Tensor, Tensor], Tensor]], Tensor]
+
+
+class ExpertsForward:
+    """The forward of a fused-experts module under tensor and/or expert parallelism (see the module docstring).
+
+    ``tp_group``: set by tensor parallelism (the weights are sharded on the intermediate dimension).
+    ``dispatch`` and ``first_expert``/``local_experts``: set by expert parallelism. ``grad_scale``: a factor on
+    the local weights' gradients (expert parallelism's, see :mod:`lightning_4d.expert_parallel`).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.original = type(module).forward
+        self.tp_group: Optional[dist.ProcessGroup] = None
+        self.dispatch: Optional[Dispatch] = None
+        self.local_experts: int = int(module.gate_up_proj.shape[0])
+        self.grad_scale = 1.0
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ExpertsForward:
+        """The module's :class:`ExpertsForward`, installed on first request."""
+        current = module.__dict__.get("forward")
+        if isinstance(current, cls):
+            return current
+        installed = cls(module)
+        module.forward = installed
+        return installed
+
+    def weights(self) -> dict[str, Tensor]:
+        found = {}
+        for name in FUSED_NAMES:
+            value = local(getattr(self.module, name))
+            if self.grad_scale != 1.0 and value.requires_grad:
+                value = ScaleGrad.apply(value, self.grad_scale)
+            found[name] = value
+        return found
+
+    def compute(self, tokens: Tensor, expert: Tensor) -> Tensor:
+        """This rank's experts on ``tokens`` (each row to its local expert index), unweighted."""
+        view = _View(self.module, num_experts=self.local_experts, **self.weights())
+        ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
+        return self.original(view, tokens, expert.unsqueeze(1), ones)
+
+    def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args: Any,
+                 **kwargs: Any) -> Tensor:
+        if args or kwargs:
+            raise TypeError(f"{type(self.module).__name__} under lightning_4d takes (hidden_states, top_k_index,"
+                            " top_k_weights) only")
+        if self.tp_group is not None:
+            hidden_states = _SumGradOver.apply(hidden_states, self.tp_group)
+            top_k_weights = _SumGradOver.apply(top_k_weights, self.tp_group)
+        if self.dispatch is not None:
+            out = self.dispatch(hidden_states, top_k_index, top_k_weights, self.compute)
+        else:
+            view = _View(self.module, **self.weights())
+            out = self.original(view, hidden_states, top_k_index, top_k_weights)
+        if self.tp_group is not None:
+            out = _SumOver.apply(out, self.tp_group)
+        return out
