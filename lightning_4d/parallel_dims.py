@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -29,9 +30,26 @@ from lightning_4d import _compat as compat
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # rank order of the coordinates; ``dp`` is dp_replicate x dp_shard
 DEVICE_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIMS = ("ep_pp", "ep_replica", "ep", "ep_tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
 
 Size = Union[int, Literal["auto"]]
+
+
+def check_ep_size(ep: object) -> None:
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r} is not a valid size: use a positive integer (the ranks each MoE layer's"
+                         " experts are split over).")
+
+
+def check_ep_layout(ep: int, dp: int, cp: int) -> None:
+    """``ep`` borrows its ranks from ``dp x cp`` (the ranks that see different tokens), so it must divide it."""
+    check_ep_size(ep)
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}: expert parallelism borrows its ranks"
+                         " from the ranks that see different tokens (data-parallel replicas and shards, context-parallel"
+                         f" ranks), never from tp or pp. Use an ep that divides {dp * cp}, or more data-parallel ranks"
+                         " (devices, dp, dp_shard).")
 
 
 def _divisors(n: int) -> list[int]:
@@ -52,15 +70,18 @@ class ParallelDims:
     cp: int
     tp: int
     dp_shard: int = 1
+    ep: int = 1  # expert parallelism: borrowed from dp x cp (lightning_4d/expert_parallel)
 
     def __post_init__(self) -> None:
+        if self.ep > 1:
+            check_ep_layout(self.ep, self.dp, self.cp)
         if self.dp % self.dp_shard:
             raise ValueError(f"ParallelDims(dp={self.dp}, dp_shard={self.dp_shard}): dp counts every data-parallel"
                              f" rank, so it must be a multiple of dp_shard (dp = dp_replicate * dp_shard).")
 
     @classmethod
     def resolve(cls, world_size: int, dp: Size = "auto", pp: int = 1, cp: int = 1, tp: int = 1,
-                dp_shard: Size = 1) -> ParallelDims:
+                dp_shard: Size = 1, ep: int = 1) -> ParallelDims:
         """Turn user sizes into a layout for ``world_size`` processes, or raise a ValueError that says what to change.
 
         ``dp`` is the number of replicas (as it always was) and ``dp_shard`` the ranks each replica's state is
@@ -68,6 +89,12 @@ class ParallelDims:
         ``dp="auto"`` means one replica); otherwise ``dp="auto"`` does.
         """
         cls.check_sizes(dp, pp, cp, tp, dp_shard)
+        check_ep_size(ep)
+        dims = cls._resolve(world_size, dp, pp, cp, tp, dp_shard)
+        return dims if ep == 1 else cls(dims.dp, dims.pp, dims.cp, dims.tp, dims.dp_shard, ep)
+
+    @classmethod
+    def _resolve(cls, world_size: int, dp: Size, pp: int, cp: int, tp: int, dp_shard: Size) -> ParallelDims:
         if dp_shard == "auto":
             replicas = 1 if dp == "auto" else dp
             rest = replicas * pp * cp * tp
@@ -126,6 +153,7 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     dp_enabled = property(lambda self: self.dp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard > 1)
     pp_enabled = property(lambda self: self.pp > 1)
     cp_enabled = property(lambda self: self.cp > 1)
@@ -193,7 +221,13 @@ class ParallelDims:
             flat["dp_shard_cp"] = compat.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         if self.pp_enabled:
             flat["pp_dp_cp"] = compat.flatten_mesh(mesh, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp")
-        return ParallelMesh(self, mesh, flat)
+        return ParallelMesh(self, mesh, flat, self._expert_mesh(device_type) if self.ep_enabled else None)
+
+    def _expert_mesh(self, device_type: str) -> DeviceMesh:
+        """``(pp, ep_replica, ep, tp)``: the ``dp x cp`` coordinate cut into consecutive blocks of ``ep`` ranks
+        (an expert group), ``ep_replica`` the ranks at one position of every block (they hold the same experts)."""
+        ranks = torch.arange(self.world_size).view(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 @dataclass
@@ -211,9 +245,12 @@ class ParallelMesh:
     dims: ParallelDims
     mesh: DeviceMesh
     flat: dict[str, DeviceMesh]
+    experts: Optional[DeviceMesh] = None  # ``(pp, ep_replica, ep, tp)`` when ep > 1
     _built: dict[object, Optional[dist.ProcessGroup]] = field(default_factory=dict)
 
     def group(self, name: str) -> dist.ProcessGroup:
+        if name in ("ep", "ep_replica") and self.experts is not None:
+            return self.experts.get_group(name)
         if name in self.flat:
             return self.flat[name].get_group()
         if name in DEVICE_MESH_DIMS:

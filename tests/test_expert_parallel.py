@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from tests.moe_models import HandMoELM, HFMoELM
@@ -24,12 +26,30 @@ MIXTRAL = dict(module=M + "HFMoELM", module_kwargs={"kind": "mixtral"}, **LM)
 HAND = dict(module=M + "HandMoELM", **LM)
 STRICT = {"tp_strict": True}
 
+PROBE = ["tests.test_expert_parallel:ExpertProbe"]
+CLIP = {"gradient_clip_val": 0.3}
+
 TWO = [
-    Case("qwen_tp2", strategy={"tp": 2, **STRICT}, **QWEN),
-    Case("mixtral_tp2", strategy={"tp": 2, **STRICT}, **MIXTRAL),
+    Case("qwen_tp2", strategy={"tp": 2, **STRICT}, callbacks=PROBE, **QWEN),
+    Case("mixtral_tp2", strategy={"tp": 2, **STRICT}, callbacks=PROBE, **MIXTRAL),
     Case("hand_tp2", strategy={"tp": 2, **STRICT}, **HAND),
+    Case("qwen_ep2", strategy={"ep": 2}, callbacks=PROBE, **QWEN),
+    Case("mixtral_ep2", strategy={"ep": 2}, callbacks=PROBE, **{**MIXTRAL, "trainer": CLIP}),
+    Case("mixtral_ep2_batched_mm", strategy={"ep": 2}, callbacks=PROBE,
+         **{**MIXTRAL, "module_kwargs": {"kind": "mixtral", "experts_implementation": "batched_mm"}}),
+    Case("qwen_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **QWEN),
 ]
 ALL = {case.name: case for case in TWO}
+
+
+class ExpertProbe(Callback):
+    """Per expert parameter: this rank's elements against the whole's; expert parallelism's all-to-all bytes."""
+
+    def parity_extras(self, trainer):
+        experts = {n: p for n, p in trainer.lightning_module.named_parameters() if ".experts." in n}
+        local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in experts.items()}
+        sent = sum(d.sent_bytes for d in trainer.strategy.parallel.expert_dispatch)
+        return {"expert_local": local, "expert_numel": {n: p.numel() for n, p in experts.items()}, "ep_bytes": sent}
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +70,42 @@ def test_two_processes_match_one(two, name):
 def test_tp2_shards_most_of_the_moe_body(model):
     plan = plan_tensor_parallel(model, 2)
     assert plan.coverage.share >= 0.9, plan.describe()
+
+
+@pytest.mark.parametrize("name,share", [("qwen_tp2", 2), ("mixtral_tp2", 2), ("qwen_ep2", 2), ("mixtral_ep2", 2),
+                                        ("qwen_ep2_dp_shard2", 2)])
+def test_each_rank_holds_its_share_of_the_experts(two, name, share):
+    extras = two[0][name]["extras"]
+    assert extras["expert_local"], name
+    for param, numel in extras["expert_numel"].items():
+        assert extras["expert_local"][param] * share == numel, (name, param)
+    assert (extras["ep_bytes"] > 0) == ("ep" in name), (name, extras["ep_bytes"])
+
+
+def test_the_tiny_configs_route_to_every_expert():
+    """A wrong placement of any expert must show in the weights: every expert gets tokens from a global batch."""
+    from tests.lm_models import token_data
+
+    tokens = token_data()[:8][0]
+    for model in (HFMoELM("qwen2_moe"), HFMoELM("mixtral")):
+        out = model.model(input_ids=tokens, output_router_logits=True)
+        for logits in out.router_logits:
+            chosen = logits.topk(2, dim=-1).indices.unique()
+            assert chosen.numel() == 4, chosen
+
+
+def test_ep_refusals_name_the_fix():
+    from lightning_4d.expert_parallel import check_ep_model
+    from lightning_4d.parallel_dims import ParallelDims
+    from tests.lm_models import HFCausalLM
+
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the 4 experts of .*experts.*Use an ep that divides 4"):
+        check_ep_model(HFMoELM("mixtral"), 3)
+    with pytest.raises(ValueError, match=r"ep=2, but HFCausalLM has no mixture-of-experts layer.*Use ep=1"):
+        check_ep_model(HFCausalLM("llama", layers=1), 2)
+    with pytest.raises(ValueError, match=r"layers.0.moe.experts is an nn.ModuleList of experts.*fused 3-D"):
+        check_ep_model(HandMoELM(), 2)
+    with pytest.raises(ValueError, match=r"ep=4 must divide dp x cp = 2 x 1 = 2.*never from tp or pp"):
+        ParallelDims.resolve(4, tp=2, ep=4)
+    with pytest.raises(ValueError, match=r"ep=0 is not a valid size"):
+        ParallelDims.resolve(2, ep=0)
