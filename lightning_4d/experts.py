@@ -185,3 +185,50 @@ class ExpertsForward:
         if self.tp_group is not None:
             out = _SumOver.apply(out, self.tp_group)
         return out
+
+
+class _SumOverScaled(torch.autograd.Function):
+    """Forward: the sum over ``group`` of each rank's partial sums. Backward: the gradient times the group's size,
+    so that the data-parallel average of the ranks' gradients is the gradient of the global quantity."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.size = dist.get_world_size(group)
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.size, None
+
+
+def global_balancing_loss(group: dist.ProcessGroup) -> Callable[..., Any]:
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's auxiliary loss) over the global batch:
+    the share of tokens routed to each expert and the mean router probability per expert are means over every
+    token of every rank of ``group`` (``dp x cp``), as one process computes them on the whole batch; each rank's
+    value is the global one. (Per rank, the product of two local means differs from the global product.)"""
+
+    def loss(gate_logits: Any, num_experts: Optional[int] = None, top_k: int = 2,
+             attention_mask: Optional[Tensor] = None) -> Any:
+        if gate_logits is None or not isinstance(gate_logits, tuple):
+            return 0
+        device = gate_logits[0].device
+        logits = torch.cat([layer.to(device) for layer in gate_logits], dim=0)
+        routing = torch.nn.functional.softmax(logits, dim=-1)
+        _, selected = torch.topk(routing, top_k, dim=-1)
+        mask = torch.nn.functional.one_hot(selected, num_experts).float()  # [tokens, k, E]
+        if attention_mask is None:
+            weight = torch.ones(logits.shape[0], dtype=routing.dtype, device=device)
+        else:
+            layers = logits.shape[0] // attention_mask.numel()
+            weight = attention_mask.to(device, routing.dtype).reshape(1, -1).expand(layers, -1).reshape(-1)
+        sums = torch.cat([(mask * weight[:, None, None]).sum(0).reshape(-1), weight.sum().reshape(1)])
+        sums = sums.detach()
+        dist.all_reduce(sums, group=group)
+        count = sums[-1]
+        tokens_per_expert = sums[:-1].view(top_k, num_experts) / count
+        router_prob = _SumOverScaled.apply((routing * weight[:, None]).sum(0), group) / count
+        return torch.sum(tokens_per_expert * router_prob.unsqueeze(0)) * num_experts
+
+    return loss

@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
                                                    disable_kv_caches)
@@ -62,6 +63,7 @@ from lightning_4d.materialize import check_initializers, has_meta_tensors, initi
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
 from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model
+from lightning_4d.experts import global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
                                         apply_sharding, gathered)
 from lightning_4d.multihead_attention import MultiheadForwards
@@ -108,10 +110,9 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
         check_attention_reachable(module, mesh_dims.cp)
     if mesh_dims.ep_enabled:
         check_ep_model(module, mesh_dims.ep)
-        if mesh_dims.tp_enabled or mesh_dims.pp_enabled:
-            raise ValueError(f"ep={mesh_dims.ep} with tp={mesh_dims.tp}, pp={mesh_dims.pp}: expert parallelism composes"
-                             " with dp, dp_shard and cp in this version, not yet with tp or pp. Use tp=1 and pp=1 with"
-                             " ep, or ep=1 (tp alone shards the experts' intermediate size).")
+        if mesh_dims.pp_enabled:
+            raise ValueError(f"ep={mesh_dims.ep} with pp={mesh_dims.pp}: expert parallelism composes with dp, dp_shard,"
+                             " cp and tp in this version, not yet with pp. Use pp=1 with ep, or ep=1.")
     pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):
@@ -182,7 +183,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                                            held=held)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
     if mesh.dims.ep_enabled:  # after tp, before compile, checkpointing and FSDP: experts split over ep
-        parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts["ep"])
+        parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts)
     parallel.install_hooks()
     # The checkpoint goes inside the compiled block (torch traces it), except under context parallelism (see 7.).
     compile_outside = not mesh.dims.cp_enabled
@@ -382,6 +383,9 @@ class ParallelModel:
         # Token-mean losses count every valid target of the batch once: summed over the ranks that split it.
         splits_batch = dims.dp * dims.dp_shard * dims.cp > 1
         self.token_group = mesh.group("dp_cp") if splits_batch else None
+        # transformers' MoE load-balancing loss over the global batch, as one process computes it
+        owners = compat.hf_balancing_loss_modules(module) if splits_batch else []
+        self._balancing = (owners, global_balancing_loss(self.token_group)) if owners else None
         self.token_losses = options["loss_normalization"] in ("tokens", "batch")
         # "tokens": over a whole accumulation window; "batch": each batch's mean, the window's averaged (Lightning's)
         self.window = TokenWindow() if options["loss_normalization"] == "tokens" else None
@@ -445,6 +449,9 @@ class ParallelModel:
                 stack.enter_context(tensor_parallel_context(self.tensor_plan))
             if self.context is not None and not predicting:
                 stack.enter_context(self.context.step_context())
+            if self._balancing is not None:
+                stack.enter_context(compat.module_function_replaced(self._balancing[0], "load_balancing_loss_func",
+                                                                    self._balancing[1]))
             yield
 
     def unsharded(self) -> AbstractContextManager[None]:

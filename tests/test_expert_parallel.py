@@ -23,6 +23,8 @@ M = "tests.moe_models:"
 LM = dict(data="tests.lm_models:token_data", max_steps=3)
 QWEN = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe"}, **LM)
 MIXTRAL = dict(module=M + "HFMoELM", module_kwargs={"kind": "mixtral"}, **LM)
+QWEN_AUX = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe", "router_aux": True}, **LM)
+MIXTRAL_AUX = dict(module=M + "HFMoELM", module_kwargs={"kind": "mixtral", "router_aux": True}, **LM)
 HAND = dict(module=M + "HandMoELM", **LM)
 STRICT = {"tp_strict": True}
 
@@ -38,8 +40,20 @@ TWO = [
     Case("mixtral_ep2_batched_mm", strategy={"ep": 2}, callbacks=PROBE,
          **{**MIXTRAL, "module_kwargs": {"kind": "mixtral", "experts_implementation": "batched_mm"}}),
     Case("qwen_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **QWEN),
+    Case("qwen_aux_dp2", strategy={}, **QWEN_AUX),
+    Case("qwen_aux_ep2", strategy={"ep": 2}, **QWEN_AUX),
+    Case("mixtral_aux_ep2", strategy={"ep": 2}, **MIXTRAL_AUX),
 ]
-ALL = {case.name: case for case in TWO}
+FOUR = [
+    Case("qwen_ep4", strategy={"ep": 4}, callbacks=PROBE, **QWEN),
+    Case("mixtral_ep4", strategy={"ep": 4}, callbacks=PROBE, **MIXTRAL),
+    Case("mixtral_aux_ep4", strategy={"ep": 4}, **MIXTRAL_AUX),
+    Case("qwen_ep2_dp2", strategy={"ep": 2}, callbacks=PROBE, **QWEN),
+    Case("mixtral_ep2_dp_shard2_hsdp", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **MIXTRAL),
+    Case("qwen_ep2_tp2", strategy={"ep": 2, "tp": 2, **STRICT}, callbacks=PROBE, **{**QWEN, "trainer": CLIP}),
+    Case("mixtral_aux_ep2_tp2", strategy={"ep": 2, "tp": 2}, callbacks=PROBE, **MIXTRAL_AUX),
+]
+ALL = {case.name: case for case in TWO + FOUR}
 
 
 class ExpertProbe(Callback):
@@ -57,12 +71,26 @@ def two():
     return train_layout_with_failures(TWO, [], 2, timeout=600)
 
 
-@pytest.mark.parametrize("name", [c.name for c in TWO])
-def test_two_processes_match_one(two, name):
+@pytest.fixture(scope="module")
+def four():
+    return train_layout_with_failures(FOUR, [], 4, timeout=600)
+
+
+def _assert_parity(name: str, got: dict) -> None:
     case = ALL[name]
     expected = reference(case)
-    report_difference(case, expected, two[0][name])
-    assert_parity(case, expected, two[0][name])
+    report_difference(case, expected, got)
+    assert_parity(case, expected, got)
+
+
+@pytest.mark.parametrize("name", [c.name for c in TWO])
+def test_two_processes_match_one(two, name):
+    _assert_parity(name, two[0][name])
+
+
+@pytest.mark.parametrize("name", [c.name for c in FOUR])
+def test_four_processes_match_one(four, name):
+    _assert_parity(name, four[0][name])
 
 
 @pytest.mark.parametrize("model", [HFMoELM("qwen2_moe"), HFMoELM("mixtral"), HandMoELM()],
@@ -73,9 +101,10 @@ def test_tp2_shards_most_of_the_moe_body(model):
 
 
 @pytest.mark.parametrize("name,share", [("qwen_tp2", 2), ("mixtral_tp2", 2), ("qwen_ep2", 2), ("mixtral_ep2", 2),
-                                        ("qwen_ep2_dp_shard2", 2)])
-def test_each_rank_holds_its_share_of_the_experts(two, name, share):
-    extras = two[0][name]["extras"]
+                                        ("qwen_ep2_dp_shard2", 2), ("qwen_ep4", 4), ("mixtral_ep4", 4),
+                                        ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4)])
+def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
+    extras = {**two[0], **four[0]}[name]["extras"]
     assert extras["expert_local"], name
     for param, numel in extras["expert_numel"].items():
         assert extras["expert_local"][param] * share == numel, (name, param)
