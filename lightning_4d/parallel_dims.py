@@ -37,6 +37,7 @@ Size = Union[int, Literal["auto"]]
 
 
 def check_ep_size(ep: object) -> None:
+    """``ep`` is a positive integer (needs no world size yet)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"ep={ep!r} is not a valid size: use a positive integer (the ranks each MoE layer's"
                          " experts are split over).")

@@ -110,9 +110,6 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
         check_attention_reachable(module, mesh_dims.cp)
     if mesh_dims.ep_enabled:
         check_ep_model(module, mesh_dims.ep)
-        if mesh_dims.pp_enabled:
-            raise ValueError(f"ep={mesh_dims.ep} with pp={mesh_dims.pp}: expert parallelism composes with dp, dp_shard,"
-                             " cp and tp in this version, not yet with pp. Use pp=1 with ep, or ep=1.")
     pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):

@@ -1,14 +1,23 @@
 """Mixture-of-experts models (issue #30) under tensor and expert parallelism, each against one process on the same
-global batches (tests/parity.py: losses per step, logged train loss, final weights within 1e-5; fp32, SGD):
+global batches (tests/parity.py: losses per step, logged train loss, final weights within 1e-5; fp32, SGD with
+momentum):
 
 - tp=2 without ep: Hugging Face fused 3-D experts (Qwen2-MoE with its shared expert, Mixtral) sharded on their
   intermediate dimension, one sum over tp after the combine, with ``tp_strict`` (>= 90% of the body sharded); the
   hand-written ``nn.ModuleList`` MoE, whose expert MLPs are MLP regions of their own.
+- ep: 2 and 4 on both families (eager and batched_mm experts), ep2 x dp2, ep2 x dp_shard2 (also HSDP), ep2 x tp2,
+  ep2 x pp2, and with ``output_router_logits=True`` (the load-balancing loss over the global batch; dp=2 too).
+- a checkpoint at ep=2 (momentum included) resumed at ep=1, ep=4 and in one process.
 
-One 2-process launch holds every case; plans, refusals and routing checks run in this process.
+One 2-process and one 4-process launch hold every case; plans, refusals and routing checks run in this process.
 """
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from tests.moe_models import HandMoELM, HFMoELM
-from tests.parity import Case, assert_parity, reference, report_difference, train_layout_with_failures
+from tests.parity import (Case, after_step, assert_exact_resume, assert_parity, reference, report_difference, train,
+                          train_layout_with_failures)
 
 M = "tests.moe_models:"
 LM = dict(data="tests.lm_models:token_data", max_steps=3)
@@ -27,6 +37,16 @@ QWEN_AUX = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe", "route
 MIXTRAL_AUX = dict(module=M + "HFMoELM", module_kwargs={"kind": "mixtral", "router_aux": True}, **LM)
 HAND = dict(module=M + "HandMoELM", **LM)
 STRICT = {"tp_strict": True}
+
+SAVE = 2
+RESHARD = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe"}, data="tests.lm_models:token_data",
+               max_steps=4)
+WORKDIR = Path(tempfile.mkdtemp(prefix="l4d_experts_"))  # the launches' checkpoints (removed at module end)
+
+
+def _saved() -> str:
+    return str(WORKDIR / "qwen_ep2_saved" / f"epoch=0-step={SAVE}.ckpt")
+
 
 PROBE = ["tests.test_expert_parallel:ExpertProbe"]
 CLIP = {"gradient_clip_val": 0.3}
@@ -43,8 +63,14 @@ TWO = [
     Case("qwen_aux_dp2", strategy={}, **QWEN_AUX),
     Case("qwen_aux_ep2", strategy={"ep": 2}, **QWEN_AUX),
     Case("mixtral_aux_ep2", strategy={"ep": 2}, **MIXTRAL_AUX),
+    # a checkpoint at ep=2 (momentum included) resumes at ep=1 (dp=2) here, at ep=4 and in one process below
+    Case("qwen_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **RESHARD),
+    Case("qwen_ep2_to_ep1", strategy={}, resume_from=_saved(), **RESHARD),
 ]
 FOUR = [
+    Case("qwen_ep2_to_ep4", strategy={"ep": 4}, resume_from=_saved(), **RESHARD),
+    Case("qwen_ep2_pp2", strategy={"ep": 2, "pp": 2}, callbacks=PROBE, **QWEN),
+    Case("mixtral_ep2_pp2", strategy={"ep": 2, "pp": 2}, callbacks=PROBE, **MIXTRAL),
     Case("qwen_ep4", strategy={"ep": 4}, callbacks=PROBE, **QWEN),
     Case("mixtral_ep4", strategy={"ep": 4}, callbacks=PROBE, **MIXTRAL),
     Case("mixtral_aux_ep4", strategy={"ep": 4}, **MIXTRAL_AUX),
@@ -68,12 +94,13 @@ class ExpertProbe(Callback):
 
 @pytest.fixture(scope="module")
 def two():
-    return train_layout_with_failures(TWO, [], 2, timeout=600)
+    yield train_layout_with_failures(TWO, [], 2, timeout=600, workdir=str(WORKDIR))
+    shutil.rmtree(WORKDIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def four():
-    return train_layout_with_failures(FOUR, [], 4, timeout=600)
+def four(two):  # after two: it resumes two's checkpoint
+    return train_layout_with_failures(FOUR, [], 4, timeout=600, workdir=str(WORKDIR))
 
 
 def _assert_parity(name: str, got: dict) -> None:
@@ -83,14 +110,28 @@ def _assert_parity(name: str, got: dict) -> None:
     assert_parity(case, expected, got)
 
 
-@pytest.mark.parametrize("name", [c.name for c in TWO])
+RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4")
+
+
+@pytest.mark.parametrize("name", [c.name for c in TWO if c.name not in RESUMED])
 def test_two_processes_match_one(two, name):
     _assert_parity(name, two[0][name])
 
 
-@pytest.mark.parametrize("name", [c.name for c in FOUR])
+@pytest.mark.parametrize("name", [c.name for c in FOUR if c.name not in RESUMED])
 def test_four_processes_match_one(four, name):
     _assert_parity(name, four[0][name])
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1_ep4_and_in_one_process_as_one_process_goes_on(two, four):
+    records = {**two[0], **four[0]}
+    assert_exact_resume(records["qwen_ep2_saved"])
+    expected = after_step(reference(ALL["qwen_ep2_saved"]), SAVE)
+    one = replace(ALL["qwen_ep2_saved"], name="qwen_ep2_to_one", strategy={}, resume_at=None, resume_from=_saved())
+    records["qwen_ep2_to_one"] = train(one, distributed=True)  # FourDStrategy on one device
+    for name in (*RESUMED, "qwen_ep2_to_one"):
+        report_difference(ALL["qwen_ep2_saved"], expected, records[name])
+        assert_parity(replace(one, name=name), expected, records[name])
 
 
 @pytest.mark.parametrize("model", [HFMoELM("qwen2_moe"), HFMoELM("mixtral"), HandMoELM()],
@@ -102,7 +143,8 @@ def test_tp2_shards_most_of_the_moe_body(model):
 
 @pytest.mark.parametrize("name,share", [("qwen_tp2", 2), ("mixtral_tp2", 2), ("qwen_ep2", 2), ("mixtral_ep2", 2),
                                         ("qwen_ep2_dp_shard2", 2), ("qwen_ep4", 4), ("mixtral_ep4", 4),
-                                        ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4)])
+                                        ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4),
+                                        ("qwen_ep2_pp2", 2)])
 def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
     extras = {**two[0], **four[0]}[name]["extras"]
     assert extras["expert_local"], name

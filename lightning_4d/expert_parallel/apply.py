@@ -11,7 +11,8 @@ from lightning_4d.experts import FUSED_NAMES, ExpertsForward, find_fused_experts
 from lightning_4d.expert_parallel.dispatch import AllToAllDispatch
 
 
-def apply_expert_parallel(module: nn.Module, experts_mesh: DeviceMesh) -> tuple[list[nn.Parameter], list[AllToAllDispatch]]:
+def apply_expert_parallel(module: nn.Module,
+                          experts_mesh: DeviceMesh) -> tuple[list[nn.Parameter], list[AllToAllDispatch]]:
     """Split every fused-experts module of ``module`` over the ``ep`` dim of ``experts_mesh`` (the layout's
     ``(ep_pp, ep_replica, ep, ep_tp)`` mesh); returns the expert parameters (their gradients are reduced over the
     ep replicas only) and the dispatchers (their traffic counters).

@@ -19,8 +19,8 @@ def check_ep_model(module: nn.Module, ep: int) -> None:
     if not fused:
         if lists:
             raise ValueError(
-                f"ep={ep}: {lists[0]} is an nn.ModuleList of experts that {type(module).__name__}'s own loop calls one by"
-                " one, so lightning_4d cannot send the tokens to the rank holding their expert. Fix: store the"
+                f"ep={ep}: {lists[0]} is an nn.ModuleList of experts that {type(module).__name__}'s own loop calls one"
+                " by one, so lightning_4d cannot send the tokens to the rank holding their expert. Fix: store the"
                 " experts as fused 3-D parameters gate_up_proj [E, 2*I, H] and down_proj [E, H, I] called as"
                 " experts(hidden, top_k_index, top_k_weights) (Hugging Face transformers' form), or use tp to shard"
                 " the experts' intermediate size, or ep=1.")
