@@ -232,3 +232,91 @@ def global_balancing_loss(group: dist.ProcessGroup) -> Callable[..., Any]:
         return torch.sum(tokens_per_expert * router_prob.unsqueeze(0)) * num_experts
 
     return loss
+
+
+# --------------------------------------------------------------------------- hand-written nn.ModuleList experts
+
+ROUTER_NAMES = ("router", "gate")
+TOP_K_NAMES = ("top_k", "num_experts_per_tok", "k")
+
+
+@dataclass(frozen=True)
+class ExpertList:
+    """A hand-written MoE module: ``experts`` (an ``nn.ModuleList`` of alike expert modules), a linear router
+    child scoring every expert, and an integer top-k; ``renormalize``: whether the chosen weights are divided by
+    their sum (decided by :func:`check_expert_list`)."""
+
+    fqn: str
+    cls: str
+    experts: int
+    router: str
+    top_k: int
+    renormalize: Optional[bool] = None
+
+
+def find_expert_lists(module: nn.Module) -> dict[str, ExpertList]:
+    """Every module holding ``experts = nn.ModuleList([...])`` of one class with parameters of equal shapes and
+    no buffers, a linear router child (``router`` or ``gate``) with one output per expert, and a top-k attribute
+    (``top_k``, ``num_experts_per_tok`` or ``k``); pure."""
+    found = {}
+    for fqn, m in module.named_modules():
+        experts = getattr(m, "experts", None)
+        if not isinstance(experts, nn.ModuleList) or len(experts) < 2:
+            continue
+        shapes = {(type(e), tuple((n, tuple(p.shape)) for n, p in e.named_parameters())) for e in experts}
+        if len(shapes) != 1 or any(True for e in experts for _ in e.buffers()):
+            continue
+        router = next((name for name in ROUTER_NAMES if isinstance(getattr(m, name, None), nn.Linear)
+                       and getattr(m, name).out_features == len(experts)), None)
+        top_k = next((getattr(m, name) for name in TOP_K_NAMES if type(getattr(m, name, None)) is int), None)
+        if router is not None and top_k is not None:
+            found[fqn] = ExpertList(fqn, type(m).__name__, len(experts), router, top_k)
+    return found
+
+
+def route(moe: nn.Module, found: ExpertList, x: Tensor, run: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+    """The common hand-written top-k MoE forward: softmax over the router's scores, the top-k experts (their
+    weights divided by their sum when ``found.renormalize``), ``run(tokens, top_k_index, top_k_weights)``."""
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    probs = torch.nn.functional.softmax(getattr(moe, found.router)(tokens), dim=-1)
+    weights, chosen = probs.topk(found.top_k, dim=-1)
+    if found.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return run(tokens, chosen, weights).view(shape)
+
+
+def run_each_expert(experts: list[Callable[[Tensor], Tensor]]) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """Every (token, expert) pair computed by its expert, weighted and added, expert by expert."""
+
+    def run(tokens: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        out = torch.zeros_like(tokens)
+        for index, expert in enumerate(experts):
+            token, slot = torch.where(chosen == index)
+            out = out.index_add(0, token, expert(tokens[token]) * weights[token, slot, None])
+        return out
+
+    return run
+
+
+def check_expert_list(moe: nn.Module, found: ExpertList) -> Optional[ExpertList]:
+    """``found`` with the routing that reproduces ``moe``'s own forward on a probe batch (pure, on this rank's
+    weights, no collective), or None when neither variant does (its routing cannot be reached)."""
+    weight = getattr(moe, found.router).weight
+    if weight.device.type == "meta":
+        return None
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        try:
+            expected = moe(x)
+        except Exception:  # noqa: BLE001  a forward with other arguments: not the form this reproduces
+            return None
+        if not isinstance(expected, Tensor) or expected.shape != x.shape:
+            return None
+        for renormalize in (True, False):
+            candidate = ExpertList(**{**found.__dict__, "renormalize": renormalize})
+            got = route(moe, candidate, x, run_each_expert(list(moe.experts)))
+            if torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+                return candidate
+    return None

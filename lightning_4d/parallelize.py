@@ -109,7 +109,7 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
     if mesh_dims.cp_enabled:
         check_attention_reachable(module, mesh_dims.cp)
     if mesh_dims.ep_enabled:
-        check_ep_model(module, mesh_dims.ep)
+        check_ep_model(module, mesh_dims.ep, mesh_dims.tp)
     pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):

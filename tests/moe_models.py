@@ -52,12 +52,27 @@ class MoE(nn.Module):
         return out.view(shape)
 
 
+class SigmoidMoE(MoE):
+    """A router that scores each expert by a sigmoid (DeepSeek-V3's choice), not a softmax: another routing than
+    the common form, which expert parallelism must refuse rather than replace."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = torch.sigmoid(self.router(x)).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == index)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.view(shape)
+
+
 class MoEBlock(nn.Module):
-    def __init__(self, hidden: int, inner: int, experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, inner: int, experts: int, top_k: int, sigmoid: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.mix = nn.Linear(hidden, hidden, bias=False)  # a token-wise dense layer beside the experts
-        self.moe = MoE(hidden, inner, experts, top_k)
+        self.moe = (SigmoidMoE if sigmoid else MoE)(hidden, inner, experts, top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(x)
@@ -66,10 +81,10 @@ class MoEBlock(nn.Module):
 
 class HandMoELM(_CausalLM):
     def __init__(self, vocab_size: int = VOCAB, hidden: int = 16, inner: int = 32, layers: int = 2,
-                 experts: int = 4, top_k: int = 2) -> None:
+                 experts: int = 4, top_k: int = 2, sigmoid: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, hidden)
-        self.layers = nn.ModuleList(MoEBlock(hidden, inner, experts, top_k) for _ in range(layers))
+        self.layers = nn.ModuleList(MoEBlock(hidden, inner, experts, top_k, sigmoid) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab_size, bias=False)
 
@@ -132,4 +147,4 @@ def adamw(module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=1e-2)
 
 
-__all__ = ["ExpertMLP", "HFMoELM", "HandMoELM", "MoE", "adamw", "hf_moe_config", "sgd"]
+__all__ = ["ExpertMLP", "HFMoELM", "HandMoELM", "MoE", "SigmoidMoE", "adamw", "hf_moe_config", "sgd"]

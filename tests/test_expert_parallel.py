@@ -44,10 +44,14 @@ RESHARD = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe"}, data="
 WORKDIR = Path(tempfile.mkdtemp(prefix="l4d_experts_"))  # the launches' checkpoints (removed at module end)
 
 
-def _saved() -> str:
-    return str(WORKDIR / "qwen_ep2_saved" / f"epoch=0-step={SAVE}.ckpt")
+HAND_RESHARD = dict(RESHARD, module=M + "HandMoELM", module_kwargs={})
 
 
+def _saved(name: str = "qwen_ep2_saved") -> str:
+    return str(WORKDIR / name / f"epoch=0-step={SAVE}.ckpt")
+
+
+TELEMETRY = ["tests.test_expert_parallel:TelemetryProbe"]
 PROBE = ["tests.test_expert_parallel:ExpertProbe"]
 CLIP = {"gradient_clip_val": 0.3}
 
@@ -60,18 +64,26 @@ TWO = [
     Case("mixtral_ep2_batched_mm", strategy={"ep": 2}, callbacks=PROBE,
          **{**MIXTRAL, "module_kwargs": {"kind": "mixtral", "experts_implementation": "batched_mm"}}),
     Case("qwen_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **QWEN),
+    Case("hand_ep2", strategy={"ep": 2}, callbacks=PROBE, **{**HAND, "trainer": CLIP}),
+    Case("hand_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **HAND),
     Case("qwen_aux_dp2", strategy={}, **QWEN_AUX),
     Case("qwen_aux_ep2", strategy={"ep": 2}, **QWEN_AUX),
     Case("mixtral_aux_ep2", strategy={"ep": 2}, **MIXTRAL_AUX),
+    Case("qwen_ep2_telemetry", strategy={"ep": 2, "telemetry": True}, callbacks=PROBE + TELEMETRY, **QWEN),
     # a checkpoint at ep=2 (momentum included) resumes at ep=1 (dp=2) here, at ep=4 and in one process below
     Case("qwen_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **RESHARD),
     Case("qwen_ep2_to_ep1", strategy={}, resume_from=_saved(), **RESHARD),
+    Case("hand_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **HAND_RESHARD),
 ]
 FOUR = [
     Case("qwen_ep2_to_ep4", strategy={"ep": 4}, resume_from=_saved(), **RESHARD),
+    Case("hand_ep2_to_ep4", strategy={"ep": 4}, resume_from=_saved("hand_ep2_saved"), **HAND_RESHARD),
     Case("qwen_ep2_pp2", strategy={"ep": 2, "pp": 2}, callbacks=PROBE, **QWEN),
     Case("mixtral_ep2_pp2", strategy={"ep": 2, "pp": 2}, callbacks=PROBE, **MIXTRAL),
     Case("qwen_ep4", strategy={"ep": 4}, callbacks=PROBE, **QWEN),
+    Case("hand_ep4", strategy={"ep": 4}, callbacks=PROBE, **HAND),
+    Case("hand_ep2_dp2", strategy={"ep": 2}, callbacks=PROBE, **HAND),
+    Case("hand_ep2_pp2", strategy={"ep": 2, "pp": 2}, callbacks=PROBE, **HAND),
     Case("mixtral_ep4", strategy={"ep": 4}, callbacks=PROBE, **MIXTRAL),
     Case("mixtral_aux_ep4", strategy={"ep": 4}, **MIXTRAL_AUX),
     Case("qwen_ep2_dp2", strategy={"ep": 2}, callbacks=PROBE, **QWEN),
@@ -92,6 +104,16 @@ class ExpertProbe(Callback):
         return {"expert_local": local, "expert_numel": {n: p.numel() for n, p in experts.items()}, "ep_bytes": sent}
 
 
+class TelemetryProbe(Callback):
+    """The telemetry callback's last window (logged at the end of fit: the Trainer logs every 50 steps)."""
+
+    def parity_extras(self, trainer):
+        from lightning_4d.telemetry import Telemetry
+
+        (telemetry,) = [c for c in trainer.callbacks if isinstance(c, Telemetry)]
+        return {"telemetry": dict(telemetry.last_metrics)}
+
+
 @pytest.fixture(scope="module")
 def two():
     yield train_layout_with_failures(TWO, [], 2, timeout=600, workdir=str(WORKDIR))
@@ -110,7 +132,7 @@ def _assert_parity(name: str, got: dict) -> None:
     assert_parity(case, expected, got)
 
 
-RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4")
+RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4", "hand_ep2_to_ep4")
 
 
 @pytest.mark.parametrize("name", [c.name for c in TWO if c.name not in RESUMED])
@@ -129,9 +151,18 @@ def test_an_ep2_checkpoint_resumes_at_ep1_ep4_and_in_one_process_as_one_process_
     expected = after_step(reference(ALL["qwen_ep2_saved"]), SAVE)
     one = replace(ALL["qwen_ep2_saved"], name="qwen_ep2_to_one", strategy={}, resume_at=None, resume_from=_saved())
     records["qwen_ep2_to_one"] = train(one, distributed=True)  # FourDStrategy on one device
-    for name in (*RESUMED, "qwen_ep2_to_one"):
+    for name in ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4", "qwen_ep2_to_one"):
         report_difference(ALL["qwen_ep2_saved"], expected, records[name])
         assert_parity(replace(one, name=name), expected, records[name])
+
+
+def test_a_hand_written_ep2_checkpoint_resumes_at_ep4(two, four):
+    """The stacked experts of a hand-written MoE reshard like any DTensor; their checkpoint keys are the
+    ModuleList's (``experts.3.gate_proj.weight``)."""
+    records = {**two[0], **four[0]}
+    assert_exact_resume(records["hand_ep2_saved"])
+    assert_parity(ALL["hand_ep2_to_ep4"], after_step(reference(ALL["hand_ep2_saved"]), SAVE),
+                  records["hand_ep2_to_ep4"])
 
 
 @pytest.mark.parametrize("model", [HFMoELM("qwen2_moe"), HFMoELM("mixtral"), HandMoELM()],
@@ -144,7 +175,8 @@ def test_tp2_shards_most_of_the_moe_body(model):
 @pytest.mark.parametrize("name,share", [("qwen_tp2", 2), ("mixtral_tp2", 2), ("qwen_ep2", 2), ("mixtral_ep2", 2),
                                         ("qwen_ep2_dp_shard2", 2), ("qwen_ep4", 4), ("mixtral_ep4", 4),
                                         ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4),
-                                        ("qwen_ep2_pp2", 2)])
+                                        ("qwen_ep2_pp2", 2), ("hand_ep2", 2), ("hand_ep2_dp_shard2", 2),
+                                        ("hand_ep4", 4), ("hand_ep2_dp2", 2), ("hand_ep2_pp2", 2)])
 def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
     extras = {**two[0], **four[0]}[name]["extras"]
     assert extras["expert_local"], name
@@ -174,9 +206,22 @@ def test_ep_refusals_name_the_fix():
         check_ep_model(HFMoELM("mixtral"), 3)
     with pytest.raises(ValueError, match=r"ep=2, but HFCausalLM has no mixture-of-experts layer.*Use ep=1"):
         check_ep_model(HFCausalLM("llama", layers=1), 2)
-    with pytest.raises(ValueError, match=r"layers.0.moe.experts is an nn.ModuleList of experts.*fused 3-D"):
-        check_ep_model(HandMoELM(), 2)
+    check_ep_model(HandMoELM(), 2)  # the common form: softmax router, top-k, renormalized weighted sum
+    with pytest.raises(ValueError, match=r"ep=2: the routing of layers.0.moe \(SigmoidMoE\) cannot be reached.*Fix"):
+        check_ep_model(HandMoELM(sigmoid=True), 2)
+    with pytest.raises(ValueError, match=r"ep=2 with tp=2: the hand-written experts of layers.0.moe.*Use tp=1"):
+        check_ep_model(HandMoELM(), 2, tp=2)
     with pytest.raises(ValueError, match=r"ep=4 must divide dp x cp = 2 x 1 = 2.*never from tp or pp"):
         ParallelDims.resolve(4, tp=2, ep=4)
     with pytest.raises(ValueError, match=r"ep=0 is not a valid size"):
         ParallelDims.resolve(2, ep=0)
+
+
+def test_telemetry_attributes_the_all_to_all_to_ep(two):
+    """Its time under ``comm_s/ep`` (the ep group shares its members with dp here, and is told apart by group),
+    its bytes per rank per step under ``comm_bytes/ep``: at most what rank 0 sent in all steps."""
+    record = two[0]["qwen_ep2_telemetry"]
+    metrics = record["extras"]["telemetry"]
+    assert metrics["telemetry/comm_s/ep"] > 0, metrics
+    assert "telemetry/comm_s/dp" in metrics, metrics
+    assert 0 < metrics["telemetry/comm_bytes/ep"] < record["extras"]["ep_bytes"] * 3, metrics
