@@ -5,7 +5,7 @@
 - ``HFMoELM``: Hugging Face ``Qwen2MoeForCausalLM`` (shared expert beside the routed ones) or
   ``MixtralForCausalLM`` from a tiny config: experts as fused 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj``
   [E, H, I], run by the config's ``experts_implementation``; ``router_aux`` turns on ``output_router_logits``
-  (the load-balancing loss is added to the language-model loss).
+  (the model's load-balancing ``aux_loss`` times ``router_aux_loss_coef`` is added to the language-model loss).
 
 The tiny configs route every token to ``top_k`` of 4 (or 8) experts with a random router, so a batch of 8 x 16
 tokens reaches every expert (tests/test_expert_parallel.py checks it): each expert trains, and a wrong
@@ -136,7 +136,9 @@ class HFMoELM(_CausalLM):
         input_ids, labels = batch
         if not self.config.output_router_logits:
             return super()._loss(batch)
-        return self.model(input_ids=input_ids, labels=labels).loss  # language-model loss + coef x aux loss
+        out = self.model(input_ids=input_ids)  # labels are shifted in the data already: the loss from the logits
+        lm = F.cross_entropy(out.logits.reshape(-1, out.logits.size(-1)), labels.reshape(-1))
+        return lm + self.config.router_aux_loss_coef * out.aux_loss
 
 
 def hand_moe(**kwargs) -> HandMoELM:

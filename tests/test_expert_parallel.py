@@ -5,9 +5,12 @@ momentum):
 - tp=2 without ep: Hugging Face fused 3-D experts (Qwen2-MoE with its shared expert, Mixtral) sharded on their
   intermediate dimension, one sum over tp after the combine, with ``tp_strict`` (>= 90% of the body sharded); the
   hand-written ``nn.ModuleList`` MoE, whose expert MLPs are MLP regions of their own.
-- ep: 2 and 4 on both families (eager and batched_mm experts), ep2 x dp2, ep2 x dp_shard2 (also HSDP), ep2 x tp2,
-  ep2 x pp2, and with ``output_router_logits=True`` (the load-balancing loss over the global batch; dp=2 too).
-- a checkpoint at ep=2 (momentum included) resumed at ep=1, ep=4 and in one process.
+- ep: 2 and 4 on both families (eager and batched_mm experts) and the hand-written MoE, ep2 x dp2, ep2 x dp_shard2
+  (also HSDP), ep2 x tp2, ep2 x pp2, ep2 x cp2, ep2 with activation checkpointing, and with
+  ``output_router_logits=True`` (the load-balancing loss over the global batch; dp=2 too).
+- a checkpoint at ep=2 (momentum included) resumed at ep=1, ep=4 and in one process; a hand-written one at ep=4.
+- the planner's expert parameters per rank (exact) and all-to-all bytes (balanced routing) against the runs;
+  telemetry's ``comm_s/ep`` and ``comm_bytes/ep``.
 
 One 2-process and one 4-process launch hold every case; plans, refusals and routing checks run in this process.
 """
@@ -66,6 +69,10 @@ TWO = [
     Case("qwen_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **QWEN),
     Case("hand_ep2", strategy={"ep": 2}, callbacks=PROBE, **{**HAND, "trainer": CLIP}),
     Case("hand_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **HAND),
+    Case("qwen_ep2_cp2", strategy={"ep": 2, "cp": 2}, callbacks=PROBE, **QWEN),  # ep borrows the cp ranks
+    Case("qwen_aux_ep2_cp2", strategy={"ep": 2, "cp": 2}, **QWEN_AUX),
+    Case("mixtral_ep2_ac", strategy={"ep": 2, "activation_checkpointing": "full"}, callbacks=PROBE, **MIXTRAL),
+    Case("hand_ep2_ac", strategy={"ep": 2, "activation_checkpointing": "full"}, callbacks=PROBE, **HAND),
     Case("qwen_aux_dp2", strategy={}, **QWEN_AUX),
     Case("qwen_aux_ep2", strategy={"ep": 2}, **QWEN_AUX),
     Case("mixtral_aux_ep2", strategy={"ep": 2}, **MIXTRAL_AUX),
