@@ -189,9 +189,15 @@ class ParallelDims:
 
     def layout_table(self) -> str:
         """One line per rank: its coordinates and the members of its groups."""
-        names = GROUP_NAMES + (("dp_shard_cp",) if self.dp_shard_enabled else ())
+        names = GROUP_NAMES + (("dp_shard_cp",) if self.dp_shard_enabled else ()) + (
+            ("ep", "ep_replica") if self.ep_enabled else ())
         header = ["rank", "dp", "pp", "cp", "tp"] + [f"{g} group" for g in names]
         members = self._group_of_each_rank()
+        if self.ep_enabled:  # the expert mesh's groups: (pp, ep_replica, ep, tp), see _expert_mesh
+            ranks = torch.arange(self.world_size).view(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+            for name, dim in (("ep", 2), ("ep_replica", 1)):
+                groups = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+                members[name] = {rank: group for group in groups for rank in group}
         if self.dp_shard_enabled:  # the ranks that shard one copy of the state: same replica, pp and tp
             members["dp_shard_cp"] = {rank: [r for r in members["dp_cp"][rank]
                                              if self._replica_index(r) == self._replica_index(rank)]
@@ -206,7 +212,8 @@ class ParallelDims:
         lines.insert(1, "-+-".join("-" * w for w in widths))
         dp = f"{self.dp} (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_shard_enabled \
             else str(self.dp)
-        title = f"lightning-4d layout: dp={dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
+        ep = f" ep={self.ep} (from dp x cp)" if self.ep_enabled else ""
+        title = f"lightning-4d layout: dp={dp} pp={self.pp} cp={self.cp} tp={self.tp}{ep} (world {self.world_size})"
         return "\n".join([title, *lines])
 
     def _replica_index(self, rank: int) -> int:

@@ -2,8 +2,9 @@
 
 - ``HandMoELM``: the common hand-written form: each block's MoE holds an ``nn.ModuleList`` of gated expert MLPs
   and a top-k linear router, and loops over the experts (dropless: every routed token is computed).
-- ``HFMoELM``: Hugging Face ``Qwen2MoeForCausalLM`` (shared expert beside the routed ones) or
-  ``MixtralForCausalLM`` from a tiny config: experts as fused 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj``
+- ``HFMoELM``: Hugging Face ``Qwen2MoeForCausalLM`` (shared expert beside the routed ones),
+  ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or ``DeepseekV3ForCausalLM`` (latent attention, a first dense
+  layer, a shared expert, group-limited routing with a bias) from a tiny config: experts as fused 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj``
   [E, H, I], run by the config's ``experts_implementation``; ``router_aux`` turns on ``output_router_logits``
   (the model's load-balancing ``aux_loss`` times ``router_aux_loss_coef`` is added to the language-model loss).
 
@@ -111,7 +112,16 @@ def hf_moe_config(kind: str = "qwen2_moe", vocab_size: int = VOCAB, hidden: int 
     if kind == "mixtral":
         return transformers.MixtralConfig(num_local_experts=experts, intermediate_size=2 * hidden,
                                           router_jitter_noise=0.0, **common)
-    raise ValueError(f"kind={kind!r}: use 'qwen2_moe' or 'mixtral'")
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=2 * hidden, head_dim=4,
+                                           intermediate_size=2 * hidden, norm_topk_prob=True, **common)
+    if kind == "deepseek_v3":  # multi-head latent attention, a first dense layer, a shared expert, grouped routing
+        common.update(num_key_value_heads=4)
+        return transformers.DeepseekV3Config(n_routed_experts=experts, moe_intermediate_size=2 * hidden,
+                                             intermediate_size=2 * hidden, n_group=1, topk_group=1, n_shared_experts=1,
+                                             first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
+                                             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **common)
+    raise ValueError(f"kind={kind!r}: use 'qwen2_moe', 'mixtral', 'qwen3_moe' or 'deepseek_v3'")
 
 
 class HFMoELM(_CausalLM):
@@ -120,8 +130,7 @@ class HFMoELM(_CausalLM):
         import transformers
 
         self.config = hf_moe_config(kind, router_aux=router_aux, **config)
-        model = {"qwen2_moe": transformers.Qwen2MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}[kind]
-        self.model = model(self.config)
+        self.model = transformers.AutoModelForCausalLM.from_config(self.config)
         # transformers' initializer leaves a router at zeros in some families: give every router random weights,
         # so that routing depends on the token (and on training)
         with torch.no_grad():

@@ -5,7 +5,8 @@ momentum):
 - tp=2 without ep: Hugging Face fused 3-D experts (Qwen2-MoE with its shared expert, Mixtral) sharded on their
   intermediate dimension, one sum over tp after the combine, with ``tp_strict`` (>= 90% of the body sharded); the
   hand-written ``nn.ModuleList`` MoE, whose expert MLPs are MLP regions of their own.
-- ep: 2 and 4 on both families (eager and batched_mm experts) and the hand-written MoE, ep2 x dp2, ep2 x dp_shard2
+- ep: 2 and 4 on Qwen2-MoE and Mixtral (eager and batched_mm experts) and the hand-written MoE, 2 on Qwen3-MoE
+  and DeepSeek-V3 (group-limited routing with a bias, a shared expert, a first dense layer), ep2 x dp2, ep2 x dp_shard2
   (also HSDP), ep2 x tp2, ep2 x pp2, ep2 x cp2, ep2 with activation checkpointing, and with
   ``output_router_logits=True`` (the load-balancing loss over the global batch; dp=2 too).
 - a checkpoint at ep=2 (momentum included) resumed at ep=1, ep=4 and in one process; a hand-written one at ep=4.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
@@ -36,6 +38,8 @@ M = "tests.moe_models:"
 LM = dict(data="tests.lm_models:token_data", max_steps=3)
 QWEN = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe"}, **LM)
 MIXTRAL = dict(module=M + "HFMoELM", module_kwargs={"kind": "mixtral"}, **LM)
+QWEN3 = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen3_moe"}, **LM)
+DEEPSEEK = dict(module=M + "HFMoELM", module_kwargs={"kind": "deepseek_v3"}, **LM)  # its MLA attention stays whole
 QWEN_AUX = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe", "router_aux": True}, **LM)
 MIXTRAL_AUX = dict(module=M + "HFMoELM", module_kwargs={"kind": "mixtral", "router_aux": True}, **LM)
 HAND = dict(module=M + "HandMoELM", **LM)
@@ -67,6 +71,9 @@ TWO = [
     Case("mixtral_ep2_batched_mm", strategy={"ep": 2}, callbacks=PROBE,
          **{**MIXTRAL, "module_kwargs": {"kind": "mixtral", "experts_implementation": "batched_mm"}}),
     Case("qwen_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **QWEN),
+    Case("qwen3_ep2", strategy={"ep": 2}, callbacks=PROBE, **QWEN3),
+    Case("qwen3_tp2", strategy={"tp": 2, **STRICT}, callbacks=PROBE, **QWEN3),
+    Case("deepseek_v3_ep2", strategy={"ep": 2}, callbacks=PROBE, **DEEPSEEK),
     Case("hand_ep2", strategy={"ep": 2}, callbacks=PROBE, **{**HAND, "trainer": CLIP}),
     Case("hand_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **HAND),
     Case("qwen_ep2_cp2", strategy={"ep": 2, "cp": 2}, callbacks=PROBE, **QWEN),  # ep borrows the cp ranks
@@ -107,8 +114,12 @@ class ExpertProbe(Callback):
     def parity_extras(self, trainer):
         experts = {n: p for n, p in trainer.lightning_module.named_parameters() if ".experts." in n}
         local = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in experts.items()}
-        sent = sum(d.sent_bytes for d in trainer.strategy.parallel.expert_dispatch)
-        return {"expert_local": local, "expert_numel": {n: p.numel() for n, p in experts.items()}, "ep_bytes": sent}
+        strategy = trainer.strategy
+        sent = sum(d.sent_bytes for d in strategy.parallel.expert_dispatch)
+        groups = {name: dist.get_process_group_ranks(strategy.mesh.group(name)) for name in ("ep", "ep_replica")
+                  if strategy.parallel_dims.ep_enabled}
+        return {"expert_local": local, "expert_numel": {n: p.numel() for n, p in experts.items()}, "ep_bytes": sent,
+                "groups": groups}
 
 
 class TelemetryProbe(Callback):
@@ -182,7 +193,8 @@ def test_tp2_shards_most_of_the_moe_body(model):
 @pytest.mark.parametrize("name,share", [("qwen_tp2", 2), ("mixtral_tp2", 2), ("qwen_ep2", 2), ("mixtral_ep2", 2),
                                         ("qwen_ep2_dp_shard2", 2), ("qwen_ep4", 4), ("mixtral_ep4", 4),
                                         ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4),
-                                        ("qwen_ep2_pp2", 2), ("hand_ep2", 2), ("hand_ep2_dp_shard2", 2),
+                                        ("qwen_ep2_pp2", 2), ("qwen3_ep2", 2), ("qwen3_tp2", 2),
+                                        ("deepseek_v3_ep2", 2), ("hand_ep2", 2), ("hand_ep2_dp_shard2", 2),
                                         ("hand_ep4", 4), ("hand_ep2_dp2", 2), ("hand_ep2_pp2", 2)])
 def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
     extras = {**two[0], **four[0]}[name]["extras"]
@@ -248,3 +260,17 @@ def test_the_planner_counts_what_each_rank_holds_and_sends(two, four, name, ep):
     assert planned["expert_params"] == sum(record["extras"]["expert_local"].values())
     sent = record["extras"]["ep_bytes"] / case.max_steps
     assert abs(sent - planned["all_to_all_bytes"]) <= 0.25 * planned["all_to_all_bytes"], (sent, planned)
+
+
+def test_expert_groups_are_consecutive_data_parallel_ranks(two, four):
+    """ep borrows consecutive dp x cp coordinates (neighbour ranks) with the same pp and tp; the ranks at one
+    position of every group hold the same experts. The layout table rank 0 prints says what the run built."""
+    from lightning_4d.parallel_dims import ParallelDims
+
+    records = {**two[0], **four[0]}
+    assert records["qwen_ep2_dp2"]["extras"]["groups"] == {"ep": [0, 1], "ep_replica": [0, 2]}
+    assert records["qwen_ep2_tp2"]["extras"]["groups"] == {"ep": [0, 2], "ep_replica": [0]}
+    assert records["qwen_ep2_pp2"]["extras"]["groups"] == {"ep": [0, 1], "ep_replica": [0]}
+    table = ParallelDims.resolve(8, tp=2, ep=2).layout_table().splitlines()
+    assert table[0] == "lightning-4d layout: dp=4 pp=1 cp=1 tp=2 ep=2 (from dp x cp) (world 8)"
+    assert table[3].split("|")[-2:] == [" 0,2      ", " 0,4             "], table[3]
