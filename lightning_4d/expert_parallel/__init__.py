@@ -14,6 +14,10 @@ by 1/ep and averaged over ``ep_replica`` only (not over ``dp x cp``, whose ranks
 parameters are reduced as before. Expert weights are DTensors ``Shard(0)`` on the ep mesh (checkpoints reshard
 ep=2 -> ep=1 like any DTensor); with ``dp_shard`` they stay out of FSDP.
 
+Models: transformers' fused 3-D experts (their own ``experts_implementation`` runs this rank's experts), and a
+hand-written MoE (an ``nn.ModuleList`` of experts, a softmax top-k router) whose forward a probe batch shows to be
+that form: it is routed by lightning_4d, its experts stacked per parameter (``StackedExperts``).
+
 Modules: ``config`` (sizes and refusals before any collective), ``dispatch`` (the all-to-all token exchange),
 ``apply`` (the experts' weights split and their forward set).
 """
