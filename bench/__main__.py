@@ -2,7 +2,7 @@
 
     python -m bench all [--quick]          # every benchmark
     python -m bench dp cp [--quick]        # some of them: dp tp pp cp memory scaling checkpoint activation_checkpointing
-                                           # compile big_model
+                                           # compile big_model experts
 
 Each benchmark runs as its own script (``python bench/NAME.py ...``, which launches its own ranks), on CPU
 with gloo and, when CUDA is available, a second time on the GPUs with NCCL (those that need no more processes
@@ -64,6 +64,8 @@ BENCHMARKS = {
     "compile": Benchmark("Compile: step time eager vs compile=True per layout",
                          ("--steps", "12", "--rounds", "2"),
                          ("--steps", "6", "--rounds", "1", "--layouts", "dp2"), 2, gpu=False),
+    "experts": Benchmark("Expert parallelism: state per rank, step time, traffic of an 8-expert MoE, ep vs dp",
+                         ("--steps", "6"), ("--steps", "3", "--layouts", "single", "dp2ep2", "dp2"), 4, gpu=False),
     "big_model": Benchmark("Models bigger than one rank: setup and training peak per rank, whole- vs meta-built",
                            ("--sizes", "0.6GB", "2GB", "--steps", "3"),
                            ("--sizes", "tiny", "--layouts", "single", "tp2", "tp2dp_shard2", "--steps", "2"), 4,

@@ -233,17 +233,18 @@ def save_llama(config, root: Path, max_shard_size: str) -> None:
 
 
 def layout(spec: str) -> dict[str, int]:
-    """``"dp2pp2tp2"`` -> ``{"dp": 2, "pp": 2, "tp": 2}``; ``"single"`` -> ``{}`` (one process)."""
+    """``"dp2pp2tp2"`` -> ``{"dp": 2, "pp": 2, "tp": 2}``; ``"single"`` -> ``{}`` (one process); ``ep`` (expert
+    parallelism, ``"dp4ep4"``) borrows its ranks from dp and adds none."""
     if spec == "single":
         return {}
-    parts = re.fullmatch(r"((dp|pp|cp|tp)\d+)+", spec) and re.findall(r"(dp|pp|cp|tp)(\d+)", spec)
+    parts = re.fullmatch(r"((dp|pp|cp|tp|ep)\d+)+", spec) and re.findall(r"(dp|pp|cp|tp|ep)(\d+)", spec)
     if not parts:
         raise ValueError(f"layout {spec!r}: write it as 'single' or like 'dp2pp2cp2tp2'")
     return {dim: int(size) for dim, size in parts}
 
 
 def processes(spec: str) -> int:
-    return math.prod(layout(spec).values())
+    return math.prod(size for dim, size in layout(spec).items() if dim != "ep")
 
 
 def by_processes(specs: list[str]) -> dict[int, list[str]]:

@@ -250,6 +250,32 @@ def _plot_sharded_memory(payload: dict, figure):
     ax.legend(fontsize=7)
 
 
+def _plot_experts(payload: dict, figure):
+    rows = payload["results"]
+    at = list(range(len(rows)))
+    ax = figure.add_subplot(1, 2, 1)
+    bottom = [0.0] * len(rows)
+    for part in ("params", "grads", "optimizer"):
+        values = [r["per_rank_mib"][part] for r in rows]
+        ax.bar(at, values, 0.6, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    single = next((r["total_mib"] for r in rows if r["layout"] == "single"), None)
+    if single:
+        ax.axhline(0.35 * single, color="k", lw=0.8, ls="--", label="0.35 x one process (#30's goal at ep=4)")
+    ax.set_ylim(0, 1.4 * max(bottom))
+    ax.set(xticks=at, xticklabels=[r["layout"] for r in rows], ylabel="MiB per rank (largest rank)",
+           title=f"model state per rank, 8-expert Mixtral ({rows[0]['params'] / 1e6:.2f}M, AdamW fp32)")
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+    ax = figure.add_subplot(1, 2, 2)
+    ax.bar([i - 0.2 for i in at], [r.get("all_to_all_bytes", 0) / 1024 for r in rows], 0.4, label="all-to-all (ep)")
+    ax.bar([i + 0.2 for i in at], [r.get("allreduce_bytes", 0) / 1024 for r in rows], 0.4, label="grad all-reduce")
+    ax.set(xticks=at, xticklabels=[r["layout"] for r in rows], ylabel="KiB per rank per step",
+           title="traffic per rank per step")
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+
+
 def _plot_data_parallel_vs_lightning(payload: dict, figure):
     keys = (("wall_s", "wall s/step"), ("cpu_s", "CPU s/step"), ("peak_mib", "peak memory"))
     for index, (pair, result) in enumerate(payload["results"].items()):
@@ -292,7 +318,7 @@ def _plot_big_model(payload: dict, figure):
 PLOTS = {"pp": (_plot_pp, (9, 4)), "cp": (_plot_cp, (9, 4)), "memory": (_plot_memory, (11, 4)),
          "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4)),
          "activation_checkpointing": (_plot_activation_checkpointing, (9, 4)), "compile": (_plot_compile, (6, 4)),
-         "sharded_memory": (_plot_sharded_memory, (7, 4)),
+         "sharded_memory": (_plot_sharded_memory, (7, 4)), "experts": (_plot_experts, (11, 4)),
          "data_parallel_vs_lightning": (_plot_data_parallel_vs_lightning, (9, 4)),
          "big_model": (_plot_big_model, (10, 7))}
 

@@ -14,7 +14,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_4d"
 OUTPUT = ROOT / "docs" / "packages.md"
-DIMENSIONS = ("data_parallel", "tensor_parallel", "context_parallel", "pipeline")
+DIMENSIONS = ("data_parallel", "tensor_parallel", "context_parallel", "pipeline", "expert_parallel")
 COMPOSITION = ("lightning_4d.parallelize", "lightning_4d.strategy")
 
 

@@ -8,6 +8,8 @@ instead of a parallel run going wrong somewhere else. Each entry says why no pub
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -376,3 +378,30 @@ def hf_initialize_module(owner: nn.Module, module: nn.Module) -> None:
 
     with initialization.guard_torch_init_functions():
         owner._init_weights(module)
+
+
+def hf_balancing_loss_modules(module: nn.Module) -> list[Any]:
+    """The transformers modeling modules of ``module``'s classes that compute the MoE load-balancing loss with
+    their module-level ``load_balancing_loss_func`` (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), looked up by name."""
+    import sys
+
+    found = {}
+    for m in module.modules():
+        owner = sys.modules.get(type(m).__module__)
+        if (owner is not None and owner.__name__.startswith("transformers.")
+                and callable(getattr(owner, "load_balancing_loss_func", None))):
+            found[owner.__name__] = owner
+    return list(found.values())
+
+
+@contextmanager
+def module_function_replaced(owners: list[Any], name: str, replacement: Any) -> Iterator[None]:
+    """``owners``' module-level function ``name`` replaced by ``replacement`` while the context is open."""
+    saved = [(owner, getattr(owner, name)) for owner in owners]
+    for owner, _ in saved:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, original in saved:
+            setattr(owner, name, original)

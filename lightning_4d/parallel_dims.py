@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -29,9 +30,27 @@ from lightning_4d import _compat as compat
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # rank order of the coordinates; ``dp`` is dp_replicate x dp_shard
 DEVICE_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_MESH_DIMS = ("ep_pp", "ep_replica", "ep", "ep_tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
 
 Size = Union[int, Literal["auto"]]
+
+
+def check_ep_size(ep: object) -> None:
+    """``ep`` is a positive integer (needs no world size yet)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r} is not a valid size: use a positive integer (the ranks each MoE layer's"
+                         " experts are split over).")
+
+
+def check_ep_layout(ep: int, dp: int, cp: int) -> None:
+    """``ep`` borrows its ranks from ``dp x cp`` (the ranks that see different tokens), so it must divide it."""
+    check_ep_size(ep)
+    if (dp * cp) % ep:
+        raise ValueError(f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}: expert parallelism borrows its ranks"
+                         " from the ranks that see different tokens (data-parallel replicas and shards, context-parallel"
+                         f" ranks), never from tp or pp. Use an ep that divides {dp * cp}, or more data-parallel ranks"
+                         " (devices, dp, dp_shard).")
 
 
 def _divisors(n: int) -> list[int]:
@@ -52,15 +71,18 @@ class ParallelDims:
     cp: int
     tp: int
     dp_shard: int = 1
+    ep: int = 1  # expert parallelism: borrowed from dp x cp (lightning_4d/expert_parallel)
 
     def __post_init__(self) -> None:
+        if self.ep > 1:
+            check_ep_layout(self.ep, self.dp, self.cp)
         if self.dp % self.dp_shard:
             raise ValueError(f"ParallelDims(dp={self.dp}, dp_shard={self.dp_shard}): dp counts every data-parallel"
                              f" rank, so it must be a multiple of dp_shard (dp = dp_replicate * dp_shard).")
 
     @classmethod
     def resolve(cls, world_size: int, dp: Size = "auto", pp: int = 1, cp: int = 1, tp: int = 1,
-                dp_shard: Size = 1) -> ParallelDims:
+                dp_shard: Size = 1, ep: int = 1) -> ParallelDims:
         """Turn user sizes into a layout for ``world_size`` processes, or raise a ValueError that says what to change.
 
         ``dp`` is the number of replicas (as it always was) and ``dp_shard`` the ranks each replica's state is
@@ -68,6 +90,12 @@ class ParallelDims:
         ``dp="auto"`` means one replica); otherwise ``dp="auto"`` does.
         """
         cls.check_sizes(dp, pp, cp, tp, dp_shard)
+        check_ep_size(ep)
+        dims = cls._resolve(world_size, dp, pp, cp, tp, dp_shard)
+        return dims if ep == 1 else cls(dims.dp, dims.pp, dims.cp, dims.tp, dims.dp_shard, ep)
+
+    @classmethod
+    def _resolve(cls, world_size: int, dp: Size, pp: int, cp: int, tp: int, dp_shard: Size) -> ParallelDims:
         if dp_shard == "auto":
             replicas = 1 if dp == "auto" else dp
             rest = replicas * pp * cp * tp
@@ -126,6 +154,7 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     dp_enabled = property(lambda self: self.dp > 1)
+    ep_enabled = property(lambda self: self.ep > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard > 1)
     pp_enabled = property(lambda self: self.pp > 1)
     cp_enabled = property(lambda self: self.cp > 1)
@@ -160,9 +189,15 @@ class ParallelDims:
 
     def layout_table(self) -> str:
         """One line per rank: its coordinates and the members of its groups."""
-        names = GROUP_NAMES + (("dp_shard_cp",) if self.dp_shard_enabled else ())
+        names = GROUP_NAMES + (("dp_shard_cp",) if self.dp_shard_enabled else ()) + (
+            ("ep", "ep_replica") if self.ep_enabled else ())
         header = ["rank", "dp", "pp", "cp", "tp"] + [f"{g} group" for g in names]
         members = self._group_of_each_rank()
+        if self.ep_enabled:  # the expert mesh's groups: (pp, ep_replica, ep, tp), see _expert_mesh
+            ranks = torch.arange(self.world_size).view(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+            for name, dim in (("ep", 2), ("ep_replica", 1)):
+                groups = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+                members[name] = {rank: group for group in groups for rank in group}
         if self.dp_shard_enabled:  # the ranks that shard one copy of the state: same replica, pp and tp
             members["dp_shard_cp"] = {rank: [r for r in members["dp_cp"][rank]
                                              if self._replica_index(r) == self._replica_index(rank)]
@@ -177,7 +212,8 @@ class ParallelDims:
         lines.insert(1, "-+-".join("-" * w for w in widths))
         dp = f"{self.dp} (dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})" if self.dp_shard_enabled \
             else str(self.dp)
-        title = f"lightning-4d layout: dp={dp} pp={self.pp} cp={self.cp} tp={self.tp} (world {self.world_size})"
+        ep = f" ep={self.ep} (from dp x cp)" if self.ep_enabled else ""
+        title = f"lightning-4d layout: dp={dp} pp={self.pp} cp={self.cp} tp={self.tp}{ep} (world {self.world_size})"
         return "\n".join([title, *lines])
 
     def _replica_index(self, rank: int) -> int:
@@ -193,7 +229,13 @@ class ParallelDims:
             flat["dp_shard_cp"] = compat.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         if self.pp_enabled:
             flat["pp_dp_cp"] = compat.flatten_mesh(mesh, ("pp", "dp_replicate", "dp_shard", "cp"), "pp_dp_cp")
-        return ParallelMesh(self, mesh, flat)
+        return ParallelMesh(self, mesh, flat, self._expert_mesh(device_type) if self.ep_enabled else None)
+
+    def _expert_mesh(self, device_type: str) -> DeviceMesh:
+        """``(pp, ep_replica, ep, tp)``: the ``dp x cp`` coordinate cut into consecutive blocks of ``ep`` ranks
+        (an expert group), ``ep_replica`` the ranks at one position of every block (they hold the same experts)."""
+        ranks = torch.arange(self.world_size).view(self.pp, self.dp * self.cp // self.ep, self.ep, self.tp)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 @dataclass
@@ -211,9 +253,12 @@ class ParallelMesh:
     dims: ParallelDims
     mesh: DeviceMesh
     flat: dict[str, DeviceMesh]
+    experts: Optional[DeviceMesh] = None  # ``(pp, ep_replica, ep, tp)`` when ep > 1
     _built: dict[object, Optional[dist.ProcessGroup]] = field(default_factory=dict)
 
     def group(self, name: str) -> dist.ProcessGroup:
+        if name in ("ep", "ep_replica") and self.experts is not None:
+            return self.experts.get_group(name)
         if name in self.flat:
             return self.flat[name].get_group()
         if name in DEVICE_MESH_DIMS:

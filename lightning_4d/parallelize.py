@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
                                                    disable_kv_caches)
@@ -61,6 +62,8 @@ from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
+from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model
+from lightning_4d.experts import global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
                                         apply_sharding, gathered)
 from lightning_4d.multihead_attention import MultiheadForwards
@@ -105,6 +108,8 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
                              " automatic optimization, or pp=1.")
     if mesh_dims.cp_enabled:
         check_attention_reachable(module, mesh_dims.cp)
+    if mesh_dims.ep_enabled:
+        check_ep_model(module, mesh_dims.ep, mesh_dims.tp)
     pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
     tensor_plan = None
     if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):
@@ -174,6 +179,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tensor.self_check,
                                            held=held)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
+    if mesh.dims.ep_enabled:  # after tp, before compile, checkpointing and FSDP: experts split over ep
+        parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts)
     parallel.install_hooks()
     # The checkpoint goes inside the compiled block (torch traces it), except under context parallelism (see 7.).
     compile_outside = not mesh.dims.cp_enabled
@@ -203,8 +210,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
             around = _modules_around_blocks(module, pipeline)
         parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
-                                          ignored_params=set(parallel.replicated_params), outside=outside,
-                                          every_batch=reduce_scatter_every_batch, around=around,
+                                          ignored_params={*parallel.replicated_params, *parallel.expert_params},
+                                          outside=outside, every_batch=reduce_scatter_every_batch, around=around,
                                           skip=_shared_params(module))
     if meta:  # every placement is decided: allocate what this rank holds, then fill it
         owners = materialize(module, device)
@@ -385,6 +392,8 @@ class ParallelModel:
         self._unsynchronized = False  # the gradients hold a blocked manual backward's, not synchronized since
         self.sharded: Optional[ShardedUnits] = None  # the FSDP units when dp_shard > 1
         self.replicated_params: list[nn.Parameter] = []  # kept out of FSDP: reduced by the gradient buckets
+        self.expert_params: list[nn.Parameter] = []  # split over ep: reduced over the ep replicas only
+        self.expert_dispatch: list[Any] = []  # expert parallelism's dispatchers (their traffic counters)
         self.frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False when parallelized
         dims = mesh.dims
         # torchmetrics sync over the ranks that saw different data: replicas and cp ranks (each saw its part of
@@ -395,6 +404,9 @@ class ParallelModel:
         # Token-mean losses count every valid target of the batch once: summed over the ranks that split it.
         splits_batch = dims.dp * dims.dp_shard * dims.cp > 1
         self.token_group = mesh.group("dp_cp") if splits_batch else None
+        # transformers' MoE load-balancing loss over the global batch, as one process computes it
+        owners = compat.hf_balancing_loss_modules(module) if splits_batch else []
+        self._balancing = (owners, global_balancing_loss(self.token_group)) if owners else None
         self.token_losses = options["loss_normalization"] in ("tokens", "batch")
         # "tokens": over a whole accumulation window; "batch": each batch's mean, the window's averaged (Lightning's)
         self.window = TokenWindow() if options["loss_normalization"] == "tokens" else None
@@ -458,6 +470,9 @@ class ParallelModel:
                 stack.enter_context(tensor_parallel_context(self.tensor_plan))
             if self.context is not None and not predicting:
                 stack.enter_context(self.context.step_context())
+            if self._balancing is not None:
+                stack.enter_context(compat.module_function_replaced(self._balancing[0], "load_balancing_loss_func",
+                                                                    self._balancing[1]))
             yield
 
     def unsharded(self) -> AbstractContextManager[None]:
@@ -599,14 +614,22 @@ class ParallelModel:
         self._optimizers = list(optimizers)
         group = self.mesh.group("dp_cp")
         kept = {id(p) for p in self.replicated_params}
+        experts = {id(p) for p in self.expert_params}
         by_key = {_MANUAL: optimizers} if self.manual else {id(optimizer): [optimizer] for optimizer in optimizers}
         self._buckets = {}
         self._unsynchronized = False
         for key, owners in by_key.items():
             params = [p for optimizer in owners for g in optimizer.param_groups for p in g["params"]
-                      if self.sharded is None or id(p) in kept]
+                      if (self.sharded is None or id(p) in kept) and id(p) not in experts]
+            expert_params = [p for optimizer in owners for g in optimizer.param_groups for p in g["params"]
+                             if id(p) in experts]
+            sets = []
             if params:
-                self._buckets[key] = GradientBuckets(params, group, self.options["bucket_mb"])
+                sets.append(GradientBuckets(params, group, self.options["bucket_mb"]))
+            if expert_params:  # each ep rank holds other experts: averaged over the ranks holding the same ones
+                sets.append(GradientBuckets(expert_params, self.mesh.group("ep_replica"), self.options["bucket_mb"]))
+            if sets:
+                self._buckets[key] = sets[0] if len(sets) == 1 else _BucketSets(sets)
 
     def synchronizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (training step, zero_grad, backward) with its gradients averaged over the replicas.
@@ -681,6 +704,25 @@ class ParallelModel:
     def full_state(self) -> dict[str, Tensor]:
         """The whole model as plain tensors on every rank (collective; for export and tests of small models)."""
         return checkpoint.full_model_state(self.module, pp_group=self.pp_group)
+
+
+class _BucketSets:
+    """Several sets of gradient buckets (over different groups) armed and synchronized as one."""
+
+    def __init__(self, sets: list[GradientBuckets]) -> None:
+        self.sets = sets
+
+    def begin(self, overlap: bool = True) -> None:
+        for buckets in self.sets:
+            buckets.begin(overlap)
+
+    def synchronize(self) -> None:
+        for buckets in self.sets:
+            buckets.synchronize()
+
+    def remove(self) -> None:
+        for buckets in self.sets:
+            buckets.remove()
 
 
 @contextmanager

@@ -40,7 +40,7 @@ from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
-from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
+from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size, check_ep_size
 from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.telemetry import Telemetry
@@ -70,6 +70,8 @@ class FourDStrategy(ModelParallelStrategy):
             batch of ``accumulate_grad_batches`` reduce-scatters (less memory); see :mod:`lightning_4d.data_parallel.fsdp`.
         shard_units: FSDP's units: ``"blocks"`` (one per block, the rest in the root) or ``"modules"`` (also one per
             weight matrix inside a block and per module around the blocks: least memory, more collectives).
+        ep: expert parallelism: each mixture-of-experts layer's experts split over ``ep`` ranks borrowed from
+            ``dp x cp``, tokens sent to their experts by all-to-all; see :mod:`lightning_4d.expert_parallel`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
         timeout, init_timeout: how long a collective may wait before the waiting ranks fail and print what
             every rank was last doing: once training runs (2 minutes), and while the run starts and around
@@ -121,6 +123,7 @@ class FourDStrategy(ModelParallelStrategy):
         cp: int = 1,
         tp: int = 1,
         dp_shard: Size = 1,
+        ep: int = 1,
         reshard_after_forward: Union[bool, Literal["auto"]] = "auto",
         reduce_scatter_every_batch: bool = False,
         shard_units: Literal["blocks", "modules"] = "blocks",
@@ -162,8 +165,9 @@ class FourDStrategy(ModelParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=self.collective_timeouts.init)
         self.timeout = self.collective_timeouts.train
         positive("bucket_mb", bucket_mb, "megabytes (default 25)")
-        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
+        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard, "ep": ep}
         ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard)
+        check_ep_size(ep)
         check_reshard_after_forward(reshard_after_forward)
         self.reshard_after_forward, self.bucket_mb, self.init_from = reshard_after_forward, float(bucket_mb), init_from
         self.init_from_prefix = init_from_prefix
@@ -209,7 +213,8 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.parallel_dims is not None and self.lightning_module is not None
-        if (self.parallel_dims.pp_enabled or self.parallel_dims.dp_shard_enabled) and parallelized(
+        dims = self.parallel_dims
+        if (dims.pp_enabled or dims.dp_shard_enabled or dims.ep_enabled) and parallelized(
                 self.lightning_module) is None and not is_overridden("configure_model", self.lightning_module):
             # A module the pipeline cannot cut, or that sharding refuses, fails here, before any process group.
             make_plans(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config)
@@ -292,7 +297,7 @@ class FourDStrategy(ModelParallelStrategy):
         the norm over the whole model: Lightning's own sees this rank's shards and stage only."""
         plugin, base = self.precision_plugin, type(self.precision_plugin)
         dims = self.parallel_dims
-        whole_model = dims.tp_enabled or dims.pp_enabled or dims.dp_shard_enabled
+        whole_model = dims.tp_enabled or dims.pp_enabled or dims.dp_shard_enabled or dims.ep_enabled
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
             self.parallel.check_synchronized("clip_gradients")

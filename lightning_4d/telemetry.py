@@ -300,6 +300,7 @@ class Telemetry(Callback):
         self._active = False  # the mode is on the stack
         self._memory: Optional[PeakMemory] = None
         self._labels: list[str] = []
+        self._ep_bytes_seen = 0.0  # expert parallelism's all-to-all bytes already in a window (or before any)
         self._replicas = 1
         self._matmul_params = 0
         self._peak: Optional[float] = None
@@ -332,6 +333,10 @@ class Telemetry(Callback):
                 if sizes[dim] > 1:
                     group = strategy.mesh.group(_GROUP_OF.get(dim, dim))
                     labels_by_name[group.group_name] = self._watch.label(group)
+            if dims.ep_enabled:  # expert parallelism's all-to-all: by its group, whose members another dim may share
+                group = strategy.mesh.group("ep")
+                self._watch.labels[group.group_name] = labels_by_name[group.group_name] = "ep"
+                self._labels.append("ep")
             self._replicas = dims.dp * dims.cp
         else:
             self._labels = ["world"] if trainer.world_size > 1 else []
@@ -398,6 +403,8 @@ class Telemetry(Callback):
         self._active = False
         if self._window_start is None:
             self._open_window()
+            dispatchers = getattr(getattr(trainer.strategy, "parallel", None), "expert_dispatch", [])
+            self._ep_bytes_seen = float(sum(d.sent_bytes for d in dispatchers))  # the first batch is no window's
             return
         self._batches += 1
         if self._batches >= (self.log_every_n_steps or trainer.log_every_n_steps):
@@ -445,14 +452,17 @@ class Telemetry(Callback):
         world = trainer.world_size
         device = trainer.strategy.root_device
         comm = [self._watch.seconds.get(label, 0.0) for label in self._labels]
-        sums = torch.tensor([float(self._tokens), self._mode.attention_flops, elapsed, *comm], dtype=torch.float64,
-                            device=device)
+        dispatchers = getattr(getattr(trainer.strategy, "parallel", None), "expert_dispatch", [])
+        sent = float(sum(d.sent_bytes for d in dispatchers))  # expert parallelism's all-to-all, since set-up
+        ep_bytes, self._ep_bytes_seen = sent - self._ep_bytes_seen, sent
+        sums = torch.tensor([float(self._tokens), self._mode.attention_flops, elapsed, *comm, ep_bytes],
+                            dtype=torch.float64, device=device)
         peak = self._memory.peak()
         extremes = torch.tensor([peak, -peak], dtype=torch.float64, device=device)
         if dist.is_initialized() and world > 1:
             dist.all_reduce(sums)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        tokens_all_ranks, attention, elapsed_all_ranks, *comm_all_ranks = sums.tolist()
+        tokens_all_ranks, attention, elapsed_all_ranks, *comm_all_ranks, ep_bytes = sums.tolist()
         # Tokens each rank saw, over the ranks that see different ones: world / replicas ranks see each token.
         tokens = tokens_all_ranks * self._replicas / world
         elapsed = elapsed_all_ranks / world
@@ -473,6 +483,8 @@ class Telemetry(Callback):
                 metrics[f"{p}mfu"] = flops / elapsed / world / self._peak
         for label, seconds in zip(self._labels, comm_all_ranks):
             metrics[f"{p}comm_s/{label}"] = seconds / world / self._batches
+        if dispatchers:  # bytes each rank sent to the others of its expert group, per step
+            metrics[f"{p}comm_bytes/ep"] = ep_bytes / world / self._batches
         if "pp" in self._labels:
             metrics[f"{p}pipeline_bubble"] = metrics[f"{p}comm_s/pp"] / step_time
         return metrics

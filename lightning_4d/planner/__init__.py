@@ -1,13 +1,15 @@
 """The layout planner: what a model's sizes are (:mod:`.model_sizes`, read from sizes or a meta-device
-module), what a layout costs in memory and communication (:mod:`.estimate`), and ``python -m
+module), what a layout costs in memory and communication (:mod:`.estimate`; expert parallelism's share and
+all-to-all: :mod:`.experts`), and ``python -m
 lightning_4d.plan`` (:mod:`.cli`). Arithmetic only: importing it imports no torch."""
 
 from lightning_4d.planner.estimate import (AC_MODES, BUILDS, CP_COMMS, OPTIMIZER_STATES, PP_SCHEDULES, PRECISIONS,
                                            Estimate, Layout, Training, activation_bytes_per_layer, all_layouts,
                                            choose_cp_comm, cp_exchanges, estimate, kept_bytes_per_layer,
                                            layout_problems, plan)
+from lightning_4d.planner.experts import MoESizes, expert_estimate
 from lightning_4d.planner.model_sizes import Model, PlanError
 
 __all__ = ["AC_MODES", "BUILDS", "CP_COMMS", "OPTIMIZER_STATES", "PP_SCHEDULES", "PRECISIONS", "Estimate", "Layout",
-           "Model", "PlanError", "Training", "activation_bytes_per_layer", "all_layouts", "choose_cp_comm",
-           "cp_exchanges", "estimate", "kept_bytes_per_layer", "layout_problems", "plan"]
+           "Model", "MoESizes", "PlanError", "Training", "activation_bytes_per_layer", "all_layouts", "choose_cp_comm",
+           "cp_exchanges", "estimate", "expert_estimate", "kept_bytes_per_layer", "layout_problems", "plan"]

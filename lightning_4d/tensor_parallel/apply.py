@@ -30,6 +30,7 @@ from lightning_4d.tensor_parallel.plan import (
     _under,
 )
 from lightning_4d.tensor_parallel.multihead import shard_multihead
+from lightning_4d.tensor_parallel.experts import STYLE as EXPERTS_STYLE, apply_experts
 from lightning_4d.tensor_parallel.self_check import TensorParallelSelfCheck, _check_replicas
 from lightning_4d.tensor_parallel.styles import (
     _distribute_params,
@@ -317,6 +318,9 @@ def apply_tensor_parallel(
         target = module.get_submodule(fqn)
         if isinstance(target, nn.MultiheadAttention):  # its fused in_proj by heads; out_proj has its own entry
             shard_multihead(target, tp_mesh)
+            continue
+        if style.style == EXPERTS_STYLE:  # fused 3-D MoE experts: every expert's slice of its intermediate size
+            apply_experts(target, fqn, tp_mesh)
             continue
         if style.style == "sharded_norm":  # a norm over a column-wise output's features, on this rank's slice
             shard_norm(target, tp_mesh)

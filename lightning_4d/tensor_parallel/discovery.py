@@ -15,6 +15,7 @@ from typing import Any
 import torch.nn as nn
 
 from lightning_4d.tensor_parallel.adapters import adapter_names, check_adapters
+from lightning_4d.tensor_parallel.experts import plan_experts
 from lightning_4d.tensor_parallel.plan import (
     _SEQUENCE_DIM,
     Coverage,
@@ -348,6 +349,7 @@ def plan_tensor_parallel(
             )
         plan.attributes[fqn] = _divided(fqn, attrs, tp_size)
 
+    plan_experts(plan, module, replicated, sequence_parallel)  # fused 3-D MoE experts (tensor_parallel/experts.py)
     _plan_vocabulary(plan, modules, replicated, sequence_parallel, loss_parallel)
     if sequence_parallel:
         for fqn, m in modules.items():

@@ -25,7 +25,7 @@ from lightning_4d.tensor_parallel.adapters import base_layer, describe_factors
 
 STYLES = ("colwise", "rowwise", "sequence_parallel", "sharded_norm", "replicate")
 # Styles whose module holds a 1/tp share of its parameters (the plan's sharded share counts them).
-SHARDED_STYLES = ("colwise", "rowwise", "sharded_norm")
+SHARDED_STYLES = ("colwise", "rowwise", "sharded_norm", "experts")  # experts: tensor_parallel/experts.py
 _SEQUENCE_DIM = 1
 
 

@@ -1,0 +1,98 @@
+"""Expert parallelism in the planner: a mixture-of-experts model's routed-expert parameters, what each rank holds
+under ``ep`` (and ``tp``, ``dp_shard``), its model state per rank, and the all-to-all volume per step.
+
+Arithmetic only. Reading a module's sizes (:meth:`MoESizes.from_module`, which works on the meta device) imports
+torch; the estimate does not.
+
+* model state per rank: the experts split over ``ep x tp`` (whole experts over ep, each expert's intermediate
+  size over tp); the rest of the model split over ``tp x dp_shard`` (an upper bound where tp leaves norms
+  whole), times the bytes per parameter of the precision and optimizer (:data:`~.estimate.PRECISIONS`,
+  :data:`~.estimate.OPTIMIZER_STATES`), as :mod:`lightning_4d.expert_parallel` holds them.
+* all-to-all per rank per step: each of the rank's tokens goes to ``top_k`` experts, of which ``(ep - 1) / ep``
+  live on other ranks when routing is balanced. It sends the token's hidden state there and receives its
+  result (forward), and the two gradients go the other way (backward): ``4 x (ep - 1) / ep x top_k x hidden``
+  activation elements per token and MoE layer, counted on the sender's side (what
+  :class:`~lightning_4d.expert_parallel.AllToAllDispatch` counts), plus the counts exchange. Unbalanced routing
+  sends more to the busiest experts, so treat this as the balanced-routing figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning_4d.planner.estimate import OPTIMIZER_STATES, PRECISIONS
+from lightning_4d.planner.model_sizes import PlanError, check_positive
+
+COUNT_BYTES = 8  # the counts exchanged per expert (int64)
+
+
+@dataclass(frozen=True)
+class MoESizes:
+    """A mixture-of-experts model's sizes: ``layers`` MoE layers of ``experts`` experts (hidden ``hidden``,
+    intermediate ``inner``), ``top_k`` experts per token; parameter counts of the routed experts and the rest."""
+
+    layers: int
+    experts: int
+    hidden: int
+    inner: int
+    top_k: int
+    expert_params: int
+    dense_params: int
+
+    @classmethod
+    def from_module(cls, module: Any, top_k: Optional[int] = None) -> MoESizes:
+        """Sizes read from a module (whole-built or on the meta device) by the runtime's own discovery; ``top_k``
+        when the module does not say (a hand-written MoE's ``top_k``, a transformers config's
+        ``num_experts_per_tok``)."""
+        from lightning_4d.experts import find_expert_lists, find_fused_experts
+
+        fused, lists = find_fused_experts(module), find_expert_lists(module)
+        if not fused and not lists:
+            raise PlanError(f"{type(module).__name__} has no mixture-of-experts layer the runtime finds (fused 3-D"
+                            " experts, or an nn.ModuleList of experts with a router).")
+        found: list[tuple[int, int, int, Optional[int]]] = []  # experts, hidden, inner, top_k per layer
+        expert_params = 0
+        for fqn, sizes in fused.items():
+            config = getattr(module.get_submodule(fqn), "config", None)
+            found.append((sizes.experts, sizes.hidden, sizes.inner, getattr(config, "num_experts_per_tok", None)))
+            expert_params += sizes.numel
+        for fqn, sizes in lists.items():
+            moe = module.get_submodule(fqn)
+            params = sum(p.numel() for p in moe.experts.parameters())
+            router = getattr(moe, sizes.router)
+            found.append((sizes.experts, router.in_features, params // (3 * sizes.experts * router.in_features),
+                          sizes.top_k))
+            expert_params += params
+        shapes = {shape[:3] for shape in found}
+        if len(shapes) != 1:
+            raise PlanError(f"the MoE layers of {type(module).__name__} differ in size ({sorted(shapes)}): the planner"
+                            " models alike layers.")
+        experts, hidden, inner = shapes.pop()
+        top_k = top_k or next((k for *_, k in found if k), None)
+        if top_k is None:
+            raise PlanError("top_k: the module does not say how many experts each token goes to; pass top_k=.")
+        total = sum(p.numel() for p in module.parameters())
+        return cls(len(found), experts, hidden, inner, top_k, expert_params, total - expert_params)
+
+
+def expert_estimate(sizes: MoESizes, ep: int, tokens_per_rank: int, tp: int = 1, dp_shard: int = 1,
+                    precision: str = "32-true", optimizer: str = "adamw") -> dict[str, float]:
+    """Per rank: parameters (experts, the rest), model-state bytes, and all-to-all bytes sent per step for
+    ``tokens_per_rank`` tokens per step (the rank's samples x sequence length / cp)."""
+    for name, value in (("ep", ep), ("tp", tp), ("dp_shard", dp_shard), ("tokens_per_rank", tokens_per_rank)):
+        check_positive(name, value)
+    if sizes.experts % ep:
+        raise PlanError(f"ep={ep} does not divide the {sizes.experts} experts per layer.")
+    if precision not in PRECISIONS or optimizer not in OPTIMIZER_STATES:
+        raise PlanError(f"precision={precision!r} / optimizer={optimizer!r}: use one of {', '.join(PRECISIONS)} and"
+                        f" one of {', '.join(OPTIMIZER_STATES)}.")
+    pbytes, gbytes, e = PRECISIONS[precision]
+    per_param = pbytes + gbytes + OPTIMIZER_STATES[optimizer] * pbytes
+    experts = sizes.expert_params / (ep * tp)
+    dense = sizes.dense_params / (tp * dp_shard)
+    remote = (ep - 1) / ep
+    tokens = 4 * remote * sizes.top_k * tokens_per_rank * sizes.hidden * e
+    counts = (ep - 1) * (sizes.experts // ep) * COUNT_BYTES  # forward only: the backward reuses them
+    return {"expert_params": experts, "dense_params": dense, "model_state_bytes": (experts + dense) * per_param,
+            "all_to_all_bytes": sizes.layers * (tokens + counts)}
