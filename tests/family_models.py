@@ -59,3 +59,32 @@ class DeepseekV3LM(_CausalLM):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits
+
+
+def seq2seq_data(train: bool = True, size: int = 32, seq_len: int = SEQ, vocab: int = VOCAB):
+    """Random source windows; the target is the source reversed (the decoder must read the encoder)."""
+    generator = torch.Generator().manual_seed(0 if train else 1)
+    tokens = torch.randint(1, vocab, (size, seq_len), generator=generator)
+    return TensorDataset(tokens, tokens.flip(-1))
+
+
+class T5Seq2Seq(_CausalLM):
+    """``T5ForConditionalGeneration``: one ``shared`` embedding tied to the encoder's and decoder's
+    ``embed_tokens`` and to ``lm_head``; a relative-position bias (``nn.Embedding(buckets, heads)``) in the first
+    self-attention of the encoder and of the decoder; cross-attention in every decoder block."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=hidden, d_kv=hidden // heads, d_ff=4 * hidden, num_layers=layers,
+            num_heads=heads, relative_attention_num_buckets=8, dropout_rate=0.0, decoder_start_token_id=0,
+            pad_token_id=0, eos_token_id=1, tie_word_embeddings=True)
+        self.model = transformers.T5ForConditionalGeneration(config)
+
+    def _loss(self, batch):
+        source, target = batch
+        decoder_input = torch.cat([torch.zeros_like(target[:, :1]), target[:, :-1]], dim=1)  # shifted right
+        logits = self.model(input_ids=source, decoder_input_ids=decoder_input).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))

@@ -10,6 +10,9 @@ clipped below their norm, so the clip's global norm over plain and DTensor gradi
    up-projections (q_b_proj, kv_b_proj column-wise, o_proj row-wise), the down-projections and their norms
    whole, the rotary key columns' gradient summed over tp. At tp=2 (also with the full-rank q_proj of
    DeepSeek-V2-Lite) and cp=2 (value heads narrower than query/key heads).
+3. T5 (``T5ForConditionalGeneration``): q/k/v/o attentions (self and cross), the relative-position bias
+   (``nn.Embedding(buckets, heads)``) split with the heads, the one shared table tied across ``shared``, the
+   encoder's and decoder's ``embed_tokens`` and ``lm_head`` placed alike. At tp=2 (``tp_strict``) and dp2 x tp2.
 
 One 2-process and one 4-process launch (tests/parity.py) hold every case; plans and refusals run in this
 process.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_4d.tensor_parallel import plan_tensor_parallel
-from tests.family_models import BertMLM, DeepseekV3LM
+from tests.family_models import BertMLM, DeepseekV3LM, T5Seq2Seq
 from tests.parity import Case
 from tests.test_library_patterns import CLIP, SHARDING, _assert_parity  # parity, clipping acts, tp shards
 from tests.test_tp_strategy import _launch  # one launch per world size (timeout 600 s)
@@ -31,6 +34,7 @@ BERT = dict(module=F + "BertMLM", data=F + "mlm_data", max_steps=3, trainer=CLIP
 
 MLA = dict(module=F + "DeepseekV3LM", data="tests.lm_models:token_data", max_steps=3, trainer=CLIP,
            callbacks=[SHARDING])
+T5 = dict(module=F + "T5Seq2Seq", data=F + "seq2seq_data", max_steps=3, trainer=CLIP, callbacks=[SHARDING])
 
 TWO = [
     Case("bert_tp2", strategy={"tp": 2, **STRICT}, **BERT),
@@ -38,9 +42,11 @@ TWO = [
     Case("mla_tp2", strategy={"tp": 2, **STRICT}, **MLA),
     Case("mla_full_rank_q_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"q_lora_rank": None}, **MLA),
     Case("mla_cp2", strategy={"cp": 2}, **MLA),
+    Case("t5_tp2", strategy={"tp": 2, **STRICT}, **T5),
 ]
 FOUR = [
     Case("bert_dp2_tp2", strategy={"dp": 2, "tp": 2, **STRICT}, **BERT),
+    Case("t5_dp2_tp2", strategy={"dp": 2, "tp": 2, **STRICT}, **T5),
 ]
 ALL = {case.name: case for case in TWO + FOUR}
 
@@ -170,3 +176,31 @@ def test_mla_layers_are_sharded(two):
     for name in ("q_b_proj", "kv_b_proj", "o_proj"):
         assert f"model.model.layers.0.self_attn.{name}.weight" in dtensors, (name, dtensors)
     assert "model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight" not in dtensors
+
+
+# ------------------------------------------------------------------------------------- 3. encoder-decoders
+
+
+def test_t5_plan():
+    """Self- and cross-attention by heads, the relative-position bias column-wise (by heads), the tied table
+    rowwise under each of its three embedding names and column-wise as the head: 99% of the body sharded."""
+    plan = plan_tensor_parallel(T5Seq2Seq(), 2)
+    first = "model.encoder.block.0.layer.0.SelfAttention"
+    assert plan.regions[first].head_embeddings == ("relative_attention_bias",)
+    assert plan.styles[f"{first}.relative_attention_bias"].style == "colwise"
+    assert plan.regions["model.decoder.block.0.layer.1.EncDecAttention"].heads == 4
+    for name in ("model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens"):
+        assert plan.styles[name].style == "rowwise" and plan.styles[name].role == "embedding", name
+    assert plan.styles["model.lm_head"].style == "colwise"
+    assert plan.attributes[first] == {"n_heads": 2, "d_model": 16, "inner_dim": 16}
+    assert plan.coverage.share >= 0.99, plan.coverage.describe()
+    assert "relative_attention_bias split by heads" in plan.describe()
+
+
+def test_t5_tied_table_stays_one_parameter(two):
+    """The table is one parameter after sharding (listed once, as model.shared.weight), a DTensor; the
+    relative-position biases are sharded."""
+    dtensors = two[0]["t5_tp2"]["extras"]["dtensors"]
+    assert "model.shared.weight" in dtensors and "model.lm_head.weight" not in dtensors, dtensors
+    for stack in ("encoder", "decoder"):
+        assert f"model.{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in dtensors, stack

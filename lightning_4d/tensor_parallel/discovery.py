@@ -42,6 +42,7 @@ _ATTENTION_PRESETS = (
     (("q_proj", "k_proj", "v_proj"), "out_proj"),
     (("wq", "wk", "wv"), "wo"),  # Meta / torchtitan Llama
     (("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "wo"),  # torchtitan 0.3 GQAttention, fuse_qkv=False
+    (("q", "k", "v"), "o"),  # Hugging Face T5 (and its relatives: mT5, UMT5, LongT5's local attention)
 )
 _FUSED_ATTENTION_PRESETS = (
     ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
@@ -279,10 +280,13 @@ def _attention_region(
     # A norm over a whole q or k projection's output (OLMo 2): only with separate projections, whose column-wise
     # shards are whole heads in order, as the norm's sharded weight is.
     widths = (q_width, kv_width) if fused is None and len(inputs) == 3 and heads > 1 else ()
-    whole = _projection_norms(module, (*inputs, out, *after), head_dim, widths)
-    norms = _head_norms(fqn, module, (*inputs, out, *after), head_dim, whole)
+    # A relative-position bias per head (T5's nn.Embedding of [buckets, heads]): split with the heads.
+    bias = tuple(name for name, child in module.named_children()
+                 if isinstance(child, nn.Embedding) and child.embedding_dim == heads and heads > 1)
+    whole = _projection_norms(module, (*inputs, out, *after, *bias), head_dim, widths)
+    norms = _head_norms(fqn, module, (*inputs, out, *after, *bias), head_dim, whole)
     return Region("attention", inputs, out, width, q_width, heads, kv_heads, head_dim, layout, norms,
-                  projection_norms=whole)
+                  projection_norms=whole, head_embeddings=bias)
 
 
 def _is_norm(child: nn.Module) -> bool:
@@ -411,6 +415,8 @@ def plan_tensor_parallel(
         plan.styles[_child(fqn, region.output)] = ModuleStyle("rowwise", output=rowwise_output, role=region.kind)
         for name in region.projection_norms:
             plan.styles[_child(fqn, name)] = ModuleStyle("sharded_norm", role=region.kind)
+        for name in region.head_embeddings:  # [buckets, heads]: column-wise gives each rank its heads' biases
+            plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
         if region.kind == "attention" and fqn not in divide:
             attrs = _local_sizes(fqn, m, region, tp_size)
             config = getattr(m, "config", None)
@@ -633,9 +639,12 @@ def _plan_vocabulary(
             f"to a multiple of {plan.tp_size} (e.g. {math.ceil(vocab / 64) * 64}), or keep it unsharded with "
             f"tp_plan: {{'{emb_fqn}': replicate{''.join(f', {h!r}: replicate' for h in heads[:1])}}}."
         )
-    plan.styles[emb_fqn] = ModuleStyle(
-        "rowwise", input="replicate", output=f"shard({_SEQUENCE_DIM})" if sp else "replicate", role="embedding"
-    )
+    # The same table under several names (T5's shared, encoder.embed_tokens and decoder.embed_tokens): each
+    # registration is called, so each is placed alike (and tied again to one parameter after sharding).
+    for fqn in (f for f in embeddings if modules[f].weight is emb.weight and not _under(f, replicated)):
+        plan.styles[fqn] = ModuleStyle(
+            "rowwise", input="replicate", output=f"shard({_SEQUENCE_DIM})" if sp else "replicate", role="embedding"
+        )
     if heads:
         plan.styles[heads[0]] = ModuleStyle("colwise", output=None if loss_parallel else "replicate", role="head")
 

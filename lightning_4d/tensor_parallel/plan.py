@@ -192,6 +192,8 @@ class Region:
     # gradient, computed from this rank's heads only, is summed over tp.
     low_rank: tuple[str, ...] = ()
     shared_columns: tuple[str, int] | None = None
+    # Embeddings of one value per head (T5's relative-position bias, [buckets, heads]): column-wise, by heads.
+    head_embeddings: tuple[str, ...] = ()
 
     @property
     def replicated_kv_projections(self) -> tuple[str, ...]:
@@ -342,6 +344,8 @@ class TensorParallelPlan:
             if region.projection_norms:
                 norms += (f"; {', '.join(region.projection_norms)} sharded with their projections (statistic"
                           " all-reduced over tp)")
+            if region.head_embeddings:
+                norms += f"; {', '.join(region.head_embeddings)} split by heads"
             if region.low_rank:
                 rotary = (f" (grads of {region.shared_columns[0]}'s columns from {region.shared_columns[1]} on, read by"
                           " every head, summed over tp)") if region.shared_columns else ""
