@@ -21,17 +21,42 @@ from lightning_4d.tensor_parallel import plan_tensor_parallel
 SHRUNK = {  # every name a configuration class may use for these sizes
     ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim"): 64,
     ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers",
-     "encoder_layers"): 2,
+     "encoder_layers", "num_encoder_layers"): 2,
     ("num_attention_heads", "num_heads", "n_head", "n_heads", "decoder_attention_heads",
      "encoder_attention_heads"): 4,
     ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"): 2,
     ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim"): 256,
+    ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size"): 64,
+    ("num_experts", "n_routed_experts", "num_local_experts"): 4,
     ("vocab_size",): 128,
     ("max_position_embeddings", "n_positions"): 64,
     ("head_dim", "d_kv", "kv_channels"): 16,
 }
-# Families left out, and why.
-SKIPPED: dict[str, str] = {}
+# Sizes a configuration may leave unset (None) for the model to read as given: set them too.
+FILLED_WHEN_UNSET = ("head_dim", "n_routed_experts", "num_key_value_heads")
+# Sizes a family ties to others beyond the names above, each as the family's configuration spells it.
+FAMILY_SIZES: dict[str, dict] = {
+    "funnel": {"block_sizes": [1, 1], "num_decoder_layers": 1},  # layers given per block, not in all
+    "mobilebert": {"embedding_size": 64, "intra_bottleneck_size": 64, "true_hidden_size": 64},
+    "squeezebert": {"embedding_size": 64},  # its first block takes the embedding at the hidden width
+    "reformer": {"is_decoder": True, "attn_layers": ["local", "lsh"], "axial_pos_shape": [8, 8],
+                 "axial_pos_embds_dim": [32, 32]},  # causal LM only as a decoder; axial positions = 64
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0}, "ffn_config": {"ffn_hidden_size": 256, "moe_num_experts": 4}},
+    "esm": {"vocab_size": 128, "pad_token_id": 1, "mask_token_id": 32},  # no vocabulary by default (proteins)
+    "dots1": {"n_shared_experts": 1, "num_experts_per_tok": 2},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one global and one local layer
+    "gemma3n_text": {"num_hidden_layers": 4, "num_kv_shared_layers": 2,  # the last two read the first two's k/v
+                     "layer_types": ["sliding_attention", "full_attention"] * 2},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "mamba2": {"num_heads": 8},  # hidden 64 x expand 2 = 8 heads of 16
+    "zamba": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1},  # the shared block twice
+}
+# Families left out, and why (each is written into docs/zoo.md with its reason).
+SKIPPED: dict[str, str] = {
+    "gemma3n": "its causal-LM class is the multimodal Gemma3nForConditionalGeneration, whose vision tower needs "
+               "the timm package; the text model is swept as gemma3n_text",
+}
 
 
 @dataclass(frozen=True)
@@ -53,17 +78,36 @@ def _families() -> list[tuple[str, str, str]]:
     return sorted((f, k, c) for f, k, c in found if f not in SKIPPED)
 
 
-def _config(family: str):
+def _config(family: str, class_name: str):
+    """The model class's own configuration, its defaults shrunk: sizes given to the constructor, so that what a
+    configuration derives from them (layer types per layer, head sizes) agrees."""
+    import inspect
+
     import transformers
 
-    config = transformers.AutoConfig.for_model(family)
+    config_class = getattr(transformers, class_name).config_class
+    default = config_class()
+    accepted = inspect.signature(config_class.__init__).parameters
+    sizes = {}
     for names, value in SHRUNK.items():
         for name in names:
-            if type(getattr(config, name, None)) is int:
-                setattr(config, name, value)
+            current = getattr(default, name, "absent")
+            if type(current) is int or (current is None and name in FILLED_WHEN_UNSET):
+                sizes[name] = value
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if type(getattr(config, name, None)) is int and getattr(config, name) >= 128:
-            setattr(config, name, 0)  # inside the shrunk vocabulary
+        if type(getattr(default, name, None)) is int and getattr(default, name) >= 128:
+            sizes[name] = 0  # inside the shrunk vocabulary
+    kinds = getattr(default, "layer_types", None)  # per-layer kinds: each kind once, in its first order
+    if isinstance(kinds, list) and kinds:
+        sizes["layer_types"] = (list(dict.fromkeys(kinds)) * 2)[:2]
+    sizes.update(FAMILY_SIZES.get(family, {}))
+    config = config_class(**{name: value for name, value in sizes.items() if name in accepted})
+    for name, value in sizes.items():
+        if name not in accepted and getattr(config, name, value) != value:
+            try:
+                setattr(config, name, value)
+            except (AttributeError, NotImplementedError):  # derived (a property) or refused: the default stands
+                pass
     return config
 
 
@@ -82,7 +126,7 @@ def sweep_family(family: str, kind: str, class_name: str) -> Row:
     model, error = None, None
     for attention in ("sdpa", "eager"):  # eager where a family offers no sdpa (cp's check then says so)
         try:
-            config = _config(family)
+            config = _config(family, class_name)
             config._attn_implementation = attention
             with torch.device("meta"):
                 model = getattr(transformers, class_name)(config)
