@@ -3,8 +3,8 @@ built from its configuration class's defaults shrunk (hidden 64, 2 layers, 4 hea
 meta device (no weights, no download), through the automatic tp plan at tp=2 (its share sharded), context
 parallelism's reachability check at cp=2 and the pipeline cut at pp=2. Pure: seconds per family.
 
-``sweep()`` returns one row per family; ``tests/test_family_sweep.py`` checks it. (Not yet written into
-docs/zoo.md; families whose defaults do not build once shrunk show as "not built" with the error.)
+``sweep()`` returns one row per family; ``tests/test_family_sweep.py`` checks it and that docs/zoo.md holds
+the table ``docs/zoo_table.py`` writes from it for the installed transformers.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from lightning_4d.context_parallel.reachability import check_attention_reachable
 from lightning_4d.pipeline.config import PipelineConfig
 from lightning_4d.pipeline.plan import PipelinePlan
 from lightning_4d.tensor_parallel import plan_tensor_parallel
+from lightning_4d.tensor_parallel.plan import SHARDED_STYLES, _under
 
 SHRUNK = {  # every name a configuration class may use for these sizes
     ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim"): 64,
@@ -50,6 +51,7 @@ FAMILY_SIZES: dict[str, dict] = {
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"num_heads": 8},  # hidden 64 x expand 2 = 8 heads of 16
+    "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid"] * 2},  # the shared block twice
     "zamba": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1},  # the shared block twice
 }
 # Families left out, and why (each is written into docs/zoo.md with its reason).
@@ -67,6 +69,10 @@ class Row:
     tp: str  # "NN%" or "refused: <first sentence>"
     cp: str  # "ok" or "refused: ..."
     pp: str
+    blocks: str = ""  # the share sharded inside repeated blocks ("NN%"): the body's share without the
+    # position tables and projections that a shrunk model weighs far above their weight at real sizes
+    experts: bool = False  # a mixture-of-experts family: its experts are #30's (expert parallelism)
+    strict: str = ""  # what tp_strict=True says of the plan ("refused: ..." below 90% of the body), else ""
 
 
 def _families() -> list[tuple[str, str, str]]:
@@ -116,7 +122,7 @@ def _verdict(check) -> str:
         result = check()
     except Exception as error:  # noqa: BLE001 - the row records what each check says, refusal or failure
         first = str(error).strip().split("\n")[0]
-        return f"refused: {type(error).__name__}: {first[:300]}"
+        return f"refused: {type(error).__name__}: {first[:700]}"
     return result if isinstance(result, str) else "ok"
 
 
@@ -136,10 +142,30 @@ def sweep_family(family: str, kind: str, class_name: str) -> Row:
     if model is None:
         first = (str(error).splitlines() or [""])[0][:200]
         return Row(family, kind, "", f"not built: {type(error).__name__}: {first}", "", "")
-    tp = _verdict(lambda: f"{plan_tensor_parallel(model, 2).coverage.share:.0%}")
+    plans = []
+    tp = _verdict(lambda: f"{plans.append(plan_tensor_parallel(model, 2)) or plans[0].coverage.share:.0%}")
     cp = _verdict(lambda: check_attention_reachable(model, 2))
     pp = _verdict(lambda: PipelinePlan.build(model, PipelineConfig(pp=2)) and None)
-    return Row(family, kind, class_name, tp, cp, pp)
+    strict = _verdict(lambda: plans[0].coverage.check(2, strict=True)) if plans else ""
+    return Row(family, kind, class_name, tp, cp, pp, _block_share(model, plans[0]) if plans else "",
+               _has_experts(model), "" if strict == "ok" else strict)
+
+
+def _block_share(model, plan) -> str:
+    """The share of the parameters inside repeated blocks (a numbered FQN segment) that the plan shards."""
+    sharded_modules = [fqn for fqn, style in plan.styles.items() if style.style in SHARDED_STYLES]
+    sharded = total = 0
+    for fqn, module in model.named_modules():
+        if any(part.isdigit() for part in fqn.split(".")):
+            count = sum(p.numel() for p in module.parameters(recurse=False))
+            total += count
+            sharded += count if _under(fqn, sharded_modules) else 0
+    return f"{sharded / total:.0%}" if total else ""
+
+
+def _has_experts(model) -> bool:
+    return any(fqn.rpartition(".")[2] == "experts" or "moe" in type(module).__name__.lower()
+               for fqn, module in model.named_modules())
 
 
 def sweep() -> list[Row]:
