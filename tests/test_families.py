@@ -13,6 +13,9 @@ clipped below their norm, so the clip's global norm over plain and DTensor gradi
 3. T5 (``T5ForConditionalGeneration``): q/k/v/o attentions (self and cross), the relative-position bias
    (``nn.Embedding(buckets, heads)``) split with the heads, the one shared table tied across ``shared``, the
    encoder's and decoder's ``embed_tokens`` and ``lm_head`` placed alike. At tp=2 (``tp_strict``) and dp2 x tp2.
+4. Families the sweep (tests/family_sweep.py) flagged, now planned: Phi (q/k/v -> ``dense``), XLM (q_lin/k_lin/
+   v_lin -> out_lin, lin1 -> lin2) and ELECTRA (BERT's layout behind an embedding projection), at tp=2
+   (``tp_strict``).
 
 One 2-process and one 4-process launch (tests/parity.py) hold every case; plans and refusals run in this
 process.
@@ -34,6 +37,8 @@ BERT = dict(module=F + "BertMLM", data=F + "mlm_data", max_steps=3, trainer=CLIP
 
 MLA = dict(module=F + "DeepseekV3LM", data="tests.lm_models:token_data", max_steps=3, trainer=CLIP,
            callbacks=[SHARDING])
+SWEPT = dict(module=F + "SweptLM", data="tests.lm_models:token_data", max_steps=3, trainer=CLIP,
+             callbacks=[SHARDING])
 T5 = dict(module=F + "T5Seq2Seq", data=F + "seq2seq_data", max_steps=3, trainer=CLIP, callbacks=[SHARDING])
 
 TWO = [
@@ -43,6 +48,8 @@ TWO = [
     Case("mla_full_rank_q_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"q_lora_rank": None}, **MLA),
     Case("mla_cp2", strategy={"cp": 2}, **MLA),
     Case("t5_tp2", strategy={"tp": 2, **STRICT}, **T5),
+    *(Case(f"{family}_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"family": family}, **SWEPT)
+      for family in ("phi", "xlm", "electra")),
 ]
 FOUR = [
     Case("bert_dp2_tp2", strategy={"dp": 2, "tp": 2, **STRICT}, **BERT),
@@ -204,3 +211,16 @@ def test_t5_tied_table_stays_one_parameter(two):
     assert "model.shared.weight" in dtensors and "model.lm_head.weight" not in dtensors, dtensors
     for stack in ("encoder", "decoder"):
         assert f"model.{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in dtensors, stack
+
+
+# ------------------------------------------------------------------------------ 4. families the sweep flagged
+
+
+@pytest.mark.parametrize("family, names", [
+    ("phi", ("self_attn.q_proj", "self_attn.dense", "mlp.fc1", "mlp.fc2")),
+    ("xlm", ("q_lin", "v_lin", "out_lin", "lin1", "lin2")),
+])
+def test_swept_families_are_sharded(two, family, names):
+    dtensors = two[0][f"{family}_tp2"]["extras"]["dtensors"]
+    for name in names:
+        assert any(name + ".weight" in key and ".0." in key for key in dtensors), (name, dtensors)

@@ -43,6 +43,8 @@ _ATTENTION_PRESETS = (
     (("wq", "wk", "wv"), "wo"),  # Meta / torchtitan Llama
     (("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "wo"),  # torchtitan 0.3 GQAttention, fuse_qkv=False
     (("q", "k", "v"), "o"),  # Hugging Face T5 (and its relatives: mT5, UMT5, LongT5's local attention)
+    (("q_proj", "k_proj", "v_proj"), "dense"),  # Hugging Face Phi (-1, -1.5, -2)
+    (("q_lin", "k_lin", "v_lin"), "out_lin"),  # Hugging Face XLM, FlauBERT
 )
 _FUSED_ATTENTION_PRESETS = (
     ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
@@ -63,6 +65,7 @@ _MLP_PRESETS = (
     (("fc",), "proj"),  # litgpt GptNeoxMLP
     (("fc1",), "fc2"),
     (("linear1",), "linear2"),  # torch's nn.TransformerEncoderLayer / nn.TransformerDecoderLayer
+    (("lin1",), "lin2"),  # Hugging Face XLM, FlauBERT (TransformerFFN)
 )
 _FUSED_MLP_PRESETS = (("gate_up_proj", "down_proj"),)  # Hugging Face Phi-3: gate|up in one linear
 # BERT-style encoder layers (BERT, RoBERTa, XLM-R, ELECTRA, ...): q/k/v one level down in the attention core
