@@ -125,7 +125,8 @@ def render_sweep(rows, version: str) -> str:
         "the family's real size). *tp*: **planned** (>= 90% of the body sharded), **planned (blocks)** (>= 90%",
         "of the blocks, under 90% of the body only at the shrunk size), **experts: see #30** (a",
         "mixture-of-experts family: its experts are expert parallelism's) or **refused** (the planner's refusal,",
-        "or below 90% of the body: what `tp_strict=True` says); *cp=2*: context parallelism's check before any",
+        "or below 90% of the body: what `tp_strict=True` says; after a refusal, *fixed*: the share planned with the",
+        "`tp_plan` its refusals name); *cp=2*: context parallelism's check before any",
         "collective; *pp=2*: the pipeline cut. These are plans, not training runs: the families trained at",
         "parity are the zoo's above and `tests/test_families.py`'s.", "",
         "| family | class | tp=2 shares | tp=2 | cp=2 | pp=2 |", "|---|---|---|---|---|---|",
@@ -148,6 +149,8 @@ def render_sweep(rows, version: str) -> str:
             tp = "planned (blocks)"
         else:
             tp = verdict(row.tp, verdict(row.strict, "planned"))
+        if row.fixed:  # a refused plan: what the fixes its refusals name plan
+            tp += f"; fixed: {row.fixed}" if row.fixed.endswith("%") else f"; then {verdict(row.fixed, '')}"
         lines.append(f"| {row.family} | `{row.model}` | {_share(row)} | {tp} | {verdict(row.cp, 'ok')} |"
                      f" {verdict(row.pp, 'ok')} |")
     lines += ["", "Refusals, each the first line of its message:", ""]

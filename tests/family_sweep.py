@@ -73,6 +73,8 @@ class Row:
     # position tables and projections that a shrunk model weighs far above their weight at real sizes
     experts: bool = False  # a mixture-of-experts family: its experts are #30's (expert parallelism)
     strict: str = ""  # what tp_strict=True says of the plan ("refused: ..." below 90% of the body), else ""
+    fixed: str = ""  # under a refused tp: the share the plan shards with the tp_plan its refusals name, or the
+    # refusal left ("refused: ...")
 
 
 def _families() -> list[tuple[str, str, str]]:
@@ -148,7 +150,26 @@ def sweep_family(family: str, kind: str, class_name: str) -> Row:
     pp = _verdict(lambda: PipelinePlan.build(model, PipelineConfig(pp=2)) and None)
     strict = _verdict(lambda: plans[0].coverage.check(2, strict=True)) if plans else ""
     return Row(family, kind, class_name, tp, cp, pp, _block_share(model, plans[0]) if plans else "",
-               _has_experts(model), "" if strict == "ok" else strict)
+               _has_experts(model), "" if strict == "ok" else strict, "" if plans else _with_fixes(model))
+
+
+def _with_fixes(model, rounds: int = 8) -> str:
+    """Plans again with the tp_plan each refusal names as its fix, merged, until one plans (its share) or a
+    refusal names no tp_plan (that refusal)."""
+    import ast
+    import re
+
+    fixes: dict[str, str] = {}
+    for _ in range(rounds):
+        try:
+            return f"{plan_tensor_parallel(model, 2, fixes).coverage.share:.0%}"
+        except ValueError as error:
+            named = re.search(r"tp_plan: (\{[^{}]*\})", str(error))
+            if named is None:
+                return f"refused: {str(error).splitlines()[0][:700]}"
+            fixes.update(ast.literal_eval(re.sub(r": (\w+)", r": '\1'", named.group(1))))
+    return f"refused: still refused after {rounds} fixes: {fixes}"
+
 
 
 def _block_share(model, plan) -> str:

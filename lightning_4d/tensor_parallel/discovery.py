@@ -319,10 +319,21 @@ def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_
         if name and "norm" in type(child).__name__.lower() and head_dim and all(p.numel() == head_dim for p in params):
             norms.append(name)
             continue
+        why = ("that are neither its projections nor a per-head norm of size head_dim; tensor parallelism cannot"
+               " tell how to shard them")
+        if not name:  # the module's own parameters (attention sinks, differential attention's lambdas)
+            what = "its own parameters " + ", ".join(f"{n} {list(p.shape)}" for n, p in
+                                                      child.named_parameters(recurse=False))
+        elif _linear_shape(child) is not None:  # e.g. Zamba2's low-rank adapters beside gate_up_proj
+            what = (f"a linear {_child(fqn, name)} ({_linear_shape(child)[0]}->{_linear_shape(child)[1]}) beside its"
+                    f" projections {', '.join(projections)}")
+            why = ("(a branch its own code combines with theirs: a low-rank adapter, a gate, a second query); the"
+                   " automatic plan cannot tell how to split it with them")
+        else:
+            what = f"parameters in {_child(fqn, name)} ({type(child).__name__})"
         raise ValueError(
-            f"{fqn} ({type(module).__name__}) has parameters in {_child(fqn, name)} ({type(child).__name__}) that are "
-            f"neither its projections nor a per-head norm of size head_dim; tensor parallelism cannot tell how to "
-            f"shard them. Fix: keep it unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}."
+            f"{fqn} ({type(module).__name__}) has {what} {why}. Fix: keep it unsharded with tp_plan:"
+            f" {{'{_pattern(fqn)}': replicate}}."
         )
     return tuple(norms)
 
