@@ -408,11 +408,13 @@ class ContextParallel:
                                  " is_causal=True.")
         # torch's shape rules: a single key/value head broadcasts over the query heads without enable_gqa.
         q, k, v, lead = sdpa_operands(query, key, value, enable_gqa)
-        if v.size(-1) != q.size(-1):
-            raise ValueError(
-                f"scaled_dot_product_attention got a value head size {v.size(-1)} unlike the query/key head size"
-                f" {q.size(-1)}: torch accepts it, but ring attention's kernels compute equal head sizes only."
-                " Fix: cp=1 (dp=N instead) for this model.")
+        value_dim = v.size(-1)
+        if value_dim != q.size(-1):
+            # Ring attention's kernels take equal head sizes (multi-head latent attention's value heads are
+            # narrower than its query/key heads): zero columns change neither q.k nor the value's own columns.
+            scale = q.size(-1) ** -0.5 if scale is None else scale
+            width = max(value_dim, q.size(-1))
+            q, k, v = (F.pad(t, (0, width - t.size(-1))) for t in (q, k, v))
         if attn_mask is not None:
             is_causal, mask = self._mask_meaning(attn_mask, local)
         else:
@@ -424,7 +426,7 @@ class ContextParallel:
         else:
             out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
                                  mask=mask)
-        return out.reshape(*lead, *out.shape[2:])
+        return out[..., :value_dim].reshape(*lead, *out.shape[2:-1], value_dim)
 
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:
         """``(is_causal, SequenceMask or None)`` over the whole sequence for a mask the model built on its shard.

@@ -64,8 +64,14 @@ def _check_hugging_face_attention(module: nn.Module, cp: int) -> None:
         if implementation in (None, "sdpa"):
             continue
         attention = next((f"{fqn}.{name}".lstrip(".") + f" ({type(sub).__name__})"
-                          for name, sub in model.named_modules() if type(sub).__name__.endswith("Attention")),
-                         f"{fqn or 'the module'} ({type(model).__name__})")
+                          for name, sub in model.named_modules() if type(sub).__name__.endswith("Attention")), None)
+        if attention is None:  # Mamba, RWKV's successors, xLSTM, FNet, RecurrentGemma's recurrent layers
+            raise ValueError(
+                f"cp={cp}: {fqn or 'the module'} ({type(model).__name__}) holds no attention module: its layers mix"
+                " the tokens another way (a state-space scan, a recurrence or a Fourier transform over the whole"
+                " sequence), which context parallelism cannot split over ranks: it shards sequences only around"
+                " torch.nn.functional.scaled_dot_product_attention, and each rank would see only its own tokens."
+                " Use cp=1 (dp=N replicates the model instead).")
         fix = ("Load it with attn_implementation='sdpa', or use cp=1 (dp=N replicates the model instead)."
                if compat.hf_supports_sdpa(model) else
                f"{type(model).__name__} offers no attn_implementation='sdpa' (it computes its attention scores"

@@ -80,7 +80,7 @@ class _RegionHooks:
         if key is None:
             return None
         full = x.redistribute(self.mesh, [Replicate()]) if isinstance(x, DTensor) else x
-        if self.region.kind == "mlp":
+        if self.region.kind == "mlp" or not self.region.narrow:
             return _replace_argument(args, kwargs, key, full)
         local = full.to_local() if isinstance(full, DTensor) else full
         if local.shape[-1] != self.region.width:
@@ -146,6 +146,30 @@ class _SumGradOver(torch.autograd.Function):
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+class _SumColumnsGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient of the last-dim columns from ``start`` on over ``group``
+    (what every rank's heads read from a whole projection, each rank's heads giving a part of its gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, start: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        grad = grad.clone()
+        shared = grad[..., ctx.start:].contiguous()
+        dist.all_reduce(shared, group=ctx.group)
+        grad[..., ctx.start:] = shared
+        return grad, None, None
+
+
+def _shared_columns(attention: nn.Module, region: Region, group: dist.ProcessGroup) -> None:
+    name, start = region.shared_columns
+    attention.get_submodule(name).register_forward_hook(
+        lambda module, args, output: _SumColumnsGradOver.apply(output, start, group))
 
 
 def _replicated_kv(attention: nn.Module, region: Region, group: dist.ProcessGroup) -> None:
@@ -340,6 +364,8 @@ def apply_tensor_parallel(
                 _hook_trainable(param, _sum_over(group))
         if region.kv_replicated:
             _replicated_kv(owner, region, group)
+        if region.shared_columns is not None:
+            _shared_columns(owner, region, group)
 
     if plan.sequence_parallel and plan.styles:
         inside = list(plan.styles) + list(plan.regions)
@@ -355,9 +381,11 @@ def apply_tensor_parallel(
         root.register_forward_hook(lambda *_: _replication_exit(), always_call=True)
 
     for tied in owners.values():  # parallelize_module replaced each registration on its own: tie them again
-        _, first_module, first_name = tied[0]
-        shared = compat.parameters_of(first_module)[first_name]
-        for _, m, name in tied[1:]:
+        current = [compat.parameters_of(m)[name] for _, m, name in tied]
+        # A registration in a module left unstyled (BERT's cls.predictions.bias, its decoder's bias) follows the
+        # sharded one.
+        shared = next((p for p in current if isinstance(p, DTensor)), current[0])
+        for _, m, name in tied:
             m.register_parameter(name, shared)
     for param in module.parameters():  # deduplicated, so tied parameters get one hook
         if isinstance(param, DTensor) and param.requires_grad:

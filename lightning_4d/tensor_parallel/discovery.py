@@ -43,6 +43,9 @@ _ATTENTION_PRESETS = (
     (("q_proj", "k_proj", "v_proj"), "out_proj"),
     (("wq", "wk", "wv"), "wo"),  # Meta / torchtitan Llama
     (("qkv_linear.wq", "qkv_linear.wk", "qkv_linear.wv"), "wo"),  # torchtitan 0.3 GQAttention, fuse_qkv=False
+    (("q", "k", "v"), "o"),  # Hugging Face T5 (and its relatives: mT5, UMT5, LongT5's local attention)
+    (("q_proj", "k_proj", "v_proj"), "dense"),  # Hugging Face Phi (-1, -1.5, -2)
+    (("q_lin", "k_lin", "v_lin"), "out_lin"),  # Hugging Face XLM, FlauBERT
 )
 _FUSED_ATTENTION_PRESETS = (
     ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
@@ -63,8 +66,19 @@ _MLP_PRESETS = (
     (("fc",), "proj"),  # litgpt GptNeoxMLP
     (("fc1",), "fc2"),
     (("linear1",), "linear2"),  # torch's nn.TransformerEncoderLayer / nn.TransformerDecoderLayer
+    (("lin1",), "lin2"),  # Hugging Face XLM, FlauBERT (TransformerFFN)
 )
 _FUSED_MLP_PRESETS = (("gate_up_proj", "down_proj"),)  # Hugging Face Phi-3: gate|up in one linear
+# BERT-style encoder layers (BERT, RoBERTa, XLM-R, ELECTRA, ...): q/k/v one level down in the attention core
+# (``attention.self``), the output projection in its sibling (``attention.output.dense``), which also adds the
+# residual and normalizes; the MLP split over the layer's ``intermediate`` and ``output`` children likewise.
+_SPLIT_ATTENTION_PRESETS = ((("self.query", "self.key", "self.value"), "output.dense"),)
+_SPLIT_MLP_PRESETS = ((("intermediate.dense",), "output.dense"),)
+# Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): low-rank down-projections and their norms, whole on
+# every rank, then per-head up-projections (column-wise) and o_proj (row-wise), as Megatron and vLLM split it.
+# (query up-projection, or the full-rank query projection; key/value down-projection; its norm; key/value
+# up-projection; output projection)
+_LATENT_ATTENTION_PRESETS = ((("q_b_proj", "q_proj"), "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"),)
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
@@ -96,6 +110,14 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
             o_in, o_out = shapes[out]
             if k_in == v_in == width == o_out and k_w == v_w and o_in == q_w:
                 return _attention_region(fqn, module, qkv, out, width, q_w, k_w, None, divide)
+    for preset in _LATENT_ATTENTION_PRESETS:
+        region = _latent_attention(fqn, module, *preset)
+        if region is not None:
+            return region
+    for qkv, out in _SPLIT_ATTENTION_PRESETS:
+        region = _split_attention(fqn, module, qkv, out, divide)
+        if region is not None:
+            return region
     for fused, out in _FUSED_ATTENTION_PRESETS:
         if fused in linears and out in linears:
             (width, total), (q_w, o_out) = linears[fused], linears[out]
@@ -125,6 +147,11 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
                 _head_norms(fqn, module, (fused, out), None)
                 layout = FusedGateUpLayout(inner, 1 if _is_conv1d(getattr(module, fused)) else 0)
                 return Region("mlp", (fused,), out, width, inner, fused=layout)
+    for ins, out in _SPLIT_MLP_PRESETS:
+        shapes = [_nested_linear(module, n) for n in (*ins, out)]
+        if all(shapes) and all(s == shapes[0] for s in shapes[:-1]) and shapes[-1] == shapes[0][::-1]:
+            # Beside the layer's attention (a region of its own): the region is only these linears.
+            return Region("mlp", ins, out, *shapes[0], loose=True)
     for ins, out in _MLP_PRESETS:
         present = tuple(n for n in ins if n in linears)
         if present and out in linears:
@@ -137,6 +164,59 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
                 _head_norms(fqn, module, (*present, out), None)
                 return Region("mlp", present, out, width, inner)
     return _generic_mlp(module, linears)
+
+
+def _latent_attention(fqn: str, module: nn.Module, queries: tuple[str, ...], kv_a: str, kv_norm: str, kv_b: str,
+                      out: str) -> Region | None:
+    """Multi-head latent attention, read from its sizes (``num_heads``, ``kv_lora_rank``, ``qk_rope_head_dim``,
+    ``qk_nope_head_dim``, ``v_head_dim``, on the module or its config). The heads are split after the low-rank
+    up-projections; the down-projections and their norms stay whole, fed the whole hidden state (``narrow``
+    off). The rotary key columns of ``kv_a`` (one key shared by every head) get their gradient summed over tp:
+    each rank's heads read them."""
+    q = next((name for name in queries if _nested_linear(module, name)), None)
+    shapes = {name: _nested_linear(module, name) for name in (kv_a, kv_b, out)}
+    if q is None or not all(shapes.values()):
+        return None
+    sizes = {}
+    for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+        value = next(iter({**_int_attrs(getattr(module, "config", None), (name,)),
+                           **_int_attrs(module, (name,))}.values()), None)
+        if value is None:
+            return None
+        sizes[name] = value
+    heads = next(iter(_int_attrs(module, _HEAD_ATTRS).values()), None) or next(
+        iter(_int_attrs(getattr(module, "config", None), _HEAD_ATTRS).values()), None)
+    rank, rope, nope, v = (sizes[n] for n in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
+    (q_in, q_w), (width, kv_a_w), (kv_b_in, kv_b_w), (o_in, o_out) = _nested_linear(module, q), *shapes.values()
+    if (not heads or q_w != heads * (nope + rope) or kv_a_w != rank + rope or kv_b_in != rank
+            or kv_b_w != heads * (nope + v) or o_in != heads * v or o_out != width):
+        return None
+    low_rank = tuple(name for name, child in module.named_children()
+                     if name not in (q, kv_b, out) and any(True for _ in child.parameters()))
+    return Region("attention", (q, kv_b), out, width, heads * v, heads, heads, nope + rope, narrow=False,
+                  low_rank=low_rank, shared_columns=(kv_a, rank))
+
+
+def _split_attention(fqn: str, module: nn.Module, qkv: tuple[str, ...], out: str,
+                     divide: dict[str, list[str]]) -> Region | None:
+    """A BERT-style attention: its output projection's holder adds the residual (the hidden state this module
+    received, whole) and normalizes, so the module's code must see the hidden state whole (``narrow=False``);
+    norms in that holder act on the all-reduced output, identical on every rank, and stay replicated."""
+    shapes = [_nested_linear(module, n) for n in (*qkv, out)]
+    if not all(shapes):
+        return None
+    (width, q_w), (k_in, k_w), (v_in, v_w), (o_in, o_out) = shapes
+    if not (k_in == v_in == width == o_out and k_w == v_w and o_in == q_w):
+        return None
+    core = module.get_submodule(qkv[0].rpartition(".")[0])
+    geometry = _head_geometry(core, q_w)
+    if geometry is None:
+        return None
+    holder = out.rpartition(".")[0]
+    after = tuple(_child(holder, name) for name, child in module.get_submodule(holder).named_children()
+                  if _is_norm(child))
+    region = _attention_region(fqn, module, qkv, out, width, q_w, k_w, None, divide, geometry, after)
+    return replace(region, narrow=False, after=after) if region is not None else None
 
 
 def _nested_linear(module: nn.Module, name: str) -> tuple[int, int] | None:
@@ -173,8 +253,10 @@ def _attention_region(
     kv_width: int,
     fused: str | None,
     divide: dict[str, list[str]],
+    geometry: tuple[int, int] | None = None,
+    after: tuple[str, ...] = (),
 ) -> Region | None:
-    geometry = _head_geometry(module, q_width)
+    geometry = geometry or _head_geometry(module, q_width)
     if geometry is None:
         if fqn in divide and fused is None:
             return Region(
@@ -202,10 +284,13 @@ def _attention_region(
     # A norm over a whole q or k projection's output (OLMo 2): only with separate projections, whose column-wise
     # shards are whole heads in order, as the norm's sharded weight is.
     widths = (q_width, kv_width) if fused is None and len(inputs) == 3 and heads > 1 else ()
-    whole = _projection_norms(module, (*inputs, out), head_dim, widths)
-    norms = _head_norms(fqn, module, (*inputs, out), head_dim, whole)
+    # A relative-position bias per head (T5's nn.Embedding of [buckets, heads]): split with the heads.
+    bias = tuple(name for name, child in module.named_children()
+                 if isinstance(child, nn.Embedding) and child.embedding_dim == heads and heads > 1)
+    whole = _projection_norms(module, (*inputs, out, *after, *bias), head_dim, widths)
+    norms = _head_norms(fqn, module, (*inputs, out, *after, *bias), head_dim, whole)
     return Region("attention", inputs, out, width, q_width, heads, kv_heads, head_dim, layout, norms,
-                  projection_norms=whole)
+                  projection_norms=whole, head_embeddings=bias)
 
 
 def _is_norm(child: nn.Module) -> bool:
@@ -235,10 +320,21 @@ def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_
         if name and "norm" in type(child).__name__.lower() and head_dim and all(p.numel() == head_dim for p in params):
             norms.append(name)
             continue
+        why = ("that are neither its projections nor a per-head norm of size head_dim; tensor parallelism cannot"
+               " tell how to shard them")
+        if not name:  # the module's own parameters (attention sinks, differential attention's lambdas)
+            what = "its own parameters " + ", ".join(f"{n} {list(p.shape)}" for n, p in
+                                                      child.named_parameters(recurse=False))
+        elif _linear_shape(child) is not None:  # e.g. Zamba2's low-rank adapters beside gate_up_proj
+            what = (f"a linear {_child(fqn, name)} ({_linear_shape(child)[0]}->{_linear_shape(child)[1]}) beside its"
+                    f" projections {', '.join(projections)}")
+            why = ("(a branch its own code combines with theirs: a low-rank adapter, a gate, a second query); the"
+                   " automatic plan cannot tell how to split it with them")
+        else:
+            what = f"parameters in {_child(fqn, name)} ({type(child).__name__})"
         raise ValueError(
-            f"{fqn} ({type(module).__name__}) has parameters in {_child(fqn, name)} ({type(child).__name__}) that are "
-            f"neither its projections nor a per-head norm of size head_dim; tensor parallelism cannot tell how to "
-            f"shard them. Fix: keep it unsharded with tp_plan: {{'{_pattern(fqn)}': replicate}}."
+            f"{fqn} ({type(module).__name__}) has {what} {why}. Fix: keep it unsharded with tp_plan:"
+            f" {{'{_pattern(fqn)}': replicate}}."
         )
     return tuple(norms)
 
@@ -311,6 +407,12 @@ def plan_tensor_parallel(
     plan_multihead(plan, modules, replicated)  # torch's nn.MultiheadAttention: fused in_proj by heads
     for fqn, region in _regions(modules, replicated, divide):
         m = modules[fqn]
+        if not region.narrow and sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True: {fqn} ({type(m).__name__}) adds the hidden state it receives to its output"
+                f" projection's result inside {region.output.rpartition('.')[0]} (a BERT-style residual), which"
+                " sequence parallelism would hand it sequence-sharded. Use sequence_parallel=False (tensor"
+                " parallelism still shards its heads and MLP).")
         if region.loose and sequence_parallel:
             raise ValueError(
                 f"sequence_parallel=True: {fqn} ({type(m).__name__}) holds its MLP's linears {region.inputs[0]} and"
@@ -328,6 +430,8 @@ def plan_tensor_parallel(
         plan.styles[_child(fqn, region.output)] = ModuleStyle("rowwise", output=rowwise_output, role=region.kind)
         for name in region.projection_norms:
             plan.styles[_child(fqn, name)] = ModuleStyle("sharded_norm", role=region.kind)
+        for name in region.head_embeddings:  # [buckets, heads]: column-wise gives each rank its heads' biases
+            plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
         if region.kind == "attention" and fqn not in divide:
             attrs = _local_sizes(fqn, m, region, tp_size)
             config = getattr(m, "config", None)
@@ -551,9 +655,12 @@ def _plan_vocabulary(
             f"to a multiple of {plan.tp_size} (e.g. {math.ceil(vocab / 64) * 64}), or keep it unsharded with "
             f"tp_plan: {{'{emb_fqn}': replicate{''.join(f', {h!r}: replicate' for h in heads[:1])}}}."
         )
-    plan.styles[emb_fqn] = ModuleStyle(
-        "rowwise", input="replicate", output=f"shard({_SEQUENCE_DIM})" if sp else "replicate", role="embedding"
-    )
+    # The same table under several names (T5's shared, encoder.embed_tokens and decoder.embed_tokens): each
+    # registration is called, so each is placed alike (and tied again to one parameter after sharding).
+    for fqn in (f for f in embeddings if modules[f].weight is emb.weight and not _under(f, replicated)):
+        plan.styles[fqn] = ModuleStyle(
+            "rowwise", input="replicate", output=f"shard({_SEQUENCE_DIM})" if sp else "replicate", role="embedding"
+        )
     if heads:
         plan.styles[heads[0]] = ModuleStyle("colwise", output=None if loss_parallel else "replicate", role="head")
 
@@ -570,6 +677,10 @@ def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
 def _check_ties(plan: TensorParallelPlan, module: nn.Module) -> None:
     for owners in _parameter_owners(module).values():
         tied = [(fqn, name) for fqn, _, name in owners]
+        # A registration in an unstyled module above a styled one is an alias that follows it (BERT's
+        # cls.predictions.bias is its decoder's bias; the module's own code does not read it).
+        tied = [(f, n) for f, n in tied
+                if f in plan.styles or not any(g in plan.styles and g != f and _under(g, [f]) for g, _ in tied)]
         shardings = {
             (
                 _weight_sharding(module.get_submodule(f), plan.styles.get(f))

@@ -182,6 +182,18 @@ class Region:
     loose: bool = False
     # A single input projection holding q, k and v head by head (GPT-NeoX, Bloom): nothing to permute.
     interleaved: bool = False
+    # Whether the attention module's own code sees the hidden state narrowed to width/tp (code that splits heads
+    # by the hidden width, ``C // n_head``); not where it adds the hidden state as a residual (BERT).
+    narrow: bool = True
+    # Norms after the row-wise output inside the region (BERT's ``output.LayerNorm``): whole, replicated.
+    after: tuple[str, ...] = ()
+    # Multi-head latent attention: the low-rank down-projections and their norms, whole on every rank, and
+    # (projection, first column) of the down-projection's columns every head reads (the rotary key): their
+    # gradient, computed from this rank's heads only, is summed over tp.
+    low_rank: tuple[str, ...] = ()
+    shared_columns: tuple[str, int] | None = None
+    # Embeddings of one value per head (T5's relative-position bias, [buckets, heads]): column-wise, by heads.
+    head_embeddings: tuple[str, ...] = ()
 
     @property
     def replicated_kv_projections(self) -> tuple[str, ...]:
@@ -332,6 +344,12 @@ class TensorParallelPlan:
             if region.projection_norms:
                 norms += (f"; {', '.join(region.projection_norms)} sharded with their projections (statistic"
                           " all-reduced over tp)")
+            if region.head_embeddings:
+                norms += f"; {', '.join(region.head_embeddings)} split by heads"
+            if region.low_rank:
+                rotary = (f" (grads of {region.shared_columns[0]}'s columns from {region.shared_columns[1]} on, read by"
+                          " every head, summed over tp)") if region.shared_columns else ""
+                norms += f"; low-rank {', '.join(region.low_rank)} whole on every rank{rotary}"
             lines.append(
                 f"  {region.kind:<9} {pattern} (x{count}) [{', '.join(region.inputs)} -> {region.output}]{fused}: "
                 f"{size}{local}{norms}"

@@ -1,0 +1,62 @@
+"""The meta-device sweep (tests/family_sweep.py) over every causal-LM and masked-LM family of the installed
+transformers: a row for each, every family built from its shrunk configuration (those left out are listed with
+their reason in docs/zoo.md), the families issue #28 names planned with >= 90% of the body sharded, and
+docs/zoo.md's table of the sweep current."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.family_sweep import _families, sweep
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {row.family: row for row in sweep()}
+
+
+def test_every_family_has_a_row(rows):
+    assert sorted(rows) == sorted(family for family, _, _ in _families()) and len(rows) > 100, len(rows)
+    assert [row for row in rows.values() if not row.model] == []
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "xlm-roberta", "deepseek_v3", "llama", "olmo2"])
+def test_named_families_are_sharded(rows, family):
+    share = rows[family].tp
+    assert share.endswith("%") and int(share[:-1]) >= 90, (family, rows[family])
+
+
+def test_docs_zoo_holds_the_sweep(rows):
+    """docs/zoo.md's section for the installed transformers is the table written from this sweep."""
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "docs"))
+    import zoo_table
+
+    _, sections = zoo_table.sweep_sections(zoo_table.OUTPUT.read_text())
+    ordered = [rows[family] for family, _, _ in _families()]
+    assert sections.get(transformers.__version__) == zoo_table.render_sweep(ordered, transformers.__version__), (
+        f"docs/zoo.md has no current sweep of transformers {transformers.__version__}: run python docs/zoo_table.py")
+
+
+def test_tp_refusals_name_a_fix_that_plans(rows):
+    """Each refused tp plan names a tp_plan that plans (the sweep applies them in turn), or ends at the refusal
+    that nothing can be sharded automatically, which names tp=1."""
+    refused = {family: row.fixed for family, row in rows.items() if row.tp.startswith("refused")}
+    assert refused and all(row.fixed for row in rows.values() if row.tp.startswith("refused"))
+    left = {family: fixed for family, fixed in refused.items()
+            if not fixed.endswith("%") and "can be sharded automatically" not in fixed}
+    assert left == {}, left
+
+
+def test_refusals_name_the_true_cause(rows):
+    """Zamba2's MLP holds low-rank adapters beside its fused gate|up projection; GPT-OSS's attention a sink per
+    head; the attention-free families (state-space, recurrent, Fourier) have no attention for cp to split."""
+    assert "has a linear model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.0.0 (64->128)" \
+           " beside its projections gate_up_proj, down_proj (a branch" in rows["zamba2"].tp, rows["zamba2"].tp
+    assert "has its own parameters sinks [4] that are neither" in rows["gpt_oss"].tp, rows["gpt_oss"].tp
+    for family in ("mamba", "mamba2", "falcon_mamba", "xlstm", "fnet"):
+        assert "holds no attention module" in rows[family].cp and "Use cp=1" in rows[family].cp, rows[family].cp
