@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_4d"
 OUTPUT = ROOT / "docs" / "packages.md"
 DIMENSIONS = ("data_parallel", "tensor_parallel", "context_parallel", "pipeline", "expert_parallel")
-COMPOSITION = ("lightning_4d.parallelize", "lightning_4d.strategy")
+COMPOSITION = ("lightning_4d.parallelize", "lightning_4d.block_units", "lightning_4d.strategy")
 
 
 def module_name(path: Path) -> str:

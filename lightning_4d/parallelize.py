@@ -58,6 +58,8 @@ from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
                                                    disable_kv_caches)
+from lightning_4d.block_units import (blocks_to_compile, fsdp_blocks, gradient_hooked, held_blocks,
+                                      modules_around_blocks, shared_params, units_around_blocks)
 from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
@@ -68,8 +70,9 @@ from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, Resh
                                         apply_sharding, gathered)
 from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
-from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner, find_blocks
+from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner
 from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
+from lightning_4d.weight_agreement import agreed_seed, broadcast_from_rank0
 from lightning_4d.tensor_parallel import (
     TensorParallelConfig,
     TensorParallelPlan,
@@ -167,7 +170,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     if meta:  # on the whole module, before any collective: the same refusal on every rank
         check_initializers(module, loading)
     if not loading:
-        _broadcast_from_rank0(module, device)
+        broadcast_from_rank0(module, device)
     runner = PipelineRunner(module, plans.pipeline, mesh, device) if plans.pipeline is not None else None
     if meta:
         move_real_tensors(module, device)
@@ -189,33 +192,33 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         rank_zero_warn(f"compile=True, but the blocks run eagerly: {parallel.eager_reason}")
         compile = CompileConfig()
     if compile.enabled and not compile_outside:
-        parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
+        parallel.compiled = apply_compile(blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if activation_checkpointing.enabled:
         cached = disable_kv_caches(module)
         if cached:
             rank_zero_info(f"activation_checkpointing={activation_checkpointing.mode!r}: config.use_cache=False on"
                            f" {', '.join(cached)} (a recomputed layer would add its keys and values to the cache again).")
         parallel.checkpointed_blocks = apply_activation_checkpointing(
-            _held_blocks(module, plans.pipeline, pipeline), activation_checkpointing,
+            held_blocks(module, plans.pipeline, pipeline), activation_checkpointing,
             parallel.recompute_context if mesh.dims.cp_enabled else None)
     if compile.enabled and compile_outside:
-        parallel.compiled = apply_compile(_blocks_to_compile(module, plans.pipeline, pipeline), compile)
+        parallel.compiled = apply_compile(blocks_to_compile(module, plans.pipeline, pipeline), compile)
     if mesh.dims.dp_shard_enabled:
-        parallel.replicated_params = _gradient_hooked(module, parallel.tensor_plan)
+        parallel.replicated_params = gradient_hooked(module, parallel.tensor_plan)
         outside, around = None, []
         if runner is not None:
-            outside, kept = _units_around_blocks(module, runner.split.path, runner.split.ends())
+            outside, kept = units_around_blocks(module, runner.split.path, runner.split.ends())
             parallel.replicated_params += [p for p in kept if all(p is not q for q in parallel.replicated_params)]
         elif shard_units == "modules":
-            around = _modules_around_blocks(module, pipeline)
-        parallel.sharded = apply_sharding(module, _shard_units(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
+            around = modules_around_blocks(module, pipeline)
+        parallel.sharded = apply_sharding(module, fsdp_blocks(module, plans.pipeline, pipeline), mesh.sharding_mesh(),
                                           reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                                           ignored_params={*parallel.replicated_params, *parallel.expert_params},
                                           outside=outside, every_batch=reduce_scatter_every_batch, around=around,
-                                          skip=_shared_params(module))
+                                          skip=shared_params(module))
     if meta:  # every placement is decided: allocate what this rank holds, then fill it
         owners = materialize(module, device)
-        initialize(module, owners, device, _agreed_seed(device), loading=loading)
+        initialize(module, owners, device, agreed_seed(device), loading=loading)
     if runner is not None:
         runner.hook_boundaries()
     from torchmetrics import Metric
@@ -230,144 +233,6 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                            f" {type(module).__name__}: a bug, please report it with this message.")
     module.__dict__[_ATTRIBUTE] = parallel
     return parallel
-
-
-def _held_blocks(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig,
-                 feature: str = "activation_checkpointing") -> list[tuple[int, nn.Module]]:
-    """The blocks this rank holds, with their position in the whole model's block list. ``feature``: the
-    option that needs them, named in the error (with the value that turns it off) when there are none."""
-    if plan is not None:
-        container = module.get_submodule(plan.path)
-        return [(plan.blocks.index(name), block) for name, block in container.named_children()]
-    try:
-        _, container = find_blocks(module, config.blocks)
-    except ValueError as error:
-        off = {"activation_checkpointing": "'none'", "compile": "False"}[feature]
-        raise ValueError(f"{feature} works on the module's blocks, but {error} Or use {feature}={off}.") from None
-    return list(enumerate(container.children()))
-
-
-def _blocks_to_compile(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[nn.Module]:
-    return [block for _, block in _held_blocks(module, plan, config, "compile")]
-
-
-def _shard_units(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[nn.Module]:
-    """The blocks FSDP makes one unit each; none (the module is one unit) if it has no block list."""
-    try:
-        return [block for _, block in _held_blocks(module, plan, config)]
-    except ValueError:
-        return []
-
-
-def _units_around_blocks(module: nn.Module, path: str,
-                         ends: list[nn.Parameter]) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """Under pipelining: the modules around the block list at ``path`` that become FSDP units of their own (each
-    child of a module above the blocks that holds parameters), and the parameters that stay replicated: those
-    held directly by a module above the blocks, those two units would share, and ``ends`` (weights kept by the
-    first and the last stage, whose gradients the pipeline sums over both)."""
-    above = [module]
-    for name in path.split(".")[:-1]:
-        above.append(getattr(above[-1], name))
-    on_path = {id(m) for m in above} | {id(module.get_submodule(path))}
-    kept = [p for m in above for p in m.parameters(recurse=False)]
-    candidates = [child for m in above for child in m.children()
-                  if id(child) not in on_path and any(True for _ in child.parameters())]
-    owners: dict[int, int] = {}
-    for child in candidates:
-        for p in child.parameters():
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    ends_ids = {id(p) for p in ends}
-    kept += [p for child in candidates for p in child.parameters() if owners[id(p)] > 1 or id(p) in ends_ids]
-    kept = list({id(p): p for p in kept}.values())
-    kept_ids = {id(p) for p in kept}
-    units = [child for child in candidates if any(id(p) not in kept_ids for p in child.parameters())]
-    return units, kept
-
-
-def _modules_around_blocks(module: nn.Module, config: PipelineConfig) -> list[nn.Module]:
-    """``shard_units="modules"``: the modules around the block list that become FSDP units of their own, those
-    of :func:`_units_around_blocks` that hold no parameter another module holds too (a tied embedding and head
-    stay in the root unit, which gathers them once for both)."""
-    try:
-        path, _ = find_blocks(module, config.blocks)
-    except ValueError:
-        return []
-    units, kept = _units_around_blocks(module, path, [])
-    kept_ids = {id(p) for p in kept}
-    return [unit for unit in units if all(id(p) not in kept_ids for p in unit.parameters())]
-
-
-def _shared_params(module: nn.Module) -> frozenset[int]:
-    """Ids of the parameters registered in more than one place."""
-    seen: dict[int, int] = {}
-    for _, param in module.named_parameters(remove_duplicate=False):
-        seen[id(param)] = seen.get(id(param), 0) + 1
-    return frozenset(key for key, count in seen.items() if count > 1)
-
-
-def _gradient_hooked(module: nn.Module, plan: Optional[TensorParallelPlan]) -> list[nn.Parameter]:
-    """Parameters whose gradients tensor parallelism sums over tp with a hook on the parameter (per-head norms,
-    key/value projections kept whole when there are fewer key/value heads than tp ranks, or the fused
-    projection holding such k and v rows):
-    FSDP would replace the parameter and lose the hook, so they stay out of FSDP, replicated, and the gradient
-    buckets average them over ``dp x cp``."""
-    if plan is None:
-        return []
-    return [param for fqn, region in plan.regions.items()
-            for name in region.tp_summed
-            for param in module.get_submodule(fqn).get_submodule(name).parameters()]
-
-
-# The most bytes a bucket of whole-built weights copies at once while rank 0's are broadcast: bounded, so that
-# agreeing on one set of weights costs at most this much memory beyond the model, not a second copy of it; big
-# enough that a bucket of small tensors (norms, biases) is one collective, not hundreds. A tensor bigger than a
-# bucket that is contiguous on the device is broadcast in place, without any copy.
-BROADCAST_BUCKET_BYTES = 64 * 2**20
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(module: nn.Module, device: torch.device,
-                          bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Rank 0's parameters and buffers on every rank, in buckets of at most ``bucket_bytes`` per dtype (DTensors
-    were placed by a parallelization that already happened, meta tensors hold no values)."""
-    pending: dict[torch.dtype, tuple[list[Tensor], int]] = {}
-
-    def send(tensors: list[Tensor]) -> None:
-        if len(tensors) == 1 and tensors[0].device == device and tensors[0].is_contiguous():
-            dist.broadcast(tensors[0], src=0)
-            return
-        flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
-        dist.broadcast(flat, src=0)
-        for t, value in zip(tensors, flat.split([t.numel() for t in tensors])):
-            t.copy_(value.view_as(t))
-
-    seen: set[int] = set()
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.device.type == "meta" or isinstance(tensor, DTensor) or id(tensor) in seen or not tensor.numel():
-            continue
-        seen.add(id(tensor))
-        size = tensor.numel() * tensor.element_size()
-        bucket, used = pending.pop(tensor.dtype, ([], 0))
-        if bucket and used + size > bucket_bytes:
-            send(bucket)
-            bucket, used = [], 0
-        if size > bucket_bytes:
-            send([tensor])
-        else:
-            bucket, used = bucket + [tensor], used + size
-        if bucket:
-            pending[tensor.dtype] = (bucket, used)
-    for bucket, _ in pending.values():
-        if bucket:
-            send(bucket)
-
-
-def _agreed_seed(device: torch.device) -> int:
-    """Rank 0's seed (``seed_everything``'s, or torch's default), the same on every rank: the base of a
-    meta-built module's initialization (:mod:`lightning_4d.materialize`)."""
-    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
-    dist.broadcast(seed, src=0)
-    return int(seed.item())
 
 
 class ParallelModel:

@@ -193,7 +193,7 @@ def test_plan_ranks_fitting_layouts_by_communication():
 def test_setup_peak_of_a_whole_and_a_meta_build():
     """Whole-built: every rank holds the whole model and at most one broadcast bucket. Meta-built (or init_from):
     the rank's share and the largest tensor, the one being filled."""
-    from lightning_4d.parallelize import BROADCAST_BUCKET_BYTES as runtime_bucket
+    from lightning_4d.weight_agreement import BROADCAST_BUCKET_BYTES as runtime_bucket
     from lightning_4d.planner.estimate import BROADCAST_BUCKET_BYTES
 
     assert BROADCAST_BUCKET_BYTES == runtime_bucket

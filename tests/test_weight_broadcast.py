@@ -1,6 +1,6 @@
 """Agreeing on rank 0's weights for a whole-built module: bounded buckets, not one flat copy of the model.
 
-Two ranks start with different weights of three dtypes; after ``_broadcast_from_rank0`` with 256-byte buckets
+Two ranks start with different weights of three dtypes; after ``weight_agreement.broadcast_from_rank0`` with 256-byte buckets
 rank 1 holds rank 0's values exactly, no broadcast message exceeds a bucket except a tensor bigger than one
 (sent alone, in place: the parameter itself), and tensors of different dtypes never share a message.
 """
@@ -25,7 +25,7 @@ def _module(rank: int) -> nn.Module:
 
 
 def _worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
-    from lightning_4d import parallelize
+    from lightning_4d import weight_agreement
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -40,7 +40,7 @@ def _worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
 
         dist.broadcast = recording
         try:
-            parallelize._broadcast_from_rank0(module, torch.device("cpu"), bucket_bytes=BUCKET)
+            weight_agreement.broadcast_from_rank0(module, torch.device("cpu"), bucket_bytes=BUCKET)
         finally:
             dist.broadcast = broadcast
         state = {k: v.tolist() for k, v in module.state_dict().items()}
