@@ -104,6 +104,7 @@ FOUR = [
     Case("mixtral_ep2_dp_shard2_hsdp", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **MIXTRAL),
     Case("qwen_ep2_tp2", strategy={"ep": 2, "tp": 2, **STRICT}, callbacks=PROBE, **{**QWEN, "trainer": CLIP}),
     Case("mixtral_aux_ep2_tp2", strategy={"ep": 2, "tp": 2}, callbacks=PROBE, **MIXTRAL_AUX),
+    Case("hand_ep2_tp2", strategy={"ep": 2, "tp": 2, **STRICT}, callbacks=PROBE, **{**HAND, "trainer": CLIP}),
 ]
 ALL = {case.name: case for case in TWO + FOUR}
 
@@ -195,7 +196,8 @@ def test_tp2_shards_most_of_the_moe_body(model):
                                         ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4),
                                         ("qwen_ep2_pp2", 2), ("qwen3_ep2", 2), ("qwen3_tp2", 2),
                                         ("deepseek_v3_ep2", 2), ("hand_ep2", 2), ("hand_ep2_dp_shard2", 2),
-                                        ("hand_ep4", 4), ("hand_ep2_dp2", 2), ("hand_ep2_pp2", 2)])
+                                        ("hand_ep4", 4), ("hand_ep2_dp2", 2), ("hand_ep2_pp2", 2),
+                                        ("hand_ep2_tp2", 4)])
 def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
     extras = {**two[0], **four[0]}[name]["extras"]
     assert extras["expert_local"], name
@@ -228,8 +230,7 @@ def test_ep_refusals_name_the_fix():
     check_ep_model(HandMoELM(), 2)  # the common form: softmax router, top-k, renormalized weighted sum
     with pytest.raises(ValueError, match=r"ep=2: the routing of layers.0.moe \(SigmoidMoE\) cannot be reached.*Fix"):
         check_ep_model(HandMoELM(sigmoid=True), 2)
-    with pytest.raises(ValueError, match=r"ep=2 with tp=2: the hand-written experts of layers.0.moe.*Use tp=1"):
-        check_ep_model(HandMoELM(), 2, tp=2)
+    check_ep_model(HandMoELM(), 2, tp=2)  # its experts keep tp's slices (tests hand_ep2_tp2)
     with pytest.raises(ValueError, match=r"ep=4 must divide dp x cp = 2 x 1 = 2.*never from tp or pp"):
         ParallelDims.resolve(4, tp=2, ep=4)
     with pytest.raises(ValueError, match=r"ep=0 is not a valid size"):
