@@ -88,6 +88,7 @@ TWO = [
     Case("qwen_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **RESHARD),
     Case("qwen_ep2_to_ep1", strategy={}, resume_from=_saved(), **RESHARD),
     Case("hand_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **HAND_RESHARD),
+    Case("hand_ep2_to_ep1", strategy={}, resume_from=_saved("hand_ep2_saved"), **HAND_RESHARD),
 ]
 FOUR = [
     Case("qwen_ep2_to_ep4", strategy={"ep": 4}, resume_from=_saved(), **RESHARD),
@@ -151,7 +152,7 @@ def _assert_parity(name: str, got: dict) -> None:
     assert_parity(case, expected, got)
 
 
-RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4", "hand_ep2_to_ep4")
+RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4", "hand_ep2_to_ep4", "hand_ep2_to_ep1")
 
 
 @pytest.mark.parametrize("name", [c.name for c in TWO if c.name not in RESUMED])
@@ -175,13 +176,25 @@ def test_an_ep2_checkpoint_resumes_at_ep1_ep4_and_in_one_process_as_one_process_
         assert_parity(replace(one, name=name), expected, records[name])
 
 
-def test_a_hand_written_ep2_checkpoint_resumes_at_ep4(two, four):
-    """The stacked experts of a hand-written MoE reshard like any DTensor; their checkpoint keys are the
-    ModuleList's (``experts.3.gate_proj.weight``)."""
+def test_a_hand_written_ep2_checkpoint_resumes_at_ep1_ep4_and_in_one_process(two, four):
+    """The stacked experts of a hand-written MoE reshard like any DTensor; their checkpoint keys, weights and
+    optimizer state (momentum) alike, are the ModuleList's (``experts.3.gate_proj.weight``), what one process
+    saves, so that ep=1 and one process resume them."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(_saved("hand_ep2_saved")).read_metadata().state_dict_metadata
+    experts = {key for key in stored if key.startswith("optimizer_0.state.layers.0.moe.experts.")}
+    assert experts == {f"optimizer_0.state.layers.0.moe.experts.{index}.{name}.weight.momentum_buffer"
+                       for index in range(4) for name in ("gate_proj", "up_proj", "down_proj")}, sorted(experts)
     records = {**two[0], **four[0]}
     assert_exact_resume(records["hand_ep2_saved"])
-    assert_parity(ALL["hand_ep2_to_ep4"], after_step(reference(ALL["hand_ep2_saved"]), SAVE),
-                  records["hand_ep2_to_ep4"])
+    expected = after_step(reference(ALL["hand_ep2_saved"]), SAVE)
+    one = replace(ALL["hand_ep2_saved"], name="hand_ep2_to_one", strategy={}, resume_at=None,
+                  resume_from=_saved("hand_ep2_saved"))
+    records["hand_ep2_to_one"] = train(one, distributed=True)  # FourDStrategy on one device
+    for name in ("hand_ep2_to_ep1", "hand_ep2_to_ep4", "hand_ep2_to_one"):
+        report_difference(ALL["hand_ep2_saved"], expected, records[name])
+        assert_parity(replace(one, name=name), expected, records[name])
 
 
 @pytest.mark.parametrize("model", [HFMoELM("qwen2_moe"), HFMoELM("mixtral"), HandMoELM()],
