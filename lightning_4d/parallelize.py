@@ -64,7 +64,7 @@ from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
-from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model
+from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model, replaced_expert_lists
 from lightning_4d.experts import global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
                                         apply_sharding, gathered)
@@ -184,6 +184,13 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
     if mesh.dims.ep_enabled:  # after tp, before compile, checkpointing and FSDP: experts split over ep
         parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts)
+        replaced = replaced_expert_lists(module)
+        if parallel._self_check is not None and replaced:  # tp's copies of hand-written experts ep replaced
+            targets = parallel._self_check.targets
+            for fqn in [fqn for fqn in targets if any(fqn.startswith(r + ".") for r in replaced)]:
+                del targets[fqn]
+            if not targets:
+                parallel._self_check = None
     parallel.install_hooks()
     # The checkpoint goes inside the compiled block (torch traces it), except under context parallelism (see 7.).
     compile_outside = not mesh.dims.cp_enabled

@@ -88,6 +88,7 @@ TWO = [
     Case("qwen_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **RESHARD),
     Case("qwen_ep2_to_ep1", strategy={}, resume_from=_saved(), **RESHARD),
     Case("hand_ep2_saved", strategy={"ep": 2}, resume_at=SAVE, **HAND_RESHARD),
+    Case("hand_ep2_to_ep1", strategy={}, resume_from=_saved("hand_ep2_saved"), **HAND_RESHARD),
 ]
 FOUR = [
     Case("qwen_ep2_to_ep4", strategy={"ep": 4}, resume_from=_saved(), **RESHARD),
@@ -104,6 +105,7 @@ FOUR = [
     Case("mixtral_ep2_dp_shard2_hsdp", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **MIXTRAL),
     Case("qwen_ep2_tp2", strategy={"ep": 2, "tp": 2, **STRICT}, callbacks=PROBE, **{**QWEN, "trainer": CLIP}),
     Case("mixtral_aux_ep2_tp2", strategy={"ep": 2, "tp": 2}, callbacks=PROBE, **MIXTRAL_AUX),
+    Case("hand_ep2_tp2", strategy={"ep": 2, "tp": 2, **STRICT}, callbacks=PROBE, **{**HAND, "trainer": CLIP}),
 ]
 ALL = {case.name: case for case in TWO + FOUR}
 
@@ -150,7 +152,7 @@ def _assert_parity(name: str, got: dict) -> None:
     assert_parity(case, expected, got)
 
 
-RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4", "hand_ep2_to_ep4")
+RESUMED = ("qwen_ep2_to_ep1", "qwen_ep2_to_ep4", "hand_ep2_to_ep4", "hand_ep2_to_ep1")
 
 
 @pytest.mark.parametrize("name", [c.name for c in TWO if c.name not in RESUMED])
@@ -174,13 +176,25 @@ def test_an_ep2_checkpoint_resumes_at_ep1_ep4_and_in_one_process_as_one_process_
         assert_parity(replace(one, name=name), expected, records[name])
 
 
-def test_a_hand_written_ep2_checkpoint_resumes_at_ep4(two, four):
-    """The stacked experts of a hand-written MoE reshard like any DTensor; their checkpoint keys are the
-    ModuleList's (``experts.3.gate_proj.weight``)."""
+def test_a_hand_written_ep2_checkpoint_resumes_at_ep1_ep4_and_in_one_process(two, four):
+    """The stacked experts of a hand-written MoE reshard like any DTensor; their checkpoint keys, weights and
+    optimizer state (momentum) alike, are the ModuleList's (``experts.3.gate_proj.weight``), what one process
+    saves, so that ep=1 and one process resume them."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(_saved("hand_ep2_saved")).read_metadata().state_dict_metadata
+    experts = {key for key in stored if key.startswith("optimizer_0.state.layers.0.moe.experts.")}
+    assert experts == {f"optimizer_0.state.layers.0.moe.experts.{index}.{name}.weight.momentum_buffer"
+                       for index in range(4) for name in ("gate_proj", "up_proj", "down_proj")}, sorted(experts)
     records = {**two[0], **four[0]}
     assert_exact_resume(records["hand_ep2_saved"])
-    assert_parity(ALL["hand_ep2_to_ep4"], after_step(reference(ALL["hand_ep2_saved"]), SAVE),
-                  records["hand_ep2_to_ep4"])
+    expected = after_step(reference(ALL["hand_ep2_saved"]), SAVE)
+    one = replace(ALL["hand_ep2_saved"], name="hand_ep2_to_one", strategy={}, resume_at=None,
+                  resume_from=_saved("hand_ep2_saved"))
+    records["hand_ep2_to_one"] = train(one, distributed=True)  # FourDStrategy on one device
+    for name in ("hand_ep2_to_ep1", "hand_ep2_to_ep4", "hand_ep2_to_one"):
+        report_difference(ALL["hand_ep2_saved"], expected, records[name])
+        assert_parity(replace(one, name=name), expected, records[name])
 
 
 @pytest.mark.parametrize("model", [HFMoELM("qwen2_moe"), HFMoELM("mixtral"), HandMoELM()],
@@ -195,7 +209,8 @@ def test_tp2_shards_most_of_the_moe_body(model):
                                         ("qwen_ep2_dp2", 2), ("mixtral_ep2_dp_shard2_hsdp", 2), ("qwen_ep2_tp2", 4),
                                         ("qwen_ep2_pp2", 2), ("qwen3_ep2", 2), ("qwen3_tp2", 2),
                                         ("deepseek_v3_ep2", 2), ("hand_ep2", 2), ("hand_ep2_dp_shard2", 2),
-                                        ("hand_ep4", 4), ("hand_ep2_dp2", 2), ("hand_ep2_pp2", 2)])
+                                        ("hand_ep4", 4), ("hand_ep2_dp2", 2), ("hand_ep2_pp2", 2),
+                                        ("hand_ep2_tp2", 4)])
 def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
     extras = {**two[0], **four[0]}[name]["extras"]
     assert extras["expert_local"], name
@@ -228,8 +243,7 @@ def test_ep_refusals_name_the_fix():
     check_ep_model(HandMoELM(), 2)  # the common form: softmax router, top-k, renormalized weighted sum
     with pytest.raises(ValueError, match=r"ep=2: the routing of layers.0.moe \(SigmoidMoE\) cannot be reached.*Fix"):
         check_ep_model(HandMoELM(sigmoid=True), 2)
-    with pytest.raises(ValueError, match=r"ep=2 with tp=2: the hand-written experts of layers.0.moe.*Use tp=1"):
-        check_ep_model(HandMoELM(), 2, tp=2)
+    check_ep_model(HandMoELM(), 2, tp=2)  # its experts keep tp's slices (tests hand_ep2_tp2)
     with pytest.raises(ValueError, match=r"ep=4 must divide dp x cp = 2 x 1 = 2.*never from tp or pp"):
         ParallelDims.resolve(4, tp=2, ep=4)
     with pytest.raises(ValueError, match=r"ep=0 is not a valid size"):

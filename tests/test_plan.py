@@ -404,3 +404,41 @@ def test_memory_estimate_is_within_20_percent_of_the_measured_peak(measured_peak
     print("\n".join(lines))
     assert len(errors) >= 5
     assert all(abs(error) <= 0.2 for error in errors.values()), "\n".join(lines)
+
+
+def test_cli_ranks_expert_parallel_layouts(capsys):
+    """--experts (sizes) or an MoE --module: every (layout, ep) pair FourDStrategy accepts, ranked by model state per
+    rank then all-to-all bytes; the figures are the planner's expert_estimate (checked against runs in
+    tests/test_expert_parallel.py)."""
+    from lightning_4d.planner import MoESizes, expert_estimate
+    from tests.moe_models import HFMoELM
+
+    common = ["--seq", "16", "--global-batch", "8"]
+    assert main(["--devices", "2", "--module", "tests.moe_models:HFMoELM", "--init-args", '{"kind": "mixtral"}',
+                 *common, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    sizes = MoESizes.from_module(HFMoELM("mixtral"))
+    assert report["moe"]["expert_params"] == sizes.expert_params == 12288
+    rows = report["expert_layouts"]
+    pairs = {(tuple(r["layout"][f] for f in ("dp", "dp_shard", "pp", "cp", "tp")), r["ep"]) for r in rows}
+    assert pairs == {((2, 1, 1, 1, 1), 1), ((2, 1, 1, 1, 1), 2), ((1, 2, 1, 1, 1), 1), ((1, 2, 1, 1, 1), 2),
+                     ((1, 1, 1, 2, 1), 1), ((1, 1, 1, 2, 1), 2), ((1, 1, 2, 1, 1), 1), ((1, 1, 1, 1, 2), 1)}
+    states = [r["model_state_bytes"] for r in rows]
+    assert states == sorted(states)
+    ep2_dp2 = next(r for r in rows if r["ep"] == 2 and r["layout"]["dp"] == 2)
+    assert ep2_dp2["expert_params"] == sizes.expert_params / 2
+    assert ep2_dp2["all_to_all_bytes"] == expert_estimate(sizes, 2, 8 // 2 * 16)["all_to_all_bytes"] > 0
+    assert all(r["all_to_all_bytes"] == 0 for r in rows if r["ep"] == 1)
+
+    sizes_args = ["--layers", "2", "--hidden", "512", "--heads", "8", "--vocab", "256", *common]
+    assert main(["--devices", "4", *sizes_args, "--experts", "8", "--expert-ffn", "1024", "--ep", "4"]) == 0
+    table = capsys.readouterr().out
+    assert "2 MoE layers of 8 experts (hidden 512, inner 1024, top-2), 25.2M expert parameters" in table
+    assert "all-to-all/step" in table and "6.29M" in table  # 25.2M experts over ep=4
+    with pytest.raises(SystemExit):
+        main(["--devices", "2", *sizes_args, "--experts", "8", "--ep", "3"])
+    assert "no layout takes ep in [3]: ep must divide the 8 experts per layer and the layout's dp x cp" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--devices", "2", *sizes_args, "--ep", "2"])
+    assert "--ep needs the experts: pass --experts N" in capsys.readouterr().err

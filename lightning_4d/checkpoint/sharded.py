@@ -82,8 +82,52 @@ _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def optimizer_state(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state, one entry per parameter name and state (see ``_FLAT_OPTIMIZER``)."""
-    return get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
+    """This rank's optimizer state, one entry per parameter name and state (see ``_FLAT_OPTIMIZER``), under
+    the module's own names: a parameter held stacked for several of the module's (expert parallelism's
+    hand-written experts, ``experts.gate_proj__weight``) gives one whole entry per original name
+    (``experts.3.gate_proj.weight``), as one process saves them, so that any layout resumes any other."""
+    flat = get_optimizer_state_dict(model, optimizer, options=_FLAT_OPTIMIZER)
+    for name, (param, names) in _stacked_parameters(model).items():
+        for key in [k for k in flat if k.startswith((f"state.{name}.", f"param_groups.{name}."))]:
+            value = flat.pop(key)
+            kind, suffix = key.split(".", 1)[0], key[len(key.split(".", 1)[0]) + len(name) + 2:]
+            split = kind == "state" and isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape)
+            whole = value.full_tensor() if isinstance(value, DTensor) else value
+            for index, own in enumerate(names):
+                flat[f"{kind}.{own}.{suffix}"] = whole[index].clone() if split else whole
+    return flat
+
+
+def _stacked_parameters(model: nn.Module) -> dict[str, tuple[nn.Parameter, list[str]]]:
+    """Parameters that hold several of the module's own, stacked on dim 0: full name -> (parameter, the module's
+    full names of its parts), from every submodule that says so (a ``module_keys()`` method)."""
+    found = {}
+    for fqn, m in model.named_modules():
+        keys = getattr(m, "module_keys", None)
+        if callable(keys):
+            prefix = f"{fqn}." if fqn else ""
+            for name, names in keys().items():
+                found[prefix + name] = (m.get_parameter(name), [prefix + own for own in names])
+    return found
+
+
+def _restack_optimizer_state(model: nn.Module, flat: dict[str, Any]) -> dict[str, Any]:
+    """:func:`optimizer_state`'s renaming undone on loaded values: each stacked parameter's entries stacked
+    again and placed as the parameter is (this rank's part of a DTensor)."""
+    for name, (param, names) in _stacked_parameters(model).items():
+        for kind in ("state", "param_groups"):
+            first = f"{kind}.{names[0]}."
+            for suffix in [k[len(first):] for k in list(flat) if k.startswith(first)]:
+                values = [flat.pop(f"{kind}.{own}.{suffix}") for own in names]
+                value = values[0]
+                if kind == "state" and isinstance(value, torch.Tensor) and value.dim() and \
+                        (len(names), *value.shape) == tuple(param.shape):
+                    value = torch.stack(values)
+                    if isinstance(param, DTensor):
+                        value = distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                                  src_data_rank=None)
+                flat[f"{kind}.{name}.{suffix}"] = value
+    return flat
 
 
 def _barrier() -> None:
@@ -158,16 +202,18 @@ def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
         flat = optimizer_state(model, optimizer)
         # A parameter that never had a gradient has no optimizer state in the file; leave it without one.
         with_state = _names_with_state(stored, f"optimizer_{index}.state.")
+        stacked = _stacked_parameters(model)
         for name, param in model.named_parameters():
-            if name not in with_state and param in optimizer.state:
+            names = stacked[name][1] if name in stacked else [name]
+            if not any(own in with_state for own in names) and param in optimizer.state:
                 del optimizer.state[param]
-                for key in [k for k in flat if k.startswith(f"state.{name}.")]:
+                for key in [k for k in flat if k.startswith(tuple(f"state.{own}." for own in names))]:
                     del flat[key]
         state[f"optimizer_{index}"] = flat
     dcp.load(state, checkpoint_id=path)
     _set_model_state(model, state["state_dict"], state["state_dict"], strict)  # loaded in place: its keys are held's
     for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"],
+        set_optimizer_state_dict(model, optimizer, _restack_optimizer_state(model, state[f"optimizer_{index}"]),
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
 
 

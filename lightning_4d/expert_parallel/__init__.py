@@ -22,8 +22,8 @@ Modules: ``config`` (sizes and refusals before any collective), ``dispatch`` (th
 ``apply`` (the experts' weights split and their forward set).
 """
 
-from lightning_4d.expert_parallel.apply import apply_expert_parallel
+from lightning_4d.expert_parallel.apply import apply_expert_parallel, replaced_expert_lists
 from lightning_4d.expert_parallel.config import check_ep_layout, check_ep_model, check_ep_size
 from lightning_4d.expert_parallel.dispatch import AllToAllDispatch
 
-__all__ = ["AllToAllDispatch", "apply_expert_parallel", "check_ep_layout", "check_ep_model", "check_ep_size"]
+__all__ = ["AllToAllDispatch", "apply_expert_parallel", "check_ep_layout", "replaced_expert_lists", "check_ep_model", "check_ep_size"]

@@ -3,8 +3,8 @@ its forward set to dispatch tokens to them (:class:`~lightning_4d.experts.Expert
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,7 @@ def apply_expert_parallel(module: nn.Module,
         routed = check_expert_list(moe, found)
         if routed is None:  # the plan's check passed on the same weights: a bug
             raise RuntimeError(f"{fqn}: its routing no longer matches the form checked before set-up; please report.")
-        stacked = StackedExperts(moe.experts, ep_mesh)
+        stacked = StackedExperts(moe.experts, experts_mesh)
         moe.experts = stacked
         params += list(stacked.parameters())
         dispatch = AllToAllDispatch(ep_mesh.get_group(), ep, found.experts // ep)
@@ -74,22 +74,56 @@ def _routed_forward(moe: nn.Module, found: ExpertList, stacked: StackedExperts,
 class StackedExperts(nn.Module):
     """A hand-written ``nn.ModuleList`` of alike experts held as this rank's E/ep of them: each parameter of the
     expert class stacked over the experts (``[E, ...]``, a DTensor ``Shard(0)`` on the ep mesh; ``.`` in its name
-    becomes ``__``), run by the expert class's own forward (``torch.func.functional_call`` on a meta copy of the
-    first expert). State dicts keep the ``ModuleList``'s keys (``3.gate_proj.weight``), whole on every rank."""
+    becomes ``__``), run by the expert class's own forward (``torch.func.functional_call`` on the first expert,
+    whose own parameters are dropped). State dicts keep the ``ModuleList``'s keys (``3.gate_proj.weight``), whole
+    on every rank; :meth:`module_keys` gives the same names to optimizer state.
 
-    def __init__(self, experts: nn.ModuleList, ep_mesh: DeviceMesh) -> None:
+    Under tensor parallelism the experts arrive as MLP regions (each parameter a DTensor on the tp mesh, the
+    first expert's modules carrying tp's input/output hooks): each keeps its tp slice, stacked as
+    ``[Shard(0), Shard(d + 1)]`` on the ``(ep, ep_tp)`` mesh, and is handed to the expert's forward as the tp
+    DTensor it was, so tp's hooks reduce each expert's output as they did before ep."""
+
+    def __init__(self, experts: nn.ModuleList, experts_mesh: DeviceMesh) -> None:
         super().__init__()
+        ep_mesh = experts_mesh["ep"]
         template = experts[0]
         self.names = [name for name, _ in template.named_parameters()]
         self.count, self.ep = len(experts), ep_mesh.size()
-        object.__setattr__(self, "template", copy.deepcopy(template).to("meta"))  # not a child: no state
+        rank, local_count = ep_mesh.get_local_rank(), self.count // self.ep
+        self.tp_placements: dict[str, Any] = {}  # name -> (tp mesh, tp placement, whole per-expert shape)
         for name in self.names:
-            whole = torch.stack([expert.get_parameter(name).detach() for expert in experts])
-            sharded = distribute_tensor(whole, ep_mesh, [Shard(0)], src_data_rank=None)
+            first = template.get_parameter(name)
+            if isinstance(first, DTensor):  # tensor parallelism's slice of every expert: keep this rank's experts
+                (placement,) = first.placements
+                self.tp_placements[name] = (first.device_mesh, placement, first.shape, first.stride())
+                mine = torch.stack([experts[index].get_parameter(name).to_local().detach()
+                                    for index in range(rank * local_count, (rank + 1) * local_count)])
+                stacked_placement = Shard(placement.dim + 1) if isinstance(placement, Shard) else placement
+                sharded = DTensor.from_local(mine, experts_mesh["ep", "ep_tp"], [Shard(0), stacked_placement],
+                                             run_check=False, shape=(self.count, *first.shape),
+                                             stride=torch.empty(self.count, *first.shape, device="meta").stride())
+            else:
+                whole = torch.stack([expert.get_parameter(name).detach() for expert in experts])
+                sharded = distribute_tensor(whole, ep_mesh, [Shard(0)], src_data_rank=None)
             self.register_parameter(name.replace(".", "__"),
-                                    nn.Parameter(sharded, requires_grad=template.get_parameter(name).requires_grad))
+                                    nn.Parameter(sharded, requires_grad=first.requires_grad))
+        for name in self.names:  # the template keeps its code and hooks, not its weights (functional_call's)
+            owner, _, leaf = name.rpartition(".")
+            holder = template.get_submodule(owner)
+            holder.register_parameter(leaf, nn.Parameter(torch.empty(0, device="meta"), requires_grad=False))
+        object.__setattr__(self, "template", template)  # not a child: no state
         self.register_state_dict_post_hook(_to_expert_keys)
         self.register_load_state_dict_pre_hook(_from_expert_keys)
+
+    def module_keys(self) -> dict[str, list[str]]:
+        """Each stacked parameter's name (relative to this module) -> the ModuleList's names of its experts."""
+        return {name.replace(".", "__"): [f"{index}.{name}" for index in range(self.count)] for name in self.names}
+
+    def _as_expert(self, name: str, value: Tensor) -> Tensor:
+        if name not in self.tp_placements:
+            return value
+        mesh, placement, shape, stride = self.tp_placements[name]
+        return DTensor.from_local(value, mesh, [placement], run_check=False, shape=shape, stride=stride)
 
     def compute(self, tokens: Tensor, expert: Tensor) -> Tensor:
         """This rank's experts on the tokens it received (row ``i`` to local expert ``expert[i]``), unweighted."""
@@ -98,9 +132,15 @@ class StackedExperts(nn.Module):
         out = torch.zeros_like(tokens)
         for index in range(self.count // self.ep):
             rows = torch.where(expert == index)[0]
-            own = {name: value[index] for name, value in weights.items()}
+            own = {name: self._as_expert(name, value[index]) for name, value in weights.items()}
             out = out.index_add(0, rows, functional_call(self.template, own, (tokens[rows],)))
         return out
+
+
+def replaced_expert_lists(module: nn.Module) -> list[str]:
+    """The FQNs of the hand-written ``nn.ModuleList`` experts expert parallelism replaced (their modules, and
+    tensor parallelism's self-check copies of them, no longer run)."""
+    return [fqn for fqn, m in module.named_modules() if isinstance(m, StackedExperts)]
 
 
 def _to_expert_keys(module: StackedExperts, state_dict: dict, prefix: str, local_metadata: dict) -> None:

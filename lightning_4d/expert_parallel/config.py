@@ -19,10 +19,6 @@ def check_ep_model(module: nn.Module, ep: int, tp: int = 1) -> None:
     lists = find_expert_lists(module)
     counts = {fqn: (found.experts, found.cls) for fqn, found in {**fused, **lists}.items()}
     for fqn, found in lists.items():
-        if tp > 1:
-            raise ValueError(f"ep={ep} with tp={tp}: the hand-written experts of {fqn} ({found.cls}) are split whole"
-                             " over ep, which does not compose with tensor parallelism's per-expert MLP regions. Use"
-                             " tp=1 with ep, or ep=1 (tp alone shards each expert's intermediate size).")
         if check_expert_list(module.get_submodule(fqn), found) is None:
             raise ValueError(
                 f"ep={ep}: the routing of {fqn} ({found.cls}) cannot be reached: its forward does not compute what"

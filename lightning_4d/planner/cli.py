@@ -110,6 +110,12 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--vocab", type=int)
     model.add_argument("--tied", action="store_true", help="the head shares the embedding's weight")
     model.add_argument("--gated-mlp", action="store_true", help="SwiGLU-style MLP (gate, up and down projections)")
+    moe = parser.add_argument_group("mixture of experts (ranks ep layouts too; read from --module when it has them)")
+    moe.add_argument("--experts", type=int, help="routed experts per MoE layer (with sizes: every layer is MoE)")
+    moe.add_argument("--expert-ffn", type=int, help="each expert's intermediate size; default: --ffn-hidden")
+    moe.add_argument("--top-k", type=int, help="experts each token goes to (default 2; --module: its own)")
+    moe.add_argument("--ep", type=int, action="append",
+                     help="expert-parallel size to consider (repeatable); default: every ep that fits")
     train = parser.add_argument_group("training")
     train.add_argument("--seq", type=int, required=True, help="sequence length")
     train.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step, all replicas")
@@ -148,6 +154,41 @@ def _model_from_args(args: argparse.Namespace) -> Model:
                             tied=args.tied, params=args.params, gated_mlp=args.gated_mlp)
 
 
+def _moe_from_args(args: argparse.Namespace, model: Model) -> Any:
+    """The model's MoE sizes, or None when neither --experts, --ep nor an MoE --module asks for ep layouts."""
+    from lightning_4d.planner.experts import MoESizes, sizes_from_args
+
+    if args.module:
+        try:
+            return MoESizes.from_module(build_module(args.module, args.init_args), top_k=args.top_k)
+        except PlanError:
+            if args.ep or args.experts:
+                raise
+            return None
+    if args.experts is None:
+        if args.ep:
+            raise PlanError("--ep needs the experts: pass --experts N (and --expert-ffn, --top-k), or an MoE --module.")
+        return None
+    return sizes_from_args(model.layers, model.hidden, args.experts, args.expert_ffn or model.ffn_hidden,
+                           args.top_k or 2, model.params)
+
+
+def format_expert_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The ranked (layout, ep) pairs: expert and other parameters per rank, model state, all-to-all per step."""
+    header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "ep", "expert params", "other params", "state",
+              "all-to-all/step"]
+    lines = []
+    for rank, row in enumerate(rows, 1):
+        layout = row["layout"]
+        lines.append([str(rank), *(str(getattr(layout, d)) for d in ("dp", "dp_shard", "pp", "cp", "tp")),
+                      str(row["ep"]), f"{row['expert_params'] / 1e6:,.2f}M", f"{row['dense_params'] / 1e6:,.2f}M",
+                      _format_bytes(row["model_state_bytes"]), _format_bytes(row["all_to_all_bytes"])])
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    out = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *lines]]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the planner's command line; returns the exit status."""
     parser = _parser()
@@ -169,6 +210,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             activation_checkpointing=args.activation_checkpointing,
                             activation_checkpointing_every=args.activation_checkpointing_every)
         estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build)
+        moe = _moe_from_args(args, model)
+        experts = None
+        if moe is not None:
+            from lightning_4d.planner.experts import rank_expert_layouts
+
+            experts = rank_expert_layouts(moe, [est.layout for est in estimates], args.seq, args.global_batch,
+                                          args.precision, args.optimizer, args.ep)
     except PlanError as error:
         fail(parser, error)
     if args.top:
@@ -176,7 +224,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         print(json.dumps({"model": asdict(model), "params": model.params, "training": asdict(training),
                           "devices": args.devices, "memory_per_device": args.memory, "build": args.build,
-                          "layouts": [est.as_dict() for est in estimates]}, indent=2))
+                          "layouts": [est.as_dict() for est in estimates],
+                          **({"moe": asdict(moe), "expert_layouts": [
+                              {**row, "layout": asdict(row["layout"])} for row in experts[:args.top or None]]}
+                             if experts is not None else {})}, indent=2))
         return 0
     print(f"model: {model.params / 1e6:,.1f}M parameters, {model.layers} layers, hidden {model.hidden}, heads"
           f" {model.heads} (kv {model.kv_heads}), ffn {model.ffn_hidden}{' gated' if model.gated_mlp else ''},"
@@ -188,6 +239,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + "; memory = state + gathered + max(activations + pp grads, buckets); setup = peak while the model is"
             f" built ({args.build}); comm = bytes sent per device per step\n")
     print(format_table(estimates))
+    if experts is not None:
+        print(f"\nexpert parallelism: {moe.layers} MoE layers of {moe.experts} experts (hidden {moe.hidden}, inner"
+              f" {moe.inner}, top-{moe.top_k}), {moe.expert_params / 1e6:,.1f}M expert parameters; per rank, ranked"
+              " by model state (experts over ep x tp, the rest over tp x dp_shard), then all-to-all bytes sent per"
+              " step (balanced routing):")
+        print(format_expert_table(experts[:args.top or None]))
     with_cp = [est for est in estimates if est.layout.cp > 1]
     if with_cp:
         print("\ncontext-parallel exchange (bytes one device sends per attention layer and micro-batch, forward and"

@@ -77,10 +77,12 @@ class MoESizes:
 
 
 def expert_estimate(sizes: MoESizes, ep: int, tokens_per_rank: int, tp: int = 1, dp_shard: int = 1,
-                    precision: str = "32-true", optimizer: str = "adamw") -> dict[str, float]:
+                    precision: str = "32-true", optimizer: str = "adamw", pp: int = 1) -> dict[str, float]:
     """Per rank: parameters (experts, the rest), model-state bytes, and all-to-all bytes sent per step for
-    ``tokens_per_rank`` tokens per step (the rank's samples x sequence length / cp)."""
-    for name, value in (("ep", ep), ("tp", tp), ("dp_shard", dp_shard), ("tokens_per_rank", tokens_per_rank)):
+    ``tokens_per_rank`` tokens per step (the rank's samples x sequence length / cp); ``pp`` stages each hold
+    (about) 1/pp of the layers and of the rest."""
+    for name, value in (("ep", ep), ("tp", tp), ("dp_shard", dp_shard), ("tokens_per_rank", tokens_per_rank),
+                        ("pp", pp)):
         check_positive(name, value)
     if sizes.experts % ep:
         raise PlanError(f"ep={ep} does not divide the {sizes.experts} experts per layer.")
@@ -89,10 +91,43 @@ def expert_estimate(sizes: MoESizes, ep: int, tokens_per_rank: int, tp: int = 1,
                         f" one of {', '.join(OPTIMIZER_STATES)}.")
     pbytes, gbytes, e = PRECISIONS[precision]
     per_param = pbytes + gbytes + OPTIMIZER_STATES[optimizer] * pbytes
-    experts = sizes.expert_params / (ep * tp)
-    dense = sizes.dense_params / (tp * dp_shard)
+    experts = sizes.expert_params / (ep * tp * pp)
+    dense = sizes.dense_params / (tp * dp_shard * pp)
     remote = (ep - 1) / ep
     tokens = 4 * remote * sizes.top_k * tokens_per_rank * sizes.hidden * e
     counts = (ep - 1) * (sizes.experts // ep) * COUNT_BYTES  # forward only: the backward reuses them
     return {"expert_params": experts, "dense_params": dense, "model_state_bytes": (experts + dense) * per_param,
-            "all_to_all_bytes": sizes.layers * (tokens + counts)}
+            "all_to_all_bytes": sizes.layers / pp * (tokens + counts)}
+
+
+def sizes_from_args(layers: int, hidden: int, experts: int, inner: int, top_k: int, dense_params: int) -> MoESizes:
+    """An MoE described on the command line: ``layers`` MoE layers of ``experts`` gated experts (hidden, inner),
+    beside ``dense_params`` other parameters (the dense model the size options describe)."""
+    for name, value in (("--experts", experts), ("--expert-ffn", inner), ("--top-k", top_k), ("--layers", layers)):
+        check_positive(name, value)
+    if top_k > experts:
+        raise PlanError(f"--top-k {top_k} is more than --experts {experts}: each token goes to top_k of the experts.")
+    return MoESizes(layers, experts, hidden, inner, top_k, 3 * layers * experts * hidden * inner, dense_params)
+
+
+def rank_expert_layouts(sizes: MoESizes, layouts: list[Any], seq_len: int, global_batch: int,
+                        precision: str = "32-true", optimizer: str = "adamw",
+                        eps: Optional[list[int]] = None) -> list[dict[str, Any]]:
+    """Every (layout, ep) pair ``FourDStrategy`` accepts (ep divides the experts and the layout's ``dp x cp``,
+    from which it borrows its ranks), with :func:`expert_estimate`'s figures per rank, ranked by model state per
+    rank, then all-to-all bytes per step. ``eps``: only these ep sizes (default: every one that fits)."""
+    ranked = []
+    for layout in layouts:
+        borrowed = layout.data_parallel * layout.cp
+        tokens = global_batch // layout.data_parallel * seq_len // layout.cp
+        for ep in eps or range(1, borrowed + 1):
+            if borrowed % ep or sizes.experts % ep or tokens < 1:
+                continue
+            figures = expert_estimate(sizes, ep, tokens, tp=layout.tp, dp_shard=layout.dp_shard,
+                                      precision=precision, optimizer=optimizer, pp=layout.pp)
+            ranked.append({"layout": layout, "ep": ep, **figures})
+    if not ranked:
+        asked = f"ep in {eps}" if eps else "an ep"
+        raise PlanError(f"no layout takes {asked}: ep must divide the {sizes.experts} experts per layer and the"
+                        " layout's dp x cp (it borrows those ranks, never tp or pp).")
+    return sorted(ranked, key=lambda row: (row["model_state_bytes"], row["all_to_all_bytes"], str(row["layout"])))
