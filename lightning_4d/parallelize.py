@@ -65,7 +65,7 @@ from lightning_4d.materialize import check_initializers, has_meta_tensors, initi
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
 from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model, replaced_expert_lists
-from lightning_4d.experts import global_balancing_loss
+from lightning_4d.experts import find_expert_lists, global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
                                         apply_sharding, gathered)
 from lightning_4d.multihead_attention import MultiheadForwards
@@ -109,6 +109,13 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
                              f" {type(module).__name__}.automatic_optimization is False: the pipeline schedule runs"
                              " forward and backward of every micro-batch itself, so manual_backward cannot. Use"
                              " automatic optimization, or pp=1.")
+        routed = next((name for name, m in module.named_modules()
+                       if getattr(getattr(m, "config", None), "output_router_logits", False) is True), None)
+        if routed is not None:
+            raise ValueError(f"FourDStrategy(pp={mesh_dims.pp}) with {routed + '.' if routed else ''}config."
+                             "output_router_logits=True: the router's auxiliary loss combines every layer's router logits, which live on"
+                             " different pipeline stages. Use pp=1 (ep, dp, tp and cp keep the auxiliary loss exact),"
+                             " or set config.output_router_logits=False.")
     if mesh_dims.cp_enabled:
         check_attention_reachable(module, mesh_dims.cp)
     if mesh_dims.ep_enabled:
@@ -119,7 +126,24 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
         tensor_plan = plan_tensor_parallel(module, mesh_dims.tp, **tensor.plan_kwargs())
         if tensor_plan.enabled and tensor_plan.coverage is not None:
             tensor_plan.coverage.check(mesh_dims.tp, tensor.strict)
+        if mesh_dims.ep_enabled:
+            _check_stackable_experts(module, tensor_plan, mesh_dims.ep, mesh_dims.tp)
     return Plans(tensor_plan, pipeline_plan)
+
+
+def _check_stackable_experts(module: nn.Module, plan: TensorParallelPlan, ep: int, tp: int) -> None:
+    """Expert parallelism stacks a hand-written MoE's experts into one tensor per weight, with tensor parallelism's
+    slice of each; a fused gate|up projection whose rows tp permutes (and un-permutes in the state dict with hooks
+    on the expert's own module) would keep permuted rows in checkpoints once stacked: refused before any
+    collective."""
+    for moe in find_expert_lists(module).values():
+        fused = sorted(fqn for fqn, region in plan.regions.items()
+                       if fqn.startswith(f"{moe.fqn}.experts.") and region.fused is not None and region.fused.moves(tp))
+        if fused:
+            raise ValueError(f"ep={ep} with tp={tp}: the experts of {moe.fqn} ({moe.cls}) hold a fused projection"
+                             f" ({fused[0]}.{plan.regions[fused[0]].inputs[0]}) whose rows tensor parallelism"
+                             " reorders per rank, which stacked experts cannot keep. Fix: write the expert with separate"
+                             f" gate and up linears, or use tp=1 with ep={ep}, or ep=1 with tp={tp}.")
 
 
 def parallelized(module: nn.Module) -> Optional[ParallelModel]:

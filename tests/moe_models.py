@@ -31,14 +31,27 @@ class ExpertMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class FusedExpertMLP(nn.Module):
+    """An expert with one gate|up projection (Phi-3's form), whose rows tensor parallelism reorders per rank."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class MoE(nn.Module):
     """Softmax router, top-k, weights renormalized over the chosen experts; a loop over the experts."""
 
-    def __init__(self, hidden: int, inner: int, experts: int, top_k: int) -> None:
+    def __init__(self, hidden: int, inner: int, experts: int, top_k: int, fused: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(hidden, experts, bias=False)
-        self.experts = nn.ModuleList(ExpertMLP(hidden, inner) for _ in range(experts))
+        self.experts = nn.ModuleList((FusedExpertMLP if fused else ExpertMLP)(hidden, inner) for _ in range(experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -69,11 +82,12 @@ class SigmoidMoE(MoE):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, hidden: int, inner: int, experts: int, top_k: int, sigmoid: bool = False) -> None:
+    def __init__(self, hidden: int, inner: int, experts: int, top_k: int, sigmoid: bool = False,
+                 fused: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
         self.mix = nn.Linear(hidden, hidden, bias=False)  # a token-wise dense layer beside the experts
-        self.moe = (SigmoidMoE if sigmoid else MoE)(hidden, inner, experts, top_k)
+        self.moe = (SigmoidMoE if sigmoid else MoE)(hidden, inner, experts, top_k, fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(x)
@@ -82,10 +96,10 @@ class MoEBlock(nn.Module):
 
 class HandMoELM(_CausalLM):
     def __init__(self, vocab_size: int = VOCAB, hidden: int = 16, inner: int = 32, layers: int = 2,
-                 experts: int = 4, top_k: int = 2, sigmoid: bool = False) -> None:
+                 experts: int = 4, top_k: int = 2, sigmoid: bool = False, fused: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, hidden)
-        self.layers = nn.ModuleList(MoEBlock(hidden, inner, experts, top_k, sigmoid) for _ in range(layers))
+        self.layers = nn.ModuleList(MoEBlock(hidden, inner, experts, top_k, sigmoid, fused) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab_size, bias=False)
 
@@ -158,4 +172,4 @@ def adamw(module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=1e-2)
 
 
-__all__ = ["ExpertMLP", "HFMoELM", "HandMoELM", "MoE", "SigmoidMoE", "adamw", "hf_moe_config", "sgd"]
+__all__ = ["ExpertMLP", "FusedExpertMLP", "HFMoELM", "HandMoELM", "MoE", "SigmoidMoE", "adamw", "hf_moe_config", "sgd"]

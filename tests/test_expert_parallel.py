@@ -66,6 +66,8 @@ TWO = [
     Case("qwen_tp2", strategy={"tp": 2, **STRICT}, callbacks=PROBE, **QWEN),
     Case("mixtral_tp2", strategy={"tp": 2, **STRICT}, callbacks=PROBE, **MIXTRAL),
     Case("hand_tp2", strategy={"tp": 2, **STRICT}, **HAND),
+    # The fix named when ep x tp meets experts with a fused gate|up projection: tp alone (or ep alone).
+    Case("hand_fused_tp2", strategy={"tp": 2, **STRICT}, **{**HAND, "module_kwargs": {"fused": True}}),
     Case("qwen_ep2", strategy={"ep": 2}, callbacks=PROBE, **QWEN),
     Case("mixtral_ep2", strategy={"ep": 2}, callbacks=PROBE, **{**MIXTRAL, "trainer": CLIP}),
     Case("mixtral_ep2_batched_mm", strategy={"ep": 2}, callbacks=PROBE,
@@ -244,6 +246,22 @@ def test_ep_refusals_name_the_fix():
     with pytest.raises(ValueError, match=r"ep=2: the routing of layers.0.moe \(SigmoidMoE\) cannot be reached.*Fix"):
         check_ep_model(HandMoELM(sigmoid=True), 2)
     check_ep_model(HandMoELM(), 2, tp=2)  # its experts keep tp's slices (tests hand_ep2_tp2)
+    from lightning_4d.parallelize import make_plans
+    from lightning_4d.pipeline import PipelineConfig
+    from lightning_4d.tensor_parallel import TensorParallelConfig
+
+    with pytest.raises(ValueError, match=r"ep=2 with tp=2: the experts of layers.0.moe \(MoE\) hold a fused projection"
+                                         r" \(layers.0.moe.experts.0.gate_up_proj\).*Fix: write the expert with separate"
+                                         r" gate and up linears, or use tp=1 with ep=2, or ep=1 with tp=2"):
+        make_plans(HandMoELM(fused=True), ParallelDims.resolve(4, tp=2, ep=2), pipeline=PipelineConfig(1),
+                   tensor=TensorParallelConfig(2))
+    make_plans(HandMoELM(fused=True), ParallelDims.resolve(2, ep=2), pipeline=PipelineConfig(1),
+               tensor=TensorParallelConfig(1))  # ep alone keeps each expert whole (tp alone: hand_fused_tp2)
+    # The auxiliary loss under pp (its fixes: pp=1 in qwen_aux_ep2 / mixtral_aux_ep2_tp2, no aux in qwen_ep2_pp2).
+    with pytest.raises(ValueError, match=r"FourDStrategy\(pp=2\) with (model\.)?config.output_router_logits=True.*Use pp=1"
+                                         r" .*or set config.output_router_logits=False"):
+        make_plans(HFMoELM("qwen2_moe", router_aux=True), ParallelDims.resolve(2, pp=2), pipeline=PipelineConfig(2),
+                   tensor=TensorParallelConfig(1))
     with pytest.raises(ValueError, match=r"ep=4 must divide dp x cp = 2 x 1 = 2.*never from tp or pp"):
         ParallelDims.resolve(4, tp=2, ep=4)
     with pytest.raises(ValueError, match=r"ep=0 is not a valid size"):
