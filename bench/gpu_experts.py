@@ -43,7 +43,8 @@ def simulated(experts: torch.nn.Module, implementation: str, ep: int, hidden: to
         forward.local_experts = local
         forward.weights = lambda: {name: value[rank * local:(rank + 1) * local] for name, value in whole.items()}
         result = forward.compute(hidden[tokens], chosen[rows] - rank * local)
-        out = out.index_add(0, tokens, result * weights.reshape(-1)[rows, None])
+        weighted = result * weights.reshape(-1)[rows, None].to(result.dtype)  # as AllToAllDispatch combines
+        out = out.index_add(0, tokens, weighted.to(out.dtype))
     return out
 
 
