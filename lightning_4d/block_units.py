@@ -28,6 +28,7 @@ def held_blocks(module: nn.Module, plan: Optional[PipelinePlan], config: Pipelin
 
 
 def blocks_to_compile(module: nn.Module, plan: Optional[PipelinePlan], config: PipelineConfig) -> list[nn.Module]:
+    """The blocks ``compile=True`` compiles: those this rank holds."""
     return [block for _, block in held_blocks(module, plan, config, "compile")]
 
 
