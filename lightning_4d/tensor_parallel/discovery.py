@@ -81,6 +81,7 @@ _LATENT_ATTENTION_PRESETS = ((("q_b_proj", "q_proj"), "kv_a_proj_with_mqa", "kv_
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
+_MODEL_WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "d_model", "dim")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
 _KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "heads_per_kv")  # q heads per kv head
 _GROUP_ROWS_ATTRS = ("r_dim",)  # heads per group of a grouped fused projection: its q heads, k and v (torchtitan)
@@ -342,7 +343,10 @@ def _size_attributes(source: Any, region: Region) -> dict[str, int]:
     """Integer attributes holding this attention's global head counts or widths."""
     attrs = {n: v for n, v in _int_attrs(source, _HEAD_ATTRS).items() if v == region.heads}
     attrs.update({n: v for n, v in _int_attrs(source, _KV_HEAD_ATTRS).items() if v == region.kv_heads})
-    attrs.update({n: v for n, v in _int_attrs(source, _WIDTH_ATTRS).items() if v in (region.width, region.inner)})
+    # An attention that sees the hidden state whole (narrow off: BERT-style, MLA) keeps the model's width whole;
+    # only its own width (all_head_size, inner_dim) is divided.
+    widths = [n for n in _WIDTH_ATTRS if region.narrow or n not in _MODEL_WIDTH_ATTRS]
+    attrs.update({n: v for n, v in _int_attrs(source, widths).items() if v in (region.width, region.inner)})
     return attrs
 
 
