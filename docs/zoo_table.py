@@ -7,8 +7,8 @@ differs from what this writes, so the page cannot claim what the tests no longer
 
 Below the zoo, one section per transformers version holds the meta-device sweep of every causal-LM and
 masked-LM family (``tests/family_sweep.py``): running this script rewrites the installed version's section and
-keeps the others (the CI's two environments run two versions); ``tests/test_family_sweep.py`` fails when the
-installed version's section differs from the sweep.
+keeps the others (the CI's two environments run two versions: ``--sweep-only`` writes that section alone);
+``tests/test_family_sweep.py`` fails when the installed version's section differs from the sweep.
 """
 
 from __future__ import annotations
@@ -174,6 +174,9 @@ def write_sweep() -> str:
 
 
 if __name__ == "__main__":
+    if "--sweep-only" in sys.argv:  # the installed transformers' sweep section alone (CI's second environment)
+        print(f"wrote the sweep of transformers {write_sweep()} into {OUTPUT}")
+        sys.exit()
     _, sections = sweep_sections(OUTPUT.read_text()) if OUTPUT.exists() else ("", {})
     OUTPUT.write_text(render() + "".join("\n" + section for section in sections.values()))
     print(f"wrote {OUTPUT}; the sweep of transformers {write_sweep()}")
