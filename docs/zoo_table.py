@@ -112,7 +112,7 @@ def _share(row) -> str:
 
 def render_sweep(rows, version: str) -> str:
     """The sweep's section for one transformers version: a row per family, each refusal's message below."""
-    from tests.family_sweep import SKIPPED
+    from tests.family_sweep import skipped
 
     lines = [
         f"{SWEEP_HEADING}{version} (the meta-device sweep)", "",
@@ -156,7 +156,7 @@ def render_sweep(rows, version: str) -> str:
     lines += ["", "Refusals, each the first line of its message:", ""]
     lines += [f"{index}. {text}" for index, text in enumerate(refusals, 1)]
     lines += ["", "Left out of the sweep:", ""]
-    lines += [f"- **{family}**: {why}." for family, why in SKIPPED.items()]
+    lines += [f"- **{family}**: {why}." for family, why in skipped().items()]
     return "\n".join(lines) + "\n"
 
 

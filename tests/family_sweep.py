@@ -98,6 +98,14 @@ def _families() -> list[tuple[str, str, str]]:
     return sorted((f, k, c) for f, k, c in found if f not in SKIPPED)
 
 
+def skipped() -> dict[str, str]:
+    """The families of the installed transformers left out of the sweep, with the reason."""
+    from transformers.models.auto import modeling_auto as auto
+
+    offered = {*auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
+    return {family: why for family, why in SKIPPED.items() if family in offered}
+
+
 def _config(family: str, class_name: str):
     """The model class's own configuration, its defaults shrunk: sizes given to the constructor, so that what a
     configuration derives from them (layer types per layer, head sizes) agrees."""
