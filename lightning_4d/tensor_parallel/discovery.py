@@ -53,7 +53,8 @@ _FUSED_ATTENTION_PRESETS = (
 )
 # Fused q|k|v laid out head by head (head 0's q, k, v, then head 1's, ...): a contiguous column-wise shard
 # already holds whole heads, so nothing is permuted.
-_INTERLEAVED_ATTENTION_PRESETS = (("query_key_value", "dense"),)  # Hugging Face GPT-NeoX, Bloom
+_INTERLEAVED_ATTENTION_PRESETS = (("query_key_value", "dense"),)  # Hugging Face GPT-NeoX, Bloom (and Falcon-7B's
+# multi-query layout under the same names: every q head, then the one k and v head)
 # Fused q|k|v one level down, laid out by key/value group (each group's q heads, then its k and v): torchtitan
 # 0.3's GQAttention holds a FusedQKVLinear as qkv_linear, which views wqkv's output [groups, q_per_kv + 2, head_dim].
 _GROUPED_ATTENTION_PRESETS = (("qkv_linear.wqkv", "wo"),)
@@ -140,6 +141,9 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
             (width, total), (o_in, o_out) = linears[fused], linears[out]
             if total == 3 * o_in and o_out == width:
                 return _interleaved_region(fqn, module, fused, out, width, o_in, divide)
+            if (getattr(module, "multi_query", None) is True and not getattr(module, "new_decoder_architecture", True)
+                    and o_out == width and total > o_in and (total - o_in) % 2 == 0):  # Falcon-7B: q heads | k | v
+                return _attention_region(fqn, module, (fused,), out, width, o_in, (total - o_in) // 2, fused, divide)
     for fused, out in _FUSED_MLP_PRESETS:
         if fused in linears and out in linears:
             (width, total), (inner, o_out) = linears[fused], linears[out]
