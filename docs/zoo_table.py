@@ -7,8 +7,8 @@ differs from what this writes, so the page cannot claim what the tests no longer
 
 Below the zoo, one section per transformers version holds the meta-device sweep of every causal-LM and
 masked-LM family (``tests/family_sweep.py``): running this script rewrites the installed version's section and
-keeps the others (the CI's two environments run two versions); ``tests/test_family_sweep.py`` fails when the
-installed version's section differs from the sweep.
+keeps the others (the CI's two environments run two versions: ``--sweep-only`` writes that section alone);
+``tests/test_family_sweep.py`` fails when the installed version's section differs from the sweep.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _share(row) -> str:
 
 def render_sweep(rows, version: str) -> str:
     """The sweep's section for one transformers version: a row per family, each refusal's message below."""
-    from tests.family_sweep import SKIPPED
+    from tests.family_sweep import skipped
 
     lines = [
         f"{SWEEP_HEADING}{version} (the meta-device sweep)", "",
@@ -123,10 +123,11 @@ def render_sweep(rows, version: str) -> str:
         "embedding and LM head) the automatic plan shards, and after it the share inside the repeated blocks when",
         "that differs (at the shrunk size a position table or an embedding projection weighs far more than at",
         "the family's real size). *tp*: **planned** (>= 90% of the body sharded), **planned (blocks)** (>= 90%",
-        "of the blocks, under 90% of the body only at the shrunk size), **experts: see #30** (a",
-        "mixture-of-experts family: its experts are expert parallelism's) or **refused** (the planner's refusal,",
+        "of the blocks, under 90% of the body only at the shrunk size) or **refused** (the planner's refusal,",
         "or below 90% of the body: what `tp_strict=True` says; after a refusal, *fixed*: the share planned with the",
-        "`tp_plan` its refusals name); *cp=2*: context parallelism's check before any",
+        "`tp_plan` its refusals name); **(MoE)**: a mixture-of-experts family, whose fused experts tp shards on",
+        "their intermediate size (expert parallelism, `ep`, splits them instead: docs/expert_parallel.md);",
+        "*cp=2*: context parallelism's check before any",
         "collective; *pp=2*: the pipeline cut. These are plans, not training runs: the families trained at",
         "parity are the zoo's above and `tests/test_families.py`'s.", "",
         "| family | class | tp=2 shares | tp=2 | cp=2 | pp=2 |", "|---|---|---|---|---|---|",
@@ -143,20 +144,20 @@ def render_sweep(rows, version: str) -> str:
         if not row.model:
             lines.append(f"| {row.family} | not built | | {verdict('refused: ' + row.tp, '')} | | |")
             continue
-        if row.experts:
-            tp = verdict(row.tp, "experts: see #30")
-        elif row.strict and row.blocks.endswith("%") and int(row.blocks[:-1]) >= 90:
+        if row.strict and row.blocks.endswith("%") and int(row.blocks[:-1]) >= 90:
             tp = "planned (blocks)"
         else:
             tp = verdict(row.tp, verdict(row.strict, "planned"))
         if row.fixed:  # a refused plan: what the fixes its refusals name plan
             tp += f"; fixed: {row.fixed}" if row.fixed.endswith("%") else f"; then {verdict(row.fixed, '')}"
+        if row.experts:
+            tp += " (MoE)"
         lines.append(f"| {row.family} | `{row.model}` | {_share(row)} | {tp} | {verdict(row.cp, 'ok')} |"
                      f" {verdict(row.pp, 'ok')} |")
     lines += ["", "Refusals, each the first line of its message:", ""]
     lines += [f"{index}. {text}" for index, text in enumerate(refusals, 1)]
     lines += ["", "Left out of the sweep:", ""]
-    lines += [f"- **{family}**: {why}." for family, why in SKIPPED.items()]
+    lines += [f"- **{family}**: {why}." for family, why in skipped().items()]
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +175,9 @@ def write_sweep() -> str:
 
 
 if __name__ == "__main__":
+    if "--sweep-only" in sys.argv:  # the installed transformers' sweep section alone (CI's second environment)
+        print(f"wrote the sweep of transformers {write_sweep()} into {OUTPUT}")
+        sys.exit()
     _, sections = sweep_sections(OUTPUT.read_text()) if OUTPUT.exists() else ("", {})
     OUTPUT.write_text(render() + "".join("\n" + section for section in sections.values()))
     print(f"wrote {OUTPUT}; the sweep of transformers {write_sweep()}")

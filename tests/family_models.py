@@ -93,7 +93,8 @@ class T5Seq2Seq(_CausalLM):
 # Families the sweep (tests/family_sweep.py) flagged, each at a tiny size with dropout off: (class, config
 # class, sizes). Phi holds q/k/v with a ``dense`` output projection; XLM (FlauBERT alike) q_lin/k_lin/v_lin ->
 # out_lin and lin1 -> lin2, bidirectional; ELECTRA a BERT layout behind an embedding projection (embedding size
-# 16 -> hidden 32), the share the sweep found under 90% only because that projection weighs so much when tiny.
+# 16 -> hidden 32), the share the sweep found under 90% only because that projection weighs so much when tiny;
+# Falcon-7B's multi-query query_key_value (every q head, then one k and one v head) and dense.
 SWEPT = {
     "phi": ("PhiForCausalLM", "PhiConfig", dict(
         hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5,
@@ -101,6 +102,10 @@ SWEPT = {
     "xlm": ("XLMWithLMHeadModel", "XLMConfig", dict(
         n_words=VOCAB, emb_dim=32, n_layers=2, n_heads=4, max_position_embeddings=32, dropout=0.0,
         attention_dropout=0.0, pad_index=0, use_lang_emb=False, n_langs=1)),
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True, new_decoder_architecture=False,
+        parallel_attn=True, alibi=False, bias=False, max_position_embeddings=64, hidden_dropout=0.0,
+        attention_dropout=0.0)),
     "electra": ("ElectraForMaskedLM", "ElectraConfig", dict(
         embedding_size=16, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, type_vocab_size=1, hidden_dropout_prob=0.0,

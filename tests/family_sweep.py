@@ -52,10 +52,22 @@ FAMILY_SIZES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"num_heads": 8},  # hidden 64 x expand 2 = 8 heads of 16
     "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid"] * 2},  # the shared block twice
-    "zamba": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1},  # the shared block twice
+    "zamba": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,  # the shared block twice
+              "layer_types": ["mamba", "mamba", "hybrid", "mamba", "hybrid"]},  # (5.24 names the kinds so)
+    "xlnet": {"mem_len": None},
+    # transformers 5.24's families
+    "esmc": {"num_key_value_heads": 4},  # no grouped queries
+    "gemma4_assistant": {"hidden_size_per_layer_input": 0},  # its own validation refuses its default
+    "qwen4_exp": {"num_experts_per_tok": 2}, "qwen4_exp_text": {"num_experts_per_tok": 2},  # <= the 4 experts
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}},
 }
 # Families left out, and why (each is written into docs/zoo.md with its reason).
 SKIPPED: dict[str, str] = {
+    "gemma4_assistant": "transformers 5.24's default configuration fails its own validation (its text model's "
+                        "hidden_size_per_layer_input, MoE block and double-wide MLP must be off; they are on)",
+    "qwen4_exp": "transformers 5.24's default configuration leaves the attention indexer's token budget and "
+                 "compression ratio unset (None), which its attention divides",
+    "qwen4_exp_text": "as qwen4_exp",
     "gemma3n": "its causal-LM class is the multimodal Gemma3nForConditionalGeneration, whose vision tower needs "
                "the timm package; the text model is swept as gemma3n_text",
 }
@@ -86,6 +98,14 @@ def _families() -> list[tuple[str, str, str]]:
     return sorted((f, k, c) for f, k, c in found if f not in SKIPPED)
 
 
+def skipped() -> dict[str, str]:
+    """The families of the installed transformers left out of the sweep, with the reason."""
+    from transformers.models.auto import modeling_auto as auto
+
+    offered = {*auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES}
+    return {family: why for family, why in SKIPPED.items() if family in offered}
+
+
 def _config(family: str, class_name: str):
     """The model class's own configuration, its defaults shrunk: sizes given to the constructor, so that what a
     configuration derives from them (layer types per layer, head sizes) agrees."""
@@ -94,16 +114,22 @@ def _config(family: str, class_name: str):
     import transformers
 
     config_class = getattr(transformers, class_name).config_class
-    default = config_class()
     accepted = inspect.signature(config_class.__init__).parameters
+    try:
+        default = config_class()
+    except Exception:  # noqa: BLE001 - a default its own validation refuses (transformers 5.24's Gemma 4 assistant)
+        default = config_class(**{n: v for n, v in FAMILY_SIZES.get(family, {}).items() if n in accepted})
     sizes = {}
     for names, value in SHRUNK.items():
         for name in names:
-            current = getattr(default, name, "absent")
+            try:
+                current = getattr(default, name, "absent")
+            except Exception:  # noqa: BLE001 - transformers 5.24's per-layer attributes refuse a global read
+                current = "absent"
             if type(current) is int or (current is None and name in FILLED_WHEN_UNSET):
                 sizes[name] = value
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if type(getattr(default, name, None)) is int and getattr(default, name) >= 128:
+        if type(getattr(default, name, None)) is int and getattr(default, name) >= 128:  # noqa: B009
             sizes[name] = 0  # inside the shrunk vocabulary
     kinds = getattr(default, "layer_types", None)  # per-layer kinds: each kind once, in its first order
     if isinstance(kinds, list) and kinds:

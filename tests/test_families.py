@@ -14,8 +14,8 @@ clipped below their norm, so the clip's global norm over plain and DTensor gradi
    (``nn.Embedding(buckets, heads)``) split with the heads, the one shared table tied across ``shared``, the
    encoder's and decoder's ``embed_tokens`` and ``lm_head`` placed alike. At tp=2 (``tp_strict``) and dp2 x tp2.
 4. Families the sweep (tests/family_sweep.py) flagged, now planned: Phi (q/k/v -> ``dense``), XLM (q_lin/k_lin/
-   v_lin -> out_lin, lin1 -> lin2) and ELECTRA (BERT's layout behind an embedding projection), at tp=2
-   (``tp_strict``).
+   v_lin -> out_lin, lin1 -> lin2), ELECTRA (BERT's layout behind an embedding projection) and Falcon-7B's
+   multi-query ``query_key_value`` (every q head, then one k and one v head), at tp=2 (``tp_strict``).
 
 One 2-process and one 4-process launch (tests/parity.py) hold every case; plans and refusals run in this
 process.
@@ -49,7 +49,7 @@ TWO = [
     Case("mla_cp2", strategy={"cp": 2}, **MLA),
     Case("t5_tp2", strategy={"tp": 2, **STRICT}, **T5),
     *(Case(f"{family}_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"family": family}, **SWEPT)
-      for family in ("phi", "xlm", "electra")),
+      for family in ("phi", "xlm", "electra", "falcon")),
 ]
 FOUR = [
     Case("bert_dp2_tp2", strategy={"dp": 2, "tp": 2, **STRICT}, **BERT),
@@ -219,6 +219,7 @@ def test_t5_tied_table_stays_one_parameter(two):
 @pytest.mark.parametrize("family, names", [
     ("phi", ("self_attn.q_proj", "self_attn.dense", "mlp.fc1", "mlp.fc2")),
     ("xlm", ("q_lin", "v_lin", "out_lin", "lin1", "lin2")),
+    ("falcon", ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h")),
 ])
 def test_swept_families_are_sharded(two, family, names):
     dtensors = two[0][f"{family}_tp2"]["extras"]["dtensors"]

@@ -38,16 +38,29 @@ class StageSplit:
     # (name, module, "prefix" | "suffix") of modules whose parameters are stubbed here: if the code runs one
     # on the wrong side of the blocks it would compute with zeros, so the runner checks where they run.
     stubbed: list[tuple[str, nn.Module, str]] = field(default_factory=list)
+    # Per-layer lists of a configuration (Hugging Face's ``config.layer_types``), one entry per block of the whole
+    # list: (configuration, attribute, the whole list, each block's name -> its position in it).
+    per_layer: list[tuple[object, str, list, dict[str, int]]] = field(default_factory=list)
 
     def rest(self) -> None:
         """Between steps the list holds all local blocks (for state dicts, ``.train()``, ``.to()``)."""
         compat.set_children(self.container, OrderedDict(kv for chunk in self.chunks.values() for kv in chunk.items()))
+        for config, name, whole, _ in self.per_layer:
+            setattr(config, name, whole)
 
     def enter(self, stage: int) -> None:
         """While ``stage`` runs the list holds its blocks only. A ModuleList or Sequential numbers them from 0,
         as the stage's own list would, so that code indexing the list (``self.layers[0]`` in
         ``nn.TransformerEncoder``, ``for i in range(len(self.layers))``) finds them; a ModuleDict keeps its keys."""
         chunk = self.chunks[stage]
+        for config, name, whole, positions in self.per_layer:
+            # The stage's i-th block's entry at i (code reading config.layer_types[i] for the i-th block it runs),
+            # the whole list's length and other entries kept (a cache sized by it, indexed by each block's
+            # layer_idx: the stages after the first start past their own blocks' count).
+            local = list(whole)
+            for index, block in enumerate(chunk):
+                local[index] = whole[positions[block]]
+            setattr(config, name, local)
         if not isinstance(self.container, nn.ModuleDict):
             chunk = OrderedDict((str(index), block) for index, block in enumerate(chunk.values()))
         compat.set_children(self.container, chunk)
@@ -83,6 +96,20 @@ def split_module(module: nn.Module, plan: PipelinePlan, local_stages: list[int],
             m.register_buffer(name, stub, persistent=False)
             if role != "ends":
                 stubbed[id(m)] = (fqn, m, role)
-    split = StageSplit(plan.path, container, plan.last, chunks, kept, list(stubbed.values()))
+    split = StageSplit(plan.path, container, plan.last, chunks, kept, list(stubbed.values()),
+                       _per_layer_lists(module, plan.path, list(blocks)))
     split.rest()
     return split
+
+
+def _per_layer_lists(module: nn.Module, path: str, blocks: list[str]) -> list[tuple[object, str, list, dict]]:
+    """The per-layer lists (an attribute naming layers, as long as the block list) of the configurations held
+    by the modules above the block list: a stage's code indexes them by its blocks' local numbers (transformers
+    5.24's Gemma 3 reads ``config.layer_types[i]`` for the i-th block it runs, which 5.3 read from the block)."""
+    parts = path.split(".")
+    configs = {id(c): c for c in (getattr(module.get_submodule(".".join(parts[:n])), "config", None)
+                                  for n in range(len(parts))) if c is not None}
+    positions = {name: index for index, name in enumerate(blocks)}
+    return [(config, name, value, positions) for config in configs.values()
+            for name, value in list(getattr(config, "__dict__", {}).items())
+            if "layer" in name and isinstance(value, list) and len(value) == len(blocks)]

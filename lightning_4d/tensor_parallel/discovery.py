@@ -54,7 +54,8 @@ _FUSED_ATTENTION_PRESETS = (
 )
 # Fused q|k|v laid out head by head (head 0's q, k, v, then head 1's, ...): a contiguous column-wise shard
 # already holds whole heads, so nothing is permuted.
-_INTERLEAVED_ATTENTION_PRESETS = (("query_key_value", "dense"),)  # Hugging Face GPT-NeoX, Bloom
+_INTERLEAVED_ATTENTION_PRESETS = (("query_key_value", "dense"),)  # Hugging Face GPT-NeoX, Bloom (and Falcon-7B's
+# multi-query layout under the same names: every q head, then the one k and v head)
 # Fused q|k|v one level down, laid out by key/value group (each group's q heads, then its k and v): torchtitan
 # 0.3's GQAttention holds a FusedQKVLinear as qkv_linear, which views wqkv's output [groups, q_per_kv + 2, head_dim].
 _GROUPED_ATTENTION_PRESETS = (("qkv_linear.wqkv", "wo"),)
@@ -82,6 +83,7 @@ _LATENT_ATTENTION_PRESETS = ((("q_b_proj", "q_proj"), "kv_a_proj_with_mqa", "kv_
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups")
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
+_MODEL_WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "d_model", "dim")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
 _KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "heads_per_kv")  # q heads per kv head
 _GROUP_ROWS_ATTRS = ("r_dim",)  # heads per group of a grouped fused projection: its q heads, k and v (torchtitan)
@@ -140,6 +142,9 @@ def _find_region(fqn: str, module: nn.Module, divide: dict[str, list[str]]) -> R
             (width, total), (o_in, o_out) = linears[fused], linears[out]
             if total == 3 * o_in and o_out == width:
                 return _interleaved_region(fqn, module, fused, out, width, o_in, divide)
+            if (getattr(module, "multi_query", None) is True and not getattr(module, "new_decoder_architecture", True)
+                    and o_out == width and total > o_in and (total - o_in) % 2 == 0):  # Falcon-7B: q heads | k | v
+                return _attention_region(fqn, module, (fused,), out, width, o_in, (total - o_in) // 2, fused, divide)
     for fused, out in _FUSED_MLP_PRESETS:
         if fused in linears and out in linears:
             (width, total), (inner, o_out) = linears[fused], linears[out]
@@ -343,7 +348,10 @@ def _size_attributes(source: Any, region: Region) -> dict[str, int]:
     """Integer attributes holding this attention's global head counts or widths."""
     attrs = {n: v for n, v in _int_attrs(source, _HEAD_ATTRS).items() if v == region.heads}
     attrs.update({n: v for n, v in _int_attrs(source, _KV_HEAD_ATTRS).items() if v == region.kv_heads})
-    attrs.update({n: v for n, v in _int_attrs(source, _WIDTH_ATTRS).items() if v in (region.width, region.inner)})
+    # An attention that sees the hidden state whole (narrow off: BERT-style, MLA) keeps the model's width whole;
+    # only its own width (all_head_size, inner_dim) is divided.
+    widths = [n for n in _WIDTH_ATTRS if region.narrow or n not in _MODEL_WIDTH_ATTRS]
+    attrs.update({n: v for n, v in _int_attrs(source, widths).items() if v in (region.width, region.inner)})
     return attrs
 
 
