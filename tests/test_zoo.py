@@ -1,7 +1,8 @@
 """The model zoo (``tests/zoo_models.py``) under each dimension at 2 against one process, and its refusals.
 
-Every family (Hugging Face, litgpt, torchtitan, torch's and Lightning's own, and the Llama fine-tuned: peft
-LoRA, or its embedding frozen), unchanged inside a plain LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
+Every family (Hugging Face, litgpt, torchtitan, torch's and Lightning's own, the Llama fine-tuned: peft
+LoRA, or its embedding frozen; Qwen2-MoE and Mixtral with fused experts, DeepSeek-V3's latent attention and
+BERT's masked LM), unchanged inside a plain LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
 tp_strict) in ONE launch of 2 processes: losses per step, logged train_loss and final
 weights within 1e-5 relative of one process, after 3 SGD steps (the third step's loss already depends on two
 updates through momentum; more steps cost time, not evidence). Where a dimension refuses a family, the refusal
@@ -31,7 +32,8 @@ from tests.test_parity_matrix import ZOO_FAMILIES as FOUR_D_FAMILIES
 
 # The families of the zoo: tiny configs of library classes (see tests/zoo_models.py): Hugging Face, torch and
 # Lightning's own, litgpt and torchtitan.
-ZOO = zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES + zoo_models.FINE_TUNING_FAMILIES + zoo_models.MASK_FAMILIES
+ZOO = (zoo_models.FAMILIES + zoo_models.LIBRARY_FAMILIES + zoo_models.FINE_TUNING_FAMILIES + zoo_models.MASK_FAMILIES
+       + zoo_models.NEW_FAMILIES)
 DIMENSIONS = ("dp", "tp", "cp", "pp")
 # Each dimension at 2, nothing else named; tensor parallelism strict: a family whose automatic plan shards less
 # than 90% of its body is refused, so a cell at parity cannot come from a model left mostly whole.
@@ -127,6 +129,21 @@ NOTES: dict[tuple[str, str], str] = {
                               " own mask",
     ("llama_manual", "tp"): "`manual_backward`, `clip_gradients` by the norm over the whole model (clipping: 0.5,"
                             " below the real norm), `step`; tests/test_manual_optimization.py has more layouts",
+    ("qwen2_moe", "tp"): "fused 3-D experts (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) sharded on their"
+                         " intermediate dimension, one sum over tp after the combine; the shared expert an MLP region;"
+                         " 4 experts, top-2, every one routed to (tests/test_expert_parallel.py checks it, and"
+                         " trains ep layouts)",
+    ("mixtral", "tp"): "fused 3-D experts sharded on their intermediate dimension, the router whole",
+    ("deepseek_v3", "tp"): "multi-head latent attention (dense layers only): heads split after the low-rank"
+                           " up-projections (`q_b_proj`, `kv_b_proj` column-wise, `o_proj` row-wise), the"
+                           " down-projections and their norms whole, the shared rotary key columns' gradient summed"
+                           " over tp",
+    ("deepseek_v3", "cp"): "value heads (8) narrower than query/key heads (16: 8 without and 8 with rotary)",
+    ("bert", "tp"): "`BertForMaskedLM`: q/k/v in `attention.self`, the output projection in the sibling"
+                    " `attention.output`, the MLP over the layer's `intermediate`/`output`",
+    ("bert", "cp"): "bidirectional attention (no causal mask) across the shards; masked-LM windows, a quarter of"
+                    " the tokens masked, every position a target",
+    ("bert", "pp"): "the decoder tied to the word embedding: kept by the first and the last stage, gradients summed",
 }
 
 PARITY = "parity"

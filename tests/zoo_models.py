@@ -4,7 +4,8 @@ LightningModule that a user would write, unchanged for lightning_4d.
 ``zoo_lm(family)`` builds one. Every config has 4 layers, hidden 32, 4 attention heads and vocabulary
 ``VOCAB``, dropout off, SDPA attention where the family offers it, so that the same module trains on one
 process and under any layout at 2 with the same numbers. ``FAMILIES`` lists them; ``token_data`` from
-``tests.lm_models`` is their data.
+``tests.lm_models`` is their data. The families of issues #28 and #30 (``NEW_FAMILIES``) keep the 2-layer
+configs their own tests train (tests/moe_models.py, tests/family_models.py): 2 layers are enough for pp=2.
 """
 
 from __future__ import annotations
@@ -68,8 +69,16 @@ FINE_TUNING_FAMILIES = ("llama_lora", "llama_frozen_embedding", "llama_sft", "ll
 # Long-context masks (tests/cp_mask_models.py): packed documents with restarting position_ids, Mistral's sliding
 # window and Gemma 3's sliding and global layers on sequences of four windows.
 MASK_FAMILIES = ("llama_packed", "mistral_sliding", "gemma3_sliding")
+# Issues #28 and #30 at the sizes of their own tests: Qwen2-MoE (a shared expert beside the routed ones) and
+# Mixtral, 4 experts, top-2 (hidden 16); DeepSeek-V3 without experts (its multi-head latent attention); BERT
+# trained on masked-LM windows (bidirectional; every position a target).
+NEW_FAMILY_CLASSES = {"qwen2_moe": ("tests.moe_models", "HFMoELM", ("qwen2_moe",)),
+                      "mixtral": ("tests.moe_models", "HFMoELM", ("mixtral",)),
+                      "deepseek_v3": ("tests.family_models", "DeepseekV3LM", ()),
+                      "bert": ("tests.family_models", "BertMLM", ())}
+NEW_FAMILIES = tuple(NEW_FAMILY_CLASSES)
 # The data a family trains on, where it is not tests.lm_models:token_data.
-FAMILY_DATA = {"llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data",
+FAMILY_DATA = {"bert": "tests.family_models:mlm_data", "llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data",
                "llama_packed": "tests.cp_mask_models:packed_data", "mistral_sliding": "tests.cp_mask_models:plain_data",
                "gemma3_sliding": "tests.cp_mask_models:plain_data"}
 
@@ -237,6 +246,11 @@ class TorchTitanLM(_CausalLM):
 
 
 def zoo_lm(family: str = "llama") -> _CausalLM:
+    if family in NEW_FAMILY_CLASSES:
+        from importlib import import_module
+
+        where, name, args = NEW_FAMILY_CLASSES[family]
+        return getattr(import_module(where), name)(*args)
     if family in MASK_FAMILIES:
         from tests.cp_mask_models import MaskedLM
 
