@@ -1,6 +1,5 @@
 """Probes for the sharded data-parallel tests: how parameters are sharded and when FSDP reduce-scatters."""
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor

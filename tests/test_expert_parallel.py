@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor

@@ -192,7 +192,7 @@ def _latent_attention(fqn: str, module: nn.Module, queries: tuple[str, ...], kv_
     heads = next(iter(_int_attrs(module, _HEAD_ATTRS).values()), None) or next(
         iter(_int_attrs(getattr(module, "config", None), _HEAD_ATTRS).values()), None)
     rank, rope, nope, v = (sizes[n] for n in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
-    (q_in, q_w), (width, kv_a_w), (kv_b_in, kv_b_w), (o_in, o_out) = _nested_linear(module, q), *shapes.values()
+    (_, q_w), (width, kv_a_w), (kv_b_in, kv_b_w), (o_in, o_out) = _nested_linear(module, q), *shapes.values()
     if (not heads or q_w != heads * (nope + rope) or kv_a_w != rank + rope or kv_b_in != rank
             or kv_b_w != heads * (nope + v) or o_in != heads * v or o_out != width):
         return None
