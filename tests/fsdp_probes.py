@@ -66,12 +66,31 @@ class CommLabels(Telemetry):
 
 
 class UnitNames(Callback):
-    """The FSDP units (module names) and the parameters each manages, after setup."""
+    """The FSDP units (module names) after setup, and the sizes of the all-gathers FSDP issues inside each
+    backward (wrapped from ``on_before_backward`` to ``on_after_backward`` only)."""
+
+    def __init__(self) -> None:
+        self.backward_gathers: list[list[int]] = []
+        self._gather = None
 
     def on_fit_start(self, trainer, pl_module):
         from torch.distributed.fsdp import FSDPModule
 
         self.units = sorted(name for name, m in pl_module.named_modules() if isinstance(m, FSDPModule))
 
+    def on_before_backward(self, trainer, pl_module, loss):
+        gather = self._gather = dist.all_gather_single
+        sizes: list[int] = []
+        self.backward_gathers.append(sizes)
+
+        def traced_gather(*args, **kwargs):
+            sizes.append(args[0].numel())  # (output, input, group=...)
+            return gather(*args, **kwargs)
+
+        dist.all_gather_single = traced_gather
+
+    def on_after_backward(self, trainer, pl_module):
+        dist.all_gather_single = self._gather
+
     def parity_extras(self, trainer):
-        return {"units": self.units}
+        return {"units": self.units, "backward_gathers": self.backward_gathers}

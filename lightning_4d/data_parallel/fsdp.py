@@ -25,6 +25,7 @@ except the last block's, which backward needs first, and keeps the root's (small
 first in backward); ``True``/``False`` apply to every block (``False``: ZeRO-2-like, more memory, no second
 all-gather in backward). The finer units of ``shard_units="modules"`` are freed after their forward under
 ``"auto"`` too (gathering one weight matrix again costs little; keeping the last block's would cost a block).
+An embedding unit is not gathered again for backward at all: its backward reads only the indices.
 
 Step methods: FSDP runs its root hooks around ``forward``; a LightningModule's ``training_step`` may call its
 submodules without ``forward``, so the step methods the module defines are registered as FSDP forward
@@ -156,8 +157,14 @@ def apply_sharding(module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceM
         units += [fully_shard(m, mesh=mesh, mp_policy=policy, ignored_params=ignored, reshard_after_forward=False)
                   for m in outside]
     else:
-        units += [fully_shard(m, mesh=mesh, mp_policy=policy, ignored_params=ignored,
-                              reshard_after_forward=reshard_after_forward is not False) for m in around]
+        for unit in around:
+            units.append(fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored,
+                                     reshard_after_forward=reshard_after_forward is not False))
+            if isinstance(unit, nn.Embedding) and reshard_after_forward is not False:
+                # An embedding's backward reads only the indices: gathering its table again for backward would
+                # cost an all-gather and the table's memory at the very end of backward, where every other
+                # unit's sharded gradient is already held.
+                unit.set_unshard_in_backward(False)
         root_reshard = False if reshard_after_forward == "auto" else bool(reshard_after_forward)
         units.append(fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=root_reshard,
                                  ignored_params=ignored))
