@@ -129,7 +129,8 @@ def render_sweep(rows, version: str) -> str:
         "`tp_plan` its refusals name); **(MoE)**: a mixture-of-experts family, whose fused experts tp shards on",
         "their intermediate size (expert parallelism, `ep`, splits them instead: docs/expert_parallel.md);",
         "*cp=2*: context parallelism's check before any",
-        "collective; *pp=2*: the pipeline cut. These are plans, not training runs: the families trained at",
+        "collective; *pp=2*: the pipeline cut (after a refusal that names a `pp_blocks`, *fixed*: the cut at that",
+        "list plans, or *then* its refusal). These are plans, not training runs: the families trained at",
         "parity are the zoo's above and `tests/test_families.py`'s.", "",
         "| family | class | tp=2 shares | tp=2 | cp=2 | pp=2 |", "|---|---|---|---|---|---|",
     ]
@@ -153,8 +154,10 @@ def render_sweep(rows, version: str) -> str:
             tp += f"; fixed: {row.fixed}" if row.fixed.endswith("%") else f"; then {verdict(row.fixed, '')}"
         if row.experts:
             tp += " (MoE)"
-        lines.append(f"| {row.family} | `{row.model}` | {_share(row)} | {tp} | {verdict(row.cp, 'ok')} |"
-                     f" {verdict(row.pp, 'ok')} |")
+        cp, pp = verdict(row.cp, "ok"), verdict(row.pp, "ok")
+        if row.pp_fixed:  # a refused cut naming pp_blocks: what the cut at that list says
+            pp += "; fixed: ok" if row.pp_fixed == "ok" else f"; then {verdict(row.pp_fixed, '')}"
+        lines.append(f"| {row.family} | `{row.model}` | {_share(row)} | {tp} | {cp} | {pp} |")
     lines += ["", "Refusals, each the first line of its message:", ""]
     lines += [f"{index}. {text}" for index, text in enumerate(refusals, 1)]
     lines += ["", "Left out of the sweep:", ""]

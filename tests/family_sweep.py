@@ -51,7 +51,8 @@ FAMILY_SIZES: dict[str, dict] = {
     "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"num_heads": 8},  # hidden 64 x expand 2 = 8 heads of 16
-    "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid"] * 2},  # the shared block twice
+    "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid"] * 2,  # the shared block twice
+               "layer_types": ["mamba", "hybrid"] * 2},  # (5.24 reads the kinds from layer_types)
     "zamba": {"num_hidden_layers": 5, "attn_layer_period": 2, "attn_layer_offset": 1,  # the shared block twice
               "layer_types": ["mamba", "mamba", "hybrid", "mamba", "hybrid"]},  # (5.24 names the kinds so)
     "xlnet": {"mem_len": None},
@@ -87,6 +88,7 @@ class Row:
     strict: str = ""  # what tp_strict=True says of the plan ("refused: ..." below 90% of the body), else ""
     fixed: str = ""  # under a refused tp: the share the plan shards with the tp_plan its refusals name, or the
     # refusal left ("refused: ...")
+    pp_fixed: str = ""  # under a pp refusal naming a pp_blocks: "ok" when the cut plans with it, else its refusal
 
 
 def _families() -> list[tuple[str, str, str]]:
@@ -176,7 +178,19 @@ def sweep_family(family: str, kind: str, class_name: str) -> Row:
     pp = _verdict(lambda: PipelinePlan.build(model, PipelineConfig(pp=2)) and None)
     strict = _verdict(lambda: plans[0].coverage.check(2, strict=True)) if plans else ""
     return Row(family, kind, class_name, tp, cp, pp, _block_share(model, plans[0]) if plans else "",
-               _has_experts(model), "" if strict == "ok" else strict, "" if plans else _with_fixes(model))
+               _has_experts(model), "" if strict == "ok" else strict, "" if plans else _with_fixes(model),
+               _with_pp_fix(model, pp))
+
+
+def _with_pp_fix(model, pp: str) -> str:
+    """Cuts again with the block list a pp refusal names (pp_blocks='...'), as tp's fixes are applied: "ok" when
+    that plans, else its refusal; "" when the refusal names no pp_blocks (it names pp=1, or none is refused)."""
+    import re
+
+    named = re.search(r"pp_blocks(?:=|: )'?([\w.]+)", pp) if pp.startswith("refused") else None
+    if named is None:
+        return ""
+    return _verdict(lambda: PipelinePlan.build(model, PipelineConfig(pp=2, blocks=named.group(1))) and None)
 
 
 def _with_fixes(model, rounds: int = 8) -> str:

@@ -198,7 +198,8 @@ def test_pipeline_with_more_stages_than_blocks():
 
 def test_pipeline_module_without_a_block_list_is_refused_with_the_candidates():
     with pytest.raises(ValueError, match=r"found no list of repeated blocks in Classifier .* net \(Sequential of"
-                                         r" 3 x Linear, 2 x Tanh\)\. .*pp_blocks: model\.layers"):
+                                         r" 3 x Linear, 2 x Tanh\)\. If the modules of net run one after another on"
+                                         r" one activation, name it: FourDStrategy\(pp_blocks='net'\)"):
         _setup_environment(Classifier(), pp=2)
     with pytest.raises(ValueError, match=r"pp_blocks='model\.blocks' names no submodule of TinyGPT; .*model\.layers"):
         _setup_environment(tiny_gpt(), pp=2, pp_blocks="model.blocks")

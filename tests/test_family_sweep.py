@@ -6,6 +6,7 @@ docs/zoo.md's table of the sweep current."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.family_sweep import _families, sweep
 
@@ -60,3 +61,45 @@ def test_refusals_name_the_true_cause(rows):
     assert "has its own parameters sinks [4] that are neither" in rows["gpt_oss"].tp, rows["gpt_oss"].tp
     for family in ("mamba", "mamba2", "falcon_mamba", "xlstm", "fnet"):
         assert "holds no attention module" in rows[family].cp and "Use cp=1" in rows[family].cp, rows[family].cp
+
+
+def test_pp_refusals_name_a_fix_that_plans(rows):
+    """Each pp refusal that names a pp_blocks is cut again at that list by the sweep, and plans; every other pp
+    refusal names pp=1 (the model has no list the pipeline can cut: its cause is in the message)."""
+    refused = {family: row for family, row in rows.items() if row.pp.startswith("refused")}
+    assert refused
+    named = {family: row.pp_fixed for family, row in refused.items() if row.pp_fixed}
+    assert all(fixed == "ok" for fixed in named.values()), named
+    unnamed = {family: row.pp for family, row in refused.items() if not row.pp_fixed}
+    assert all("Use pp=1" in text or "use pp=1" in text for text in unnamed.values()), unnamed
+
+
+def test_zamba2_pp_refusal_names_its_shared_block_and_pp1():
+    """Zamba2 (on the meta device, as the sweep builds it): its layers are of two types, and the hybrid layers
+    share one transformer's weights. The adapter lists inside that transformer are not offered as the blocks;
+    the refusal names model.layers and why it cannot be cut either (the shared weights on two stages), and
+    pp=1; naming model.layers is refused with the same cause."""
+    import transformers
+
+    from lightning_4d.pipeline.config import PipelineConfig
+    from lightning_4d.pipeline.plan import PipelinePlan
+    from tests.family_sweep import _config
+
+    config = _config("zamba2", "Zamba2ForCausalLM")
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = transformers.Zamba2ForCausalLM(config)
+    with pytest.raises(ValueError) as refused:
+        PipelinePlan.build(model, PipelineConfig(pp=2))
+    message = str(refused.value)
+    assert "adapter_list" not in message, message
+    assert "module lists found: model.layers (ModuleList of 2 x Zamba2MambaDecoderLayer, 2 x Zamba2HybridLayer)." \
+           " Its longest list, model.layers, cannot be cut either: pp=2: model.layers.1.shared_transformer." in message
+    assert "stages 0 and 1 hold those blocks" in message and message.endswith("Use pp=1 (dp=N replicates the model"
+                                                                              " instead).")
+    with pytest.raises(ValueError, match=r"^pp=2: model\.layers\.1\.shared_transformer\.\S+ and model\.layers\.3\."
+                                         r"shared_transformer\.\S+ are one parameter .*Use pp=1"):
+        PipelinePlan.build(model, PipelineConfig(pp=2, blocks="model.layers"))
+    # With both hybrid layers on one stage (pp_split_points past them) nothing is shared across stages.
+    plan = PipelinePlan.build(model, PipelineConfig(pp=2, blocks="model.layers", split_points=(1,)))
+    assert plan.bounds == ((0, 1), (1, 4)), plan.bounds

@@ -1,14 +1,15 @@
 """The model zoo (``tests/zoo_models.py``) under each dimension at 2 against one process, and its refusals.
 
 Every family (Hugging Face, litgpt, torchtitan, torch's and Lightning's own, the Llama fine-tuned: peft
-LoRA, or its embedding frozen; Qwen2-MoE and Mixtral with fused experts, DeepSeek-V3's latent attention and
-BERT's masked LM), unchanged inside a plain LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
+LoRA, or its embedding frozen; Qwen2-MoE and Mixtral with fused experts, DeepSeek-V3's latent attention,
+BERT's masked LM and T5's encoder-decoder), unchanged inside a plain LightningModule, trains at dp=2, tp=2, cp=2 and pp=2 (the default strategy options, nothing named but
 tp_strict) in ONE launch of 2 processes: losses per step, logged train_loss and final
 weights within 1e-5 relative of one process, after 3 SGD steps (the third step's loss already depends on two
 updates through momentum; more steps cost time, not evidence). Where a dimension refuses a family, the refusal
 is a case that must fail on every rank with its message, and the fix the message names trains at parity in the
 same launch. Bloom under cp, Lightning's demo Transformer under cp (its positional encoding reads the sequence
-length) and under pp (nn.Transformer is an encoder-decoder) are the refusals today.
+length) and under pp (nn.Transformer is an encoder-decoder), T5 under cp (its relative-position bias) and under pp
+(an encoder-decoder) are the refusals today.
 
 ``TABLE`` declares what each family does under each dimension; the tests check it cell by cell, and
 ``docs/zoo_table.py`` writes ``docs/zoo.md`` from it (``test_docs_zoo_table_is_current`` fails when that file
@@ -58,6 +59,12 @@ class Refused:
 _DEMO = "model.transformer."
 
 
+def _replicated(dim: str, error_phrases: tuple[str, ...], why: str) -> Refused:
+    """A dimension refused with the fix every such message names: that dimension at 1, dp=2 in its place."""
+    return Refused("ValueError", (*error_phrases, f"Use {dim}=1 (dp=N replicates the model instead)"), fix={"dp": 2},
+                   why=why, fix_text=f"{dim}=1 (`dp=2` replicates the model instead)")
+
+
 REFUSED: dict[tuple[str, str], Refused] = {
     # Bloom adds its ALiBi bias to attention scores it computes itself (transformers offers no 'sdpa' for it).
     ("bloom", "cp"): Refused(
@@ -87,6 +94,19 @@ REFUSED: dict[tuple[str, str], Refused] = {
         why="nn.Transformer is an encoder-decoder: its decoder reads the encoder's output and the embedded target"
             " beside the one activation pipeline stages pass on",
         fix_text="pp=1 (`dp=2` replicates the model instead)"),
+    # T5 adds a learned bias per bucket of query-key distance to its scores, computed from the lengths it holds
+    # (transformers 5.3: by hand, no 'sdpa'; 5.24: as SDPA's mask): refused before the attention's mask is met.
+    ("t5", "cp"): _replicated(
+        "cp", ("cp=2: model.encoder.block.0.layer.0.SelfAttention (T5Attention) adds a learned relative-position bias",
+               "relative_attention_bias: 8 distance buckets x 4 heads"),
+        "T5 adds a learned relative-position bias (`relative_attention_bias`, per bucket of query-key distance) to"
+        " its attention scores, computed from the positions a rank holds"),
+    # T5's decoder reads the encoder's output beside its own input, as nn.Transformer's does.
+    ("t5", "pp"): _replicated(
+        "pp", ("pp=2: model (T5ForConditionalGeneration) is an encoder-decoder",
+               "reads the encoder's output (memory)"),
+        "T5ForConditionalGeneration is an encoder-decoder: its decoder reads the encoder's output and its own embedded"
+        " input beside the one activation pipeline stages pass on"),
     # Manual optimization: the pipeline schedule runs every micro-batch's backward itself.
     ("llama_manual", "pp"): Refused(
         "ValueError", ("FourDStrategy(pp=2) needs automatic optimization", "ManualClipLM.automatic_optimization is False",
@@ -144,6 +164,9 @@ NOTES: dict[tuple[str, str], str] = {
     ("bert", "cp"): "bidirectional attention (no causal mask) across the shards; masked-LM windows, a quarter of"
                     " the tokens masked, every position a target",
     ("bert", "pp"): "the decoder tied to the word embedding: kept by the first and the last stage, gradients summed",
+    ("t5", "tp"): "`T5ForConditionalGeneration`: self- and cross-attention by heads, each stack's relative-position"
+                  " bias split with the heads, the one `shared` table (tied to both stacks' `embed_tokens` and"
+                  " `lm_head`) sharded alike under its names; trained to reverse its source",
 }
 
 PARITY = "parity"

@@ -71,14 +71,17 @@ FINE_TUNING_FAMILIES = ("llama_lora", "llama_frozen_embedding", "llama_sft", "ll
 MASK_FAMILIES = ("llama_packed", "mistral_sliding", "gemma3_sliding")
 # Issues #28 and #30 at the sizes of their own tests: Qwen2-MoE (a shared expert beside the routed ones) and
 # Mixtral, 4 experts, top-2 (hidden 16); DeepSeek-V3 without experts (its multi-head latent attention); BERT
-# trained on masked-LM windows (bidirectional; every position a target).
+# trained on masked-LM windows (bidirectional; every position a target); T5 (T5ForConditionalGeneration, an
+# encoder-decoder) trained to reverse its source.
 NEW_FAMILY_CLASSES = {"qwen2_moe": ("tests.moe_models", "HFMoELM", ("qwen2_moe",)),
                       "mixtral": ("tests.moe_models", "HFMoELM", ("mixtral",)),
                       "deepseek_v3": ("tests.family_models", "DeepseekV3LM", ()),
-                      "bert": ("tests.family_models", "BertMLM", ())}
+                      "bert": ("tests.family_models", "BertMLM", ()),
+                      "t5": ("tests.family_models", "T5Seq2Seq", ())}
 NEW_FAMILIES = tuple(NEW_FAMILY_CLASSES)
 # The data a family trains on, where it is not tests.lm_models:token_data.
-FAMILY_DATA = {"bert": "tests.family_models:mlm_data", "llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data",
+FAMILY_DATA = {"bert": "tests.family_models:mlm_data", "t5": "tests.family_models:seq2seq_data",
+               "llama_sft": "tests.fine_tuning_models:sft_data", "llama_mlm": "tests.fine_tuning_models:mlm_data",
                "llama_packed": "tests.cp_mask_models:packed_data", "mistral_sliding": "tests.cp_mask_models:plain_data",
                "gemma3_sliding": "tests.cp_mask_models:plain_data"}
 

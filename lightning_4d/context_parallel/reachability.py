@@ -21,6 +21,7 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
     variants that forward does not compute are refused here. A module calling another
     kernel (``flex_attention``, a variable-length kernel: torchtitan's default FlexAttention, its
     VarlenAttention) is found in its code and refused likewise."""
+    _check_no_relative_position_bias(module, cp)
     _check_hugging_face_attention(module, cp)
     kernels = attention_kernels(module)
     if kernels:
@@ -44,6 +45,23 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
                 f"cp={cp}: {fqn} (lightning.pytorch.demos' PositionalEncoding) adds pe[:, x.size(1)], the table's row"
                 " at the sequence length, to every token: on a shard of each sequence it would add another row than"
                 " on the whole sequence. Use cp=1 (dp=N replicates the model instead).")
+
+
+def _check_no_relative_position_bias(module: nn.Module, cp: int) -> None:
+    """Refuse an attention that adds a learned bias per (bucket of) query-key distance to its scores: T5's
+    ``relative_attention_bias`` (MT5, UMT5, LongT5, Switch Transformers alike), an ``nn.Embedding(buckets,
+    heads)``. Its code computes the distances from the lengths of the query and key it holds, on a shard not the
+    whole sequence's, and the bias reaches scaled_dot_product_attention (transformers 5.24's 'sdpa') as a mask of
+    the local shape, which ring attention cannot carry; transformers 5.3 offers T5 no 'sdpa' at all."""
+    for fqn, sub in module.named_modules():
+        table = getattr(sub, "relative_attention_bias", None)
+        if isinstance(table, nn.Embedding) and type(sub).__name__.endswith("Attention"):
+            raise ValueError(
+                f"cp={cp}: {fqn} ({type(sub).__name__}) adds a learned relative-position bias to its attention"
+                f" scores ({fqn}.relative_attention_bias: {table.num_embeddings} distance buckets x"
+                f" {table.embedding_dim} heads), computed from the distances between the query and key positions it"
+                " holds: on a shard of the sequence those are not the whole sequence's, and ring attention carries"
+                " no such bias. Use cp=1 (dp=N replicates the model instead).")
 
 
 def _reads_its_length(module: nn.Module) -> bool:

@@ -18,7 +18,7 @@ import inspect
 import textwrap
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from torch import nn
@@ -48,13 +48,24 @@ def _block_lists(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _all_lists_text(module: nn.Module) -> str:
-    lists = [f"{name} ({_describe_list(m)})" for name, m in _block_lists(module)]
+    """The module's lists, those inside an item of another list (a block's adapters or experts) left out."""
+    found = _block_lists(module)
+    lists = [f"{name} ({_describe_list(m)})" for name, m in found if not _inside_items(name, found)]
     return "module lists found: " + ("; ".join(lists) if lists else "none")
 
 
-def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]:
-    """The block list named by ``path``, else the longest list of two or more blocks of one type that is
-    not itself inside such a list (mixture-of-experts lists inside each block are not the pipeline)."""
+def _inside_items(name: str, lists: list[tuple[str, nn.Module]]) -> bool:
+    """Whether ``name`` lies inside an item of one of ``lists`` (below ``outer.<item>.``, not an item itself):
+    an adapter, expert or sub-layer list inside a block belongs to that block, whatever the outer list holds."""
+    return any(name.startswith(outer + ".") and "." in name[len(outer) + 1:] for outer, _ in lists)
+
+
+def find_blocks(module: nn.Module, path: Optional[str],
+                config: Optional[PipelineConfig] = None) -> tuple[str, nn.Module]:
+    """The block list named by ``path``, else the longest list of two or more blocks of one type that is not
+    inside an item of another list (mixture-of-experts lists, Zamba2's adapter lists inside each block are not
+    the pipeline), blocks of modules preferred over lists of single layers. Parallel lists of one layer's parts
+    (XLM's) are refused. ``config`` (the layout) lets a refusal check the list it proposes."""
     if path is not None:
         try:
             container = module.get_submodule(path)
@@ -65,23 +76,49 @@ def find_blocks(module: nn.Module, path: Optional[str]) -> tuple[str, nn.Module]
             raise ValueError(f"pp_blocks={path!r} is a {type(container).__name__}, not an nn.ModuleList,"
                              f" nn.Sequential or nn.ModuleDict of blocks; {_all_lists_text(module)}.")
         return path, container
-    candidates: list[tuple[str, nn.Module]] = []
-    for name, m in _block_lists(module):
-        if len(m) >= 2 and len({type(child) for child in _blocks_in(m)}) == 1 \
-                and not any(name.startswith(outer + ".") for outer, _ in candidates):
-            candidates.append((name, m))
+    lists = _block_lists(module)
+    outermost = [(name, m) for name, m in lists if len(m) >= 2 and not _inside_items(name, lists)]
+    candidates = [(name, m) for name, m in outermost if len({type(child) for child in _blocks_in(m)}) == 1]
     if not candidates:
         raise ValueError(
             f"Pipeline parallelism found no list of repeated blocks in {type(module).__name__} (an nn.ModuleList,"
-            f" nn.Sequential or nn.ModuleDict of two or more modules of one type); {_all_lists_text(module)}. Name"
-            " the list to split with FourDStrategy(pp_blocks='model.layers') (YAML: pp_blocks: model.layers).")
+            f" nn.Sequential or nn.ModuleDict of two or more modules of one type); {_all_lists_text(module)}."
+            f" {_mixed_list_fix(module, outermost, config)}")
+    layered = [(name, m) for name, m in candidates if any(next(b.children(), None) for b in _blocks_in(m))]
+    candidates = layered or candidates  # blocks of modules over lists of single layers (MusicGen's codebook heads)
     longest = max(len(m) for _, m in candidates)
     best = [(name, m) for name, m in candidates if len(m) == longest]
+    parents = Counter(name.rpartition(".")[0] for name, _ in best)
+    parent, count = parents.most_common(1)[0]
+    if count > 1:
+        parallel = [name.rpartition(".")[2] for name, _ in best if name.rpartition(".")[0] == parent]
+        raise ValueError(
+            f"Pipeline parallelism found the layers of {parent or type(module).__name__} held as parallel lists of"
+            f" {longest} ({', '.join(parallel)}; the i-th layer's parts one in each, as XLM keeps them): a cut at"
+            " one list would leave the others whole and its code indexes them all by layer, so no pp_blocks can cut"
+            " it. Use pp=1 (dp=N replicates the model instead).")
     if len(best) > 1:
         raise ValueError(f"Pipeline parallelism found several block lists of length {longest}:"
                          f" {', '.join(name for name, _ in best)}. Name the one to split with pp_blocks (YAML:"
                          f" pp_blocks: {best[0][0]}).")
     return best[0]
+
+
+def _mixed_list_fix(module: nn.Module, lists: list[tuple[str, nn.Module]], config: Optional[PipelineConfig]) -> str:
+    """The fix for a module without a list of one block type: the longest list of mixed modules that the layout
+    can cut (checked when ``config`` is given), else why none can, and pp=1."""
+    if not lists:
+        return ("None holds two or more blocks: if the module runs blocks one after another, hold them in an"
+                " nn.ModuleList and name that list with pp_blocks; a model that runs one block again and again (its"
+                " weights shared across depth, as ALBERT) cannot be cut: use pp=1 (dp=N replicates the model instead).")
+    name, _ = max(lists, key=lambda item: len(item[1]))
+    if config is not None:
+        try:
+            PipelinePlan.build(module, replace(config, blocks=name))
+        except ValueError as error:  # each of the plan's refusals names its own fix
+            return f"Its longest list, {name}, cannot be cut either: {error}"
+    return (f"If the modules of {name} run one after another on one activation, name it: FourDStrategy("
+            f"pp_blocks={name!r}) (YAML: pp_blocks: {name}).")
 
 
 def _side(module: nn.Module, path: str, name: str, registered_after: bool) -> str:
@@ -156,6 +193,34 @@ def _check_no_reentrant_checkpoint(blocks: Sequence[object], path: str, pp: int)
                 "'full') in its place.")
 
 
+def _check_no_weight_across_stages(blocks: Sequence[nn.Module], names: Sequence[str], path: str,
+                                   config: PipelineConfig) -> None:
+    """Refuse blocks on different stages that hold one module or parameter (Zamba's and Zamba2's shared
+    transformer, called by every hybrid layer): each stage would hold and update its own copy, and the model
+    would train as several models without an error."""
+    seen: dict[int, tuple[int, str]] = {}
+    for stage, (start, stop) in enumerate(config.stage_bounds(len(blocks))):
+        for index in range(start, stop):
+            block = f"{path}.{names[index]}"
+            items = [*_block_modules(blocks[index]), *blocks[index].named_parameters(remove_duplicate=False)]
+            for name, item in items:
+                first_stage, first = seen.setdefault(id(item), (stage, f"{block}.{name}".rstrip(".")))
+                if first_stage != stage:
+                    kind = type(item).__name__ if isinstance(item, nn.Module) else f"parameter {tuple(item.shape)}"
+                    raise ValueError(
+                        f"pp={config.pp}: {first} and {block}.{name} are one {kind} (shared or tied between blocks"
+                        f" of {path}), and stages {first_stage} and {stage} hold those blocks: pipeline stages cannot"
+                        " share a weight, each would train its own copy. Use pp=1 (dp=N replicates the model"
+                        " instead).")
+
+
+def _block_modules(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A block's submodules holding parameters, itself excluded, shallowest first, a module reached twice listed
+    twice (a module of buffers alone, a shared rotary table, trains nothing: each stage may hold a copy)."""
+    return [(name, m) for name, m in block.named_modules(remove_duplicate=False)
+            if name and next(m.parameters(), None) is not None]
+
+
 def check_blocks(blocks: Sequence[object], path: str, config: PipelineConfig) -> None:
     """Refuse a block list the layout cannot split: fewer blocks than stages, split points past the end, or
     one block object repeated (a stage cannot hold part of a shared block)."""
@@ -191,8 +256,9 @@ class PipelinePlan:
     def build(cls, module: nn.Module, config: PipelineConfig) -> PipelinePlan:
         """Plan the cut; raises a ValueError naming the fix if ``module`` cannot be cut this way."""
         _check_not_encoder_decoder(module, config.pp)
-        path, container = find_blocks(module, config.blocks)
+        path, container = find_blocks(module, config.blocks, config)
         check_blocks(_blocks_in(container), path, config)
+        _check_no_weight_across_stages(_blocks_in(container), list(compat.children_of(container)), path, config)
         _check_no_reentrant_checkpoint(_blocks_in(container), path, config.pp)
         roles: dict[int, set[str]] = {}
         places: dict[int, list[tuple[str, str]]] = {}
