@@ -4,13 +4,19 @@ from a Hugging Face directory, under tp, dp_shard, pp and tp x dp_shard, against
     OMP_NUM_THREADS=1 python bench/big_model.py                # 0.6 GB and 2 GB fp32 Llamas, every layout
     OMP_NUM_THREADS=1 python bench/big_model.py --sizes tiny --layouts single tp2 --steps 2   # a smoke run
     OMP_NUM_THREADS=1 python bench/big_model.py --huge --steps 2   # a 6.6 GB Llama at tp2 x dp_shard2, meta-built
+    OMP_NUM_THREADS=1 python bench/big_model.py --optimizer adamw --builds meta --layouts single tp2 dp_shard2 \
+        dp_shard2_modules pp2                                     # the training peak with AdamW's two states
 
 Why: a model that does not fit one rank can only train if no rank ever holds all of it, from construction to
 the first optimizer step. #27 sets the goals this script checks and prints, per layout:
 
 - meta-built, the setup peak of each rank (resident memory from before construction to the start of the first
   training step: the build, the layout, the storage of its shards, the load and the optimizer) stays within
-  0.55 x the model's bytes above what the rank held before construction at 2 ranks, 0.30 x at 4;
+  0.55 x the model's bytes above what the rank held before construction at 2 ranks, 0.30 x at 4. A meta-built
+  model is constructed in ``configure_model``, after Lightning has started the process group, so "before
+  construction" is the resident set when ``configure_model`` starts (a whole-built model is constructed before
+  the Trainer exists: there it is the resident set at the start of the process); the table also shows the
+  growth from the start of the process;
 - the training peak of each rank (resident memory during steady-state steps, above the same starting point)
   is at most 0.55 x one process's at 2 ranks.
 
@@ -21,6 +27,10 @@ the start of the first step (the setup peak; a thread splits it into allocations
 the first step, and over the later steps (reset through ``/proc/self/clear_refs`` in between), and its
 resident set at the end of the last step. SGD without momentum keeps no optimizer state, and batches of 4
 sequences of 16 tokens keep activations small, so what grows is the model: weights, and gradients during steps.
+That is the hardest case for sharded data parallelism, whose per-unit transients (a unit's gathered weights, its
+unsharded gradient and FSDP's reduce-scatter copy of it) are then compared with only two copies of the model;
+``--optimizer adamw`` measures the training peak with AdamW's two states per weight instead, as people train
+(and as #27's own first measurement did), into ``big_model_adamw.json``.
 
 Whole-built, every rank builds and initializes the whole model in the LightningModule's constructor and
 FourDStrategy broadcasts rank 0's weights in bounded buckets. Meta-built, ``configure_model`` builds it under
@@ -59,7 +69,8 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from bench.common import (CPU_MALLOC_ENV, RssSampler, command, llama_config, llama_params, plot_if_possible,  # noqa: E402
-                          quiet_trainer, random_tokens, rss_bytes, run_worker, save_llama, write, write_rows)
+                          proc_status, quiet_trainer, random_tokens, rss_bytes, run_worker, save_llama, write,
+                          write_rows)
 from bench.report import plot, table  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.telemetry import PeakMemory  # noqa: E402
@@ -94,13 +105,15 @@ class LlamaLM(pl.LightningModule):
     """A Hugging Face Llama trained on next tokens with SGD without momentum: built whole in the constructor, or
     on the meta device in ``configure_model`` (once: Lightning calls it again for validate/test/predict)."""
 
-    def __init__(self, config: transformers.LlamaConfig, meta: bool) -> None:
+    def __init__(self, config: transformers.LlamaConfig, meta: bool, optimizer: str = "sgd") -> None:
         super().__init__()
         self.llama_config = config
+        self.optimizer = optimizer
         self.model = None if meta else transformers.LlamaForCausalLM(config)
 
     def configure_model(self) -> None:
         if self.model is None:
+            self.before_construction = _memory_now()
             with self.trainer.init_module(empty_init=True):
                 self.model = transformers.LlamaForCausalLM(self.llama_config)
 
@@ -109,6 +122,8 @@ class LlamaLM(pl.LightningModule):
         return self.model(input_ids=input_ids, labels=input_ids).loss  # the model shifts the labels itself
 
     def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
         return torch.optim.SGD(self.parameters(), lr=1e-4)  # no momentum: no optimizer state
 
 
@@ -120,6 +135,7 @@ class _Probe(Callback):
         self.memory = PeakMemory(torch.device("cpu"))
         self.record: dict = {"before": before, "before_anon": sampler.start["RssAnon"],
                              "before_file": sampler.start["RssFile"], "step_s": []}
+        self.record["from"] = {"rss": before, "anon": sampler.start["RssAnon"], "file": sampler.start["RssFile"]}
         self.start, self.sampler, self.reload, self.out = start, sampler, reload, out
         self._step_start = 0.0
 
@@ -129,6 +145,7 @@ class _Probe(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
             self.sampler.__exit__(None, None, None)
+            self.record["constructed_from"] = getattr(pl_module, "before_construction", None) or self.record["from"]
             self.record.update(setup_peak=self.memory.peak(), setup_anon_peak=self.sampler.peaks["RssAnon"],
                                setup_file_peak=self.sampler.peaks["RssFile"])
             self.memory.start()
@@ -169,6 +186,12 @@ class _Probe(Callback):
         barrier()
 
 
+def _memory_now() -> dict:
+    """This process's resident set, and its anonymous and file-backed parts, in bytes."""
+    parts = proc_status("RssAnon", "RssFile")
+    return {"rss": rss_bytes(), "anon": parts["RssAnon"], "file": parts["RssFile"]}
+
+
 def _worker(args: argparse.Namespace) -> None:
     """One configuration; this process is one of its ranks (Lightning starts the others with the same argv)."""
     gc.collect()
@@ -176,7 +199,7 @@ def _worker(args: argparse.Namespace) -> None:
     sampler = RssSampler().__enter__()  # stopped at the first step by the probe
     root = Path(args.dir) / args.size
     meta = args.build == "meta"
-    module = LlamaLM(llama_config(**SIZES[args.size]), meta=meta)
+    module = LlamaLM(llama_config(**SIZES[args.size]), meta=meta, optimizer=args.optimizer)
     reload = root if meta and (root / "state_dict.pt").is_file() else None
     probe = _Probe(before, start, sampler, reload, args.out)
     strategy = FourDStrategy(**LAYOUTS[args.layout], tp_self_check=False,
@@ -265,30 +288,33 @@ def _wait_for_memory(need: float, wait_s: float = 1800) -> None:
         time.sleep(30)
 
 
-def _need(model_bytes: int, spec: str, build: str, reload: bool) -> float:
+def _need(model_bytes: int, spec: str, build: str, reload: bool, optimizer: str) -> float:
     """What one configuration may hold over all its ranks, from the measurements: 0.4 GB of allocations of the
     interpreter and libraries per rank (their mapped files are shared); whole-built, the model while it is
-    built and broadcast; in training, weights and gradients of the rank's share and 30% for the layers FSDP
-    gathers; meta-built with a ``torch.save`` file, the whole model per rank for the ``torch.load`` after
+    built and broadcast; in training, weights and gradients (and AdamW's two states) of the rank's share and
+    30% for the layers FSDP gathers; meta-built with a ``torch.save`` file, the whole model per rank for the ``torch.load`` after
     training."""
     ranks = _processes(spec)
-    training = 2.3 * model_bytes / ranks
+    training = (2.3 if optimizer == "sgd" else 4.6) * model_bytes / ranks
     per_rank = max(training, 1.2 * model_bytes if build == "whole" else 0, model_bytes if reload else 0)
     return ranks * (0.4 * GB + per_rank)
 
 
 def _run(args: argparse.Namespace, size: str, spec: str, build: str, steps: int, model_bytes: int) -> dict:
-    _wait_for_memory(_need(model_bytes, spec, build, reload=(Path(args.dir) / size / "state_dict.pt").is_file()))
+    _wait_for_memory(_need(model_bytes, spec, build, reload=(Path(args.dir) / size / "state_dict.pt").is_file(),
+                           optimizer=args.optimizer))
     start = time.perf_counter()
     ranks = run_worker(__file__, ["--size", size, "--layout", spec, "--build", build, "--steps", str(steps),
-                                  "--dir", args.dir], TIMEOUT_S, env=CPU_MALLOC_ENV)
+                                  "--dir", args.dir, "--optimizer", args.optimizer], TIMEOUT_S, env=CPU_MALLOC_ENV)
     row = {"size": size, "layout": spec, "build": build, "processes": len(ranks), "model_bytes": model_bytes,
            "wall_s": time.perf_counter() - start, "ranks": ranks}
     heaviest = lambda key: max(r[key] - r["before"] for r in ranks)  # noqa: E731
-    row.update(setup_growth=heaviest("setup_peak"), first_step_growth=heaviest("first_step_peak"),
+    row.update(setup_growth=max(r["setup_peak"] - r["constructed_from"]["rss"] for r in ranks),
+               setup_growth_from_start=heaviest("setup_peak"), first_step_growth=heaviest("first_step_peak"),
                train_growth=heaviest("train_peak"), end_growth=heaviest("end_rss"),
-               setup_anon_growth=max(r["setup_anon_peak"] - r["before_anon"] for r in ranks),
-               setup_file_growth=max(r["setup_file_peak"] - r["before_file"] for r in ranks),
+               setup_anon_growth=max(r["setup_anon_peak"] - r["constructed_from"]["anon"] for r in ranks),
+               setup_file_growth=max(r["setup_file_peak"] - r["constructed_from"]["file"] for r in ranks),
+               before_construction=max(r["constructed_from"]["rss"] for r in ranks),
                before=max(r["before"] for r in ranks), held_bytes=max(r["held_bytes"] for r in ranks),
                setup_s=max(r["setup_s"] for r in ranks),
                step_s=max(r["step_s"][-1] for r in ranks))
@@ -374,6 +400,8 @@ def main() -> None:
     parser.add_argument("--builds", nargs="+", default=list(BUILDS), choices=BUILDS)
     parser.add_argument("--steps", type=int, default=3, help="training steps; the training peak is over all but the first")
     parser.add_argument("--dir", default="/tmp/lightning_4d_big_model", help="where the weights are written")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="sgd: no momentum, no optimizer state; adamw: two states per weight (big_model_adamw.json)")
     parser.add_argument("--keep", action="store_true", help="keep the written weights (deleted by default)")
     parser.add_argument("--huge", action="store_true", help="only the 6.6 GB model, meta-built at tp2 x dp_shard2")
     parser.add_argument("--from-json", help="judge and print results already written (no run)")
@@ -416,10 +444,12 @@ def main() -> None:
                 shutil.rmtree(Path(args.dir) / size, ignore_errors=True)
     _judge(rows)
     payload = {"command": command("big_model.py"), "sizes": sizes, "batch_per_rank": BATCH, "seq": SEQ,
-               "steps": args.steps, "rows": rows}
+               "steps": args.steps, "optimizer": args.optimizer, "rows": rows}
     print(table("big_model", payload))
-    path = write("big_model", payload)
-    drawn = plot_if_possible("big_model", payload)
+    if args.optimizer == "adamw":  # the training peak only: the setup figures and their plot are the SGD run's
+        path, drawn = write("big_model_adamw", payload), None
+    else:
+        path, drawn = write("big_model", payload), plot_if_possible("big_model", payload)
     print(f"(written to {path}{f' and {drawn}' if drawn else ''})")
 
 

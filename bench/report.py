@@ -109,7 +109,9 @@ def _big_model(payload: dict) -> str:
         allowed = (r["setup_goal"] or 0) * r["model_bytes"]
         train_excess = (r["train_growth"] - (r["train_goal"] or 0) * (single or 0)) / gb
         rows.append([r["size"], r["layout"], r["build"], str(r["processes"]), f"{r['before'] / gb:.2f}",
-                     f"{r['setup_growth'] / gb:.2f}", f"{r['setup_anon_growth'] / gb:.2f} / {r['setup_file_growth'] / gb:.2f}",
+                     f"{r.get('before_construction', r['before']) / gb:.2f}", f"{r['setup_growth'] / gb:.2f}",
+                     f"{r.get('setup_growth_from_start', r['setup_growth']) / gb:.2f}",
+                     f"{r['setup_anon_growth'] / gb:.2f} / {r['setup_file_growth'] / gb:.2f}",
                      _goal(r["setup_over_model"], r["setup_goal"], r["setup_met"], (r["setup_growth"] - allowed) / gb),
                      _goal(r["setup_anon_over_model"], r["setup_goal"], r["setup_anon_met"],
                            (r["setup_anon_growth"] - allowed) / gb),
@@ -118,7 +120,8 @@ def _big_model(payload: dict) -> str:
                      f"{r['end_growth'] / gb:.2f}", f"{r['setup_s']:.1f}", f"{r['step_s']:.2f}",
                      f"{r['hf_load_s']:.2f}" if "hf_load_s" in r else "",
                      f"{r['torch_load_s']:.2f}" if "torch_load_s" in r else ""])
-    return _rows(["model", "layout", "build", "ranks", "before (GB)", "setup peak +GB", "anon / file +GB",
+    return _rows(["model", "layout", "build", "ranks", "at start (GB)", "before construction (GB)", "setup peak +GB",
+                  "setup peak +GB from start", "anon / file +GB",
                   "setup / model bytes", "anon / model bytes", "first step peak +GB", "step peak +GB", "step peak / one process",
                   "end of step +GB", "setup s", "step s", "HF dir load s", "torch.load s"], rows)
 
