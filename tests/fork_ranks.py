@@ -7,6 +7,11 @@ before the other ranks are killed. Importing torch, Lightning and lightning_4d c
 forked ranks share one import, which on a 2-core machine is most of a short launch. Every rank is still its own
 process with its own pid, environment and output, exactly as when each is started on its own.
 
+``python -m tests.fork_ranks --serve FD`` keeps those imports for a whole test session: it reads one SPEC path
+and its launch's environment (JSON, one line per launch) on stdin, forks a process that starts the ranks exactly
+as ``python -m tests.fork_ranks SPEC`` would (a new session, so that a timeout kills it with its ranks), and
+answers on file descriptor FD with that process's pid, then with its exit code once it ended.
+
 Exit codes are written as ranks end (``os.waitstatus_to_exitcode``: negative for a signal), so a launch that
 the caller kills at its timeout still shows which ranks had finished.
 """
@@ -85,5 +90,27 @@ def main(spec_path: str) -> None:
         time.sleep(0.05)
 
 
+def serve(answers: int) -> None:
+    """One launch at a time, until stdin closes (the test session ended). A launch's process and each of its
+    ranks end as a process of their own would: their ``sys.exit`` leaves this function and the interpreter."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            os.close(answers)
+            os.environ.update(request["env"])
+            main(request["spec"])
+            sys.exit(0)
+        os.write(answers, f"{pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        os.write(answers, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--serve":
+        serve(int(sys.argv[2]))
+    else:
+        main(sys.argv[1])

@@ -16,6 +16,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -221,7 +222,7 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
 
     ``grace`` seconds after the first rank fails the others are killed, and ``timeout`` ends a hang: a launch
     never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.) With ``fork``
-    the ranks are forked from one process that imported torch and Lightning once (:mod:`tests.fork_ranks`);
+    the ranks are forked from a process that imported torch and Lightning once per session (:mod:`tests.fork_ranks`);
     without, each is started on its own, as a scheduler starts them. ``while_running`` is called in this process
     once the ranks are started (forked launches only): work that would otherwise wait for them.
     """
@@ -238,8 +239,7 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
             codes = Path(tmp, "codes.json")
             spec = Path(tmp, "spec.json")
             spec.write_text(json.dumps({"argv": argv, "envs": ranks, "logs": logs, "codes": str(codes), "grace": grace}))
-            zygote = subprocess.Popen([sys.executable, "-m", "tests.fork_ranks", str(spec)], cwd=ROOT, env=base,
-                                      start_new_session=True)
+            zygote = _ForkServer.start_launch(spec, base)
             try:
                 if while_running is not None:
                     while_running()
@@ -259,6 +259,60 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
     if timed_out:
         chunks.insert(0, f"TIMEOUT after {timeout:.0f} s: killed every rank\n")
     return returncodes, "\n".join(chunks)
+
+
+class _ForkServer:
+    """``python -m tests.fork_ranks --serve``: one process per test session that imported torch, Lightning and
+    lightning_4d (~9 s of CPU) and forks each launch's ranks from there, instead of a new process importing
+    them for every launch. It started with what a launch's environment would be but for the rendezvous
+    variables (:func:`child_env`); a launch whose environment differs otherwise (a test that set a variable read
+    at start-up, like ``MALLOC_MMAP_THRESHOLD_``) starts a process of its own, as before."""
+
+    process: Optional[subprocess.Popen] = None
+    env: dict[str, str] = {}
+    answers = -1  # the read end of the server's answers: a pid, then an exit code, one line each
+    buffered = b""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    @classmethod
+    def start_launch(cls, spec: Path, base: dict[str, str]):
+        """Start one launch; returns what ``wait(timeout)`` (raising ``subprocess.TimeoutExpired``) and
+        ``pid`` (its process group) are asked of: the server's child, or a ``Popen`` of its own."""
+        env = child_env(PYTHONUNBUFFERED="1")
+        if cls.process is None or cls.process.poll() is not None:
+            if cls.answers >= 0:
+                os.close(cls.answers)
+            read_fd, write_fd = os.pipe()
+            cls.process = subprocess.Popen([sys.executable, "-m", "tests.fork_ranks", "--serve", str(write_fd)],
+                                           cwd=ROOT, env=env, stdin=subprocess.PIPE, pass_fds=[write_fd],
+                                           start_new_session=True, text=True)
+            os.close(write_fd)
+            cls.env, cls.answers, cls.buffered = env, read_fd, b""
+        if env != cls.env:
+            return subprocess.Popen([sys.executable, "-m", "tests.fork_ranks", str(spec)], cwd=ROOT, env=base,
+                                    start_new_session=True)
+        cls.process.stdin.write(json.dumps({"spec": str(spec), "env": base}) + "\n")
+        cls.process.stdin.flush()
+        return cls(cls._answer(None))
+
+    @classmethod
+    def _answer(cls, timeout: Optional[float]) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in cls.buffered:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([cls.answers], [], [], left)[0]:
+                raise subprocess.TimeoutExpired("tests.fork_ranks launch", timeout)
+            data = os.read(cls.answers, 4096)
+            if not data:
+                raise RuntimeError(f"the fork server ended (exit {cls.process.wait()}) during a launch")
+            cls.buffered += data
+        line, cls.buffered = cls.buffered.split(b"\n", 1)
+        return int(line)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        return self._answer(timeout)
 
 
 def _popen_ranks(argv: list[str], base: dict[str, str], ranks: list[dict[str, str]], logs: list[str],

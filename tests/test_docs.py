@@ -1,6 +1,7 @@
 """The docs cannot rot: their Python snippets run, their YAML parses into the strategy, and the API
 reference is what docs/api_reference.py generates from the docstrings."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -48,22 +49,55 @@ def _user_env(site: Path) -> dict[str, str]:
     return child_env(PYTHONPATH=str(site))
 
 
-def test_snippets_see_the_installed_package_only(installed, tmp_path):
-    probe = ("import importlib.util, lightning_4d; print(lightning_4d.__file__);"
-             " print(importlib.util.find_spec('examples'), importlib.util.find_spec('tests'))")
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_user_env(installed),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [str(installed / "lightning_4d" / "__init__.py"), "None None"]
+PYTHON_SNIPPETS = dict(_snippets("python"))
+# What the snippet runner imports once before forking each snippet: what nearly every snippet imports itself.
+PRELOAD = ["torch", "lightning.pytorch", "lightning_4d", "transformers", "peft"]
+SNIPPET_TIMEOUT = 300
+PROBE = """import importlib.util, json, lightning_4d
+json.dump([lightning_4d.__file__, str(importlib.util.find_spec('examples')), str(importlib.util.find_spec('tests'))],
+          open('probe.json', 'w'))
+"""
 
 
-@pytest.mark.parametrize(("where", "code"), _snippets("python"), ids=lambda v: v if "#" in str(v) else "")
-def test_python_snippet_runs(where, code, installed, tmp_path):
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_user_env(installed),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{where}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+@pytest.fixture(scope="module")
+def snippet_runs(installed, tmp_path_factory) -> dict[str, dict]:
+    """Every Python snippet (and the probe below) run once as a script in a user's environment, each in a
+    folder of its own, by tests/snippet_runner.py: one process imports torch, Lightning and transformers once
+    and forks a fresh process per snippet, instead of ~17 processes paying those imports (6-10 s of CPU each).
+    Per snippet: its exit code, output and folder; each snippet is still its own test case below."""
+    root = tmp_path_factory.mktemp("snippets")
+    snippets = []
+    for index, (where, code) in enumerate([("probe", PROBE), *PYTHON_SNIPPETS.items()]):
+        folder = root / f"{index:02d}"
+        folder.mkdir()
+        (folder / "snippet.py").write_text(code)
+        snippets.append({"where": where, "script": str(folder / "snippet.py")})
+    out = root / "results.json"
+    spec = root / "spec.json"
+    spec.write_text(json.dumps({"snippets": snippets, "preload": PRELOAD, "timeout": SNIPPET_TIMEOUT,
+                                "out": str(out)}))
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "snippet_runner.py"), str(spec)], cwd=root,
+                          env=_user_env(installed), capture_output=True, text=True,
+                          timeout=SNIPPET_TIMEOUT * len(snippets) + 120)
+    results = json.loads(out.read_text()) if out.exists() else {}
+    for snippet in snippets:
+        results.setdefault(snippet["where"], {"returncode": None, "output": f"the runner recorded nothing "
+                                              f"(exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"})
+        results[snippet["where"]]["folder"] = str(Path(snippet["script"]).parent)
+    return results
+
+
+def test_snippets_see_the_installed_package_only(installed, snippet_runs):
+    probe = snippet_runs["probe"]
+    assert probe["returncode"] == 0, probe["output"]
+    seen = json.loads((Path(probe["folder"]) / "probe.json").read_text())
+    assert seen == [str(installed / "lightning_4d" / "__init__.py"), "None", "None"]
+
+
+@pytest.mark.parametrize("where", PYTHON_SNIPPETS)
+def test_python_snippet_runs(where, snippet_runs):
+    run = snippet_runs[where]
+    assert run["returncode"] == 0, f"{where}:\n{run['output'][-6000:]}"
 
 
 def _strategy_configs() -> list[tuple[str, dict]]:
