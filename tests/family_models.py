@@ -95,6 +95,11 @@ class T5Seq2Seq(_CausalLM):
 # out_lin and lin1 -> lin2, bidirectional; ELECTRA a BERT layout behind an embedding projection (embedding size
 # 16 -> hidden 32), the share the sweep found under 90% only because that projection weighs so much when tiny;
 # Falcon-7B's multi-query query_key_value (every q head, then one k and one v head) and dense.
+# ModernBERT (encoder and decoder): a fused Wqkv -> Wo attention (encoder; the decoder's q/k/v_proj -> Wo) and a
+# fused gate|up Wi -> Wo MLP; every other layer attends within a window of 8 tokens (local_attention) here.
+MODERNBERT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, local_attention=8, attention_dropout=0.0, embedding_dropout=0.0,
+                  mlp_dropout=0.0, pad_token_id=0, bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0)
 SWEPT = {
     "phi": ("PhiForCausalLM", "PhiConfig", dict(
         hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5,
@@ -110,6 +115,8 @@ SWEPT = {
         embedding_size=16, hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, type_vocab_size=1, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=0)),
+    "modernbert": ("ModernBertForMaskedLM", "ModernBertConfig", MODERNBERT),
+    "modernbert_decoder": ("ModernBertDecoderForCausalLM", "ModernBertDecoderConfig", MODERNBERT),
 }
 
 

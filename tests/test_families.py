@@ -15,7 +15,9 @@ clipped below their norm, so the clip's global norm over plain and DTensor gradi
    encoder's and decoder's ``embed_tokens`` and ``lm_head`` placed alike. At tp=2 (``tp_strict``) and dp2 x tp2.
 4. Families the sweep (tests/family_sweep.py) flagged, now planned: Phi (q/k/v -> ``dense``), XLM (q_lin/k_lin/
    v_lin -> out_lin, lin1 -> lin2), ELECTRA (BERT's layout behind an embedding projection) and Falcon-7B's
-   multi-query ``query_key_value`` (every q head, then one k and one v head), at tp=2 (``tp_strict``).
+   multi-query ``query_key_value`` (every q head, then one k and one v head), and ModernBERT, encoder (fused
+   ``Wqkv`` -> ``Wo``) and decoder (q/k/v_proj -> ``Wo``), each with a fused gate|up ``Wi`` -> ``Wo`` MLP and a
+   sliding-window layer, at tp=2 (``tp_strict``).
 
 One 2-process and one 4-process launch (tests/parity.py) hold every case; plans and refusals run in this
 process.
@@ -49,7 +51,7 @@ TWO = [
     Case("mla_cp2", strategy={"cp": 2}, **MLA),
     Case("t5_tp2", strategy={"tp": 2, **STRICT}, **T5),
     *(Case(f"{family}_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"family": family}, **SWEPT)
-      for family in ("phi", "xlm", "electra", "falcon")),
+      for family in ("phi", "xlm", "electra", "falcon", "modernbert", "modernbert_decoder")),
 ]
 FOUR = [
     Case("bert_dp2_tp2", strategy={"dp": 2, "tp": 2, **STRICT}, **BERT),

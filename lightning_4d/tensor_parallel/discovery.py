@@ -46,11 +46,13 @@ _ATTENTION_PRESETS = (
     (("q", "k", "v"), "o"),  # Hugging Face T5 (and its relatives: mT5, UMT5, LongT5's local attention)
     (("q_proj", "k_proj", "v_proj"), "dense"),  # Hugging Face Phi (-1, -1.5, -2)
     (("q_lin", "k_lin", "v_lin"), "out_lin"),  # Hugging Face XLM, FlauBERT
+    (("q_proj", "k_proj", "v_proj"), "Wo"),  # Hugging Face ModernBERT decoder
 )
 _FUSED_ATTENTION_PRESETS = (
     ("c_attn", "c_proj"),  # GPT-2 (transformers Conv1D), nanoGPT (nn.Linear)
     ("qkv", "proj"),  # litgpt
     ("qkv_proj", "o_proj"),  # Hugging Face Phi-3
+    ("Wqkv", "Wo"),  # Hugging Face ModernBERT
 )
 # Fused q|k|v laid out head by head (head 0's q, k, v, then head 1's, ...): a contiguous column-wise shard
 # already holds whole heads, so nothing is permuted.
@@ -69,7 +71,7 @@ _MLP_PRESETS = (
     (("linear1",), "linear2"),  # torch's nn.TransformerEncoderLayer / nn.TransformerDecoderLayer
     (("lin1",), "lin2"),  # Hugging Face XLM, FlauBERT (TransformerFFN)
 )
-_FUSED_MLP_PRESETS = (("gate_up_proj", "down_proj"),)  # Hugging Face Phi-3: gate|up in one linear
+_FUSED_MLP_PRESETS = (("gate_up_proj", "down_proj"), ("Wi", "Wo"))  # Phi-3, ModernBERT: gate|up in one linear
 # BERT-style encoder layers (BERT, RoBERTa, XLM-R, ELECTRA, ...): q/k/v one level down in the attention core
 # (``attention.self``), the output projection in its sibling (``attention.output.dense``), which also adds the
 # residual and normalizes; the MLP split over the layer's ``intermediate`` and ``output`` children likewise.
