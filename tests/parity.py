@@ -11,6 +11,7 @@ the same seed and ``dp`` times the batch size, so each reference step sees the u
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -247,6 +248,11 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
             except subprocess.TimeoutExpired:
                 os.killpg(zygote.pid, signal.SIGKILL)  # the ranks share its process group
                 zygote.wait()
+            except BaseException:  # while_running failed: end the launch, and read its exit code off the server's
+                with contextlib.suppress(ProcessLookupError):  # answers, which the next launch would take for its own
+                    os.killpg(zygote.pid, signal.SIGKILL)
+                zygote.wait()
+                raise
             known = json.loads(codes.read_text()) if codes.exists() else [None] * world_size
             returncodes = [-signal.SIGKILL if code is None else code for code in known]
         else:

@@ -1,0 +1,46 @@
+"""The launch harness every multi-process test stands on (tests/parity.py): forked launches share one fork
+server per session (tests/fork_ranks.py), so a launch that ends badly must leave the server's answers in step
+for the next launch, and a hang must end at its timeout with every rank killed."""
+
+import pytest
+
+from tests.parity import launch
+
+# Each rank sleeps as long as the file beside the script says (the environment stays the session's, so the
+# launches go through the fork server) and exits with 3 + its rank.
+RANK = """import os, sys, time
+time.sleep(float(open(os.path.join(os.path.dirname(__file__), "sleep_s")).read()))
+sys.exit(3 + int(os.environ["RANK"]))
+"""
+
+
+@pytest.fixture()
+def script(tmp_path):
+    path = tmp_path / "rank.py"
+    path.write_text(RANK)
+    return path
+
+
+def _sleep(script, seconds: float) -> None:
+    (script.parent / "sleep_s").write_text(str(seconds))
+
+
+def test_a_failed_reference_ends_its_launch_and_the_next_launch_reads_its_own_ranks(script):
+    def failing():
+        raise RuntimeError("the reference failed")
+
+    _sleep(script, 1)
+    with pytest.raises(RuntimeError, match="the reference failed"):
+        launch([str(script)], 2, timeout=60, while_running=failing)
+    _sleep(script, 0)
+    codes, _ = launch([str(script)], 2, timeout=60)
+    assert codes == [3, 4]
+
+
+def test_a_hang_ends_at_its_timeout_and_the_next_launch_reads_its_own_ranks(script):
+    _sleep(script, 120)
+    codes, output = launch([str(script)], 2, timeout=3)
+    assert codes == [-9, -9] and output.startswith("TIMEOUT after 3 s"), (codes, output[:200])
+    _sleep(script, 0)
+    codes, _ = launch([str(script)], 2, timeout=60)
+    assert codes == [3, 4]
