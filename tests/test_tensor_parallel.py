@@ -589,7 +589,8 @@ def test_multi_query_fused_projection_shards_q_and_keeps_k_and_v_whole():
     assert attention.kv_replicated and attention.tp_summed == ("c_attn",)
     assert plan.styles["model.transformer.h.0.attn.c_attn"].style == "colwise"
     assert plan.attributes["model.transformer.h.0.attn"] == {
-        "num_heads": 2, "embed_dim": 16, "split_size": 16, "num_key_value_groups": 2}  # kv_dim stays one head
+        "num_heads": 2, "embed_dim": 16, "split_size": 16, "num_key_value_groups": 2,
+        "kv_heads": 1}  # kv_dim stays one head, each rank's queries read it
     text = plan.describe()
     assert ("[c_attn -> c_proj] fused, q rows sharded and permuted per rank: heads 4->2, kv heads 1 < tp: the k and v"
             " rows of c_attn whole on every rank (grads summed over tp), 1 kv head used per rank") in text, text
