@@ -84,7 +84,7 @@ _SPLIT_MLP_PRESETS = ((("intermediate.dense",), "output.dense"),)
 _LATENT_ATTENTION_PRESETS = ((("q_b_proj", "q_proj"), "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"),)
 _HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 _KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups",
-                  "kv_heads")  # kv_heads: GPTBigCode's attention, whose own count wins over its config's
+                  "kv_heads")  # kv_heads: GPTBigCode's attention (declared there even when its config says otherwise)
 _WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
 _MODEL_WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "d_model", "dim")
 _HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
