@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import nn
 from torch._ops import OpOverloadPacket
 from torch.distributed.device_mesh import DeviceMesh
@@ -284,6 +285,35 @@ def metric_forward_cache(metric: Any) -> Any:
 
 def set_metric_forward_cache(metric: Any, value: Any) -> None:
     metric._forward_cache = value
+
+
+# Context parallelism's step check runs the user's step twice on a sample and must leave every metric as it
+# was: torchmetrics has ``reset`` but no public way to save and restore a state (its ``metric_state`` is
+# read-only), so the states named in ``_defaults`` and the counters beside them are copied and put back.
+def metric_snapshot(metric: Any) -> dict[str, Any]:
+    states = {name: value.clone() if isinstance(value, torch.Tensor) else list(value) if isinstance(value, list)
+              else value for name, value in ((name, getattr(metric, name)) for name in metric._defaults)}
+    return {"states": states, "_update_count": metric._update_count, "_forward_cache": metric._forward_cache,
+            "_computed": metric._computed}
+
+
+def restore_metric(metric: Any, snapshot: dict[str, Any]) -> None:
+    for name, value in snapshot["states"].items():
+        setattr(metric, name, value)
+    for name in ("_update_count", "_forward_cache", "_computed"):
+        setattr(metric, name, snapshot[name])
+
+
+# ------------------------------------------------------------------------------------------ random streams
+
+# Every random stream a step may draw from (torch's, CUDA's, numpy's, Python's), saved and restored around the
+# step check's runs so that training draws as if they had not run: Lightning's own pair, private.
+def rng_states() -> dict[str, Any]:
+    return _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    _set_rng_states(states)
 
 
 # -------------------------------------------------------------------------------------------- transformers

@@ -64,6 +64,7 @@ from lightning_4d.clipping import clip_grad_norm_
 from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
 from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
+from lightning_4d.context_parallel.step_check import StepCheck
 from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model, replaced_expert_lists
 from lightning_4d.experts import find_expert_lists, global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
@@ -276,6 +277,7 @@ class ParallelModel:
         self.options = options
         self.tensor_plan = plans.tensor if plans.tensor is not None and plans.tensor.enabled else None
         self.context: Optional[ContextParallel] = None
+        self.step_check: Optional[StepCheck] = None  # under cp: the first batches' steps run sharded and whole
         self._multihead: Optional[MultiheadForwards] = None  # under cp: forwards of torch's nn.MultiheadAttention
         self.checkpointed_blocks: list[int] = []  # positions in the whole model's block list
         self.compiled: Optional[Compiled] = None  # set when compile is on
@@ -332,6 +334,10 @@ class ParallelModel:
                                            tensor_parallel=dims.tp if self.tensor_plan is not None else 1)
             if self.pipeline is not None:  # a micro-batch's masks read its rows of the step's padding and documents
                 self.pipeline.before_microbatch = self.context.select_rows
+            if config.check:
+                sixteen = (torch.bfloat16, torch.float16)
+                low = self.options["param_dtype"] in sixteen or any(p.dtype in sixteen for p in self.module.parameters())
+                self.step_check = StepCheck(self.context, self.module, self.device, config.check_tokens, low)
         if dims.cp_enabled and self._multihead is None:
             # torch's nn.MultiheadAttention computes attention out of the interception's reach: lightning_4d's
             # forward on each instance (tensor parallelism gave the ones it shards theirs already, for good).
@@ -346,16 +352,19 @@ class ParallelModel:
         self._buckets.clear()
         if self.context is not None:
             self.context.remove()
-            self.context = None
+            self.context = self.step_check = None
         if self._multihead is not None:
             self._multihead.remove()
             self._multihead = None
 
     # ------------------------------------------------------------------------------------ steps
 
-    def shard_batch(self, batch: Any) -> Any:
-        """This rank's part of the batch: under context parallelism, its shard of every sequence."""
-        return self.context.shard_batch(batch) if self.context is not None else batch
+    def shard_batch(self, batch: Any, step: Optional[str] = None) -> Any:
+        """This rank's part of the batch: under context parallelism, its shard of every sequence (kept whole too
+        when ``step``, the step method it is for, has its first batch checked)."""
+        if self.context is None:
+            return batch
+        return self.context.shard_batch(batch, keep_whole=self.step_check is not None and self.step_check.due(step))
 
     @contextmanager
     def step_context(self, predicting: bool = False) -> Iterator[None]:
@@ -389,6 +398,8 @@ class ParallelModel:
         freed before the step instead, which gives the same gradients without holding the previous ones through
         the forward (and, under pipelining, through the whole schedule)."""
         training = name == "training_step"
+        if self.step_check is not None and not predicting and self.step_check.due(name):
+            self.step_check.check(name, self._step_without_gradients(name, args, kwargs))
         if training:
             self._check_still_frozen()
             if gradients_zeroed:
@@ -417,6 +428,38 @@ class ParallelModel:
         if training and self.compiled is not None and not self.compiled.reported:
             self.compiled.report()  # after the first training step, once dynamo has met every graph break
         return output
+
+    def _step_without_gradients(self, name: str, args: tuple, kwargs: dict) -> Callable[[Any, bool], Any]:
+        """For the step check: the step ``name`` on another batch, forward only, returning what :meth:`step`
+        returns; ``sharded``: on a shard, with its token losses, logs and loss combined over the cp group only
+        (one replica's sample, like the whole run), else as one process on the whole sample. Token-mean losses
+        are weighed as one process weighs them whatever ``loss_normalization`` says: the check is about what the
+        step computes from its tokens, and ``"replica"`` (each shard's own mean) is a weighting chosen on purpose."""
+        def run(batch: Any, sharded: bool) -> Any:
+            call_args = (batch, *args[1:])
+            group = self.mesh.group("cp") if sharded else None
+            token_losses = TokenMeanLosses(group)
+            with ExitStack() as stack:
+                if self.tensor_plan is not None:
+                    stack.enter_context(tensor_parallel_context(self.tensor_plan))
+                if sharded:
+                    stack.enter_context(self.context.context())
+                    if self._balancing is not None:
+                        stack.enter_context(compat.module_function_replaced(
+                            self._balancing[0], "load_balancing_loss_func", global_balancing_loss(group)))
+                if self.pipeline is not None:
+                    around = self.sharded.pipelined_step if self.sharded is not None else (lambda _: nullcontext())
+                    output = self.pipeline.step(name, call_args, kwargs, around=around, token_losses=token_losses,
+                                                forward_only=True)
+                else:
+                    stack.enter_context(token_losses)
+                    output = getattr(self.module, name)(*call_args, **kwargs)
+            loss = output.get("loss") if isinstance(output, dict) else output
+            if sharded and name == "training_step" and getattr(loss, TOKENS_ATTRIBUTE, None) is None:
+                output = self.context.global_loss(output)
+            return output
+
+        return run
 
     def _token_losses(self, deferred: bool, window: bool) -> Optional[TokenMeanLosses]:
         return TokenMeanLosses(self.token_group, deferred, window) if self.token_losses else None

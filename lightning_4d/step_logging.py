@@ -11,7 +11,7 @@ run collectives keyed on them, and rank 0, the one that writes to loggers, may b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional
 
@@ -97,22 +97,26 @@ class StepLogs:
         return merged
 
     @staticmethod
-    def all_reduce(values: dict[str, tuple[Any, dict[str, Any]]], group: dist.ProcessGroup) -> None:
-        """Combine tensor values across ``group`` in place, each with its own ``reduce_fx``."""
+    def all_reduce(values: dict[str, tuple[Any, dict[str, Any]]], group: dist.ProcessGroup,
+                   reductions: Optional[Mapping[str, str]] = None) -> None:
+        """Combine tensor values across ``group`` in place, each with its own ``reduce_fx``, or with the reduction
+        ``reductions`` names for it instead (``"one"``: the same on every rank already, left as it is)."""
         size = dist.get_world_size(group)
+        reductions = reductions or {}
         # One all-reduce per reduce op (and dtype and device), not one per logged value: every rank logs the
         # same names, so every rank builds the same batches in the same order.
-        batches: dict[tuple[Any, ...], list[str]] = {}
+        batches: dict[tuple[Any, ...], list[tuple[str, str]]] = {}
         for name, (value, kwargs) in values.items():
-            if isinstance(value, Tensor):
-                batches.setdefault((_REDUCE_OPS[_reduce_name(kwargs)], value.dtype, value.device), []).append(name)
-        for (op, _, _), names in batches.items():
-            flat = torch.cat([values[name][0].reshape(-1) for name in names])
+            fx = reductions.get(name) or _reduce_name(kwargs)
+            if isinstance(value, Tensor) and fx != "one":
+                batches.setdefault((_REDUCE_OPS[fx], value.dtype, value.device), []).append((name, fx))
+        for (op, _, _), entries in batches.items():
+            flat = torch.cat([values[name][0].reshape(-1) for name, _ in entries])
             dist.all_reduce(flat, op=op, group=group)
-            for name, part in zip(names, flat.split([values[name][0].numel() for name in names])):
+            for (name, fx), part in zip(entries, flat.split([values[name][0].numel() for name, _ in entries])):
                 value, kwargs = values[name]
                 part = part.view_as(value)
-                values[name] = (part / size if _reduce_name(kwargs) == "mean" else part, kwargs)
+                values[name] = (part / size if fx == "mean" else part, kwargs)
 
     def replay(self, values: dict[str, tuple[Any, dict[str, Any]]]) -> None:
         for name, (value, kwargs) in values.items():

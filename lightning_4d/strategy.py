@@ -33,6 +33,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders
 from lightning_4d.compile import CompileConfig
 from lightning_4d.context_parallel import ContextParallelConfig
+from lightning_4d.context_parallel.config import DEFAULT_CHECK_TOKENS
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_forward, check_shard_units,
                                         param_dtype_for)
 from lightning_4d.desync import DesyncMonitor
@@ -83,6 +84,9 @@ class FourDStrategy(ModelParallelStrategy):
             under which the file's keys are the module's (e.g. ``"model."``; ``None``: found automatically).
         cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers, cp_document_key: see
             :class:`~lightning_4d.context_parallel.config.ContextParallelConfig` (``None``: found by name).
+        cp_check, cp_check_tokens: on the first training, validation and test batch, run the step on a sample (at
+            most ``cp_check_tokens`` tokens per sequence) sharded and whole, and refuse a difference from one
+            process before any weight changes; see :mod:`lightning_4d.context_parallel.step_check`.
         pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the schedule (``gpipe``,
             ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``,
             ``dualpipev``), micro-batches (``None``: ``2 * pp``), the block list to cut, where stages begin and
@@ -139,6 +143,8 @@ class FourDStrategy(ModelParallelStrategy):
         cp_position_modules: Optional[list[str]] = None,
         cp_buffers: Optional[list[str]] = None,
         cp_document_key: Optional[str] = None,
+        cp_check: bool = True,
+        cp_check_tokens: int = DEFAULT_CHECK_TOKENS,
         pp_schedule: str = "1f1b",
         pp_microbatches: Optional[int] = None,
         pp_blocks: Optional[str] = None,
@@ -175,7 +181,7 @@ class FourDStrategy(ModelParallelStrategy):
         self.shard_units = shard_units
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers,
-                                               cp_document_key)
+                                               cp_document_key, cp_check, cp_check_tokens)
         self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
         self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check, tp_strict)
         self.tp_config.check_with_pipeline(self.pp_config.pp)
@@ -330,7 +336,10 @@ class FourDStrategy(ModelParallelStrategy):
         if self._desync is not None and trainer.training:
             self._desync.check_batch(batch, trainer.global_step)
         # Prediction outputs are per token or per sequence, so prediction runs on whole sequences.
-        return batch if trainer.predicting else self.parallel.shard_batch(batch)
+        if trainer.predicting:
+            return batch
+        step = "training_step" if trainer.training else "test_step" if trainer.testing else "validation_step"
+        return self.parallel.shard_batch(batch, step)
 
     # The module's step methods, run by the ParallelModel inside the precision plugin's context.
     training_step = _step_method("training_step", "train_step_context")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,39 @@ from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.step_logging import StepLogs
 
 _SDPA = F.scaled_dot_product_attention
+_RUNNING: list[ContextParallel] = []  # the context-parallel step running on this rank, innermost last
+# On an error that comes from the model, not from the step: the step check passes it on as it is.
+MODEL_REFUSAL = "_lightning_4d_model_refusal"
+
+
+class PeerFailed(RuntimeError):
+    """Raised on the ranks of a context-parallel group that did not fail when another did (step check)."""
+
+
+class SequencePositions(NamedTuple):
+    positions: Tensor  # the global positions of the tokens this rank holds, in their local order
+    length: int  # the whole sequence's length
+
+
+def sequence_positions(tokens: Tensor, dim: int = 1) -> SequencePositions:
+    """The global positions and the whole length of the sequence whose tokens ``tokens`` holds along ``dim``.
+
+    For position-dependent code in a step or a forward (the last ``n`` tokens, a prompt mask, position weights):
+    under context parallelism a rank holds a zigzag shard of every sequence, and ``torch.arange(x.size(1))``
+    numbers that shard ``0..T/cp-1``. This gives the positions one process would see, on ``tokens``' device,
+    under any ``cp`` (and ``0..T-1`` without it, or outside a step), e.g.
+    ``positions, length = sequence_positions(x); labels = y.masked_fill(positions < prompt_len, -100)``.
+    """
+    size = tokens.size(dim)
+    running = _RUNNING[-1] if _RUNNING else None
+    if running is None:
+        return SequencePositions(torch.arange(size, device=tokens.device), size)
+    local = running._positions.numel()
+    if size != local:
+        raise ValueError(f"sequence_positions: dim {dim} of a tensor of shape {tuple(tokens.shape)} has {size} entries,"
+                         f" but this rank holds {local} tokens of each sequence (cp={running.size}); pass a tensor"
+                         " as the batch gave it (before slicing the sequence), with dim its sequence dim.")
+    return SequencePositions(running._positions.to(tokens.device), running._seq_len)
 
 
 
@@ -166,6 +199,11 @@ class ContextParallel:
         self._active = False
         self._verified = False
         self._announced = False
+        self.whole_batch: Any = None  # the last batch before sharding, kept for the step check only
+        self.agreeing = False  # the step check's sharded run: attention calls agree on failures (:meth:`agree`)
+        self.failure_told = False  # an agreement of that run found a failure: every rank knows
+        # Logged names whose combination over the cp ranks the step check learned ("one": the same on every shard)
+        self.log_reductions: dict[str, str] = {}
         self._hooks = [
             module.get_submodule(fqn).register_forward_pre_hook(self._position_hook(fqn, arg), with_kwargs=True)
             for fqn, arg in self.position_modules.items()
@@ -194,8 +232,9 @@ class ContextParallel:
 
     # -------------------------------------------------------------------------------------- batches
 
-    def shard_batch(self, batch: Any) -> Any:
-        """This rank's zigzag shard of every sequence tensor of ``batch``; raises before any collective."""
+    def shard_batch(self, batch: Any, keep_whole: bool = False) -> Any:
+        """This rank's zigzag shard of every sequence tensor of ``batch``; raises before any collective.
+        ``keep_whole``: keep ``batch`` as :attr:`whole_batch` (for the step check, which runs the step on it)."""
         paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
         check_sequence_length(length, self.size, self.sequence_parallel,
                               where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
@@ -221,7 +260,19 @@ class ContextParallel:
         self._seq_len = length
         self._facts = self._sequence_facts(tensors, length, positions)
         self._explained = {}
+        self.whole_batch = batch if keep_whole else None
         return sharded
+
+    @contextmanager
+    def probing(self, batch: Any) -> Iterator[Any]:
+        """Shard ``batch`` (a sample, for the step check) for a run inside :meth:`context`, and give the
+        step's own batch its shard's state back afterwards."""
+        saved = (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes, self.whole_batch)
+        try:
+            yield self.shard_batch(batch)
+        finally:
+            (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes,
+             self.whole_batch) = saved
 
     def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor) -> SequenceFacts:
         """The whole batch's ``attention_mask`` and ``position_ids`` ([batch, length], by name) and the named
@@ -256,6 +307,7 @@ class ContextParallel:
         calls = self.attention_calls
         swapped = self._swap_buffers()
         self._active = True
+        _RUNNING.append(self)
         try:
             with _AttentionInterception(self):
                 yield
@@ -264,17 +316,20 @@ class ContextParallel:
                 raise ValueError(self._failed_before_attention(error)) from error
             raise
         finally:
+            _RUNNING.pop()
             self._active = False
             for owner, name, original in swapped:
                 compat.buffers_of(owner)[name] = original
         if not self._verified:
             if self.attention_calls == calls:
-                raise RuntimeError(
+                error = RuntimeError(
                     f"Context parallelism (cp={self.size}) split each sequence over {self.size} ranks, but the first"
                     f" step of {type(self.module).__name__} made no scaled_dot_product_attention call, so its"
                     " attention saw only this rank's tokens. The model computes attention some other way (e.g. a"
                     " hand-written softmax, or Hugging Face attn_implementation='eager'): use"
                     " torch.nn.functional.scaled_dot_product_attention (attn_implementation='sdpa'), or cp=1.")
+                setattr(error, MODEL_REFUSAL, True)
+                raise error
             self._verified = True
 
     def _failed_before_attention(self, error: Exception) -> str:
@@ -312,7 +367,7 @@ class ContextParallel:
         with self.context(), logs.recording():
             yield
         values = logs.combined()
-        StepLogs.all_reduce(values, self.group)
+        StepLogs.all_reduce(values, self.group, self.log_reductions)
         logs.replay(values)
 
     def global_loss(self, output: Any) -> Any:
@@ -393,6 +448,37 @@ class ContextParallel:
                   enable_gqa: bool = False) -> Tensor:
         """``F.scaled_dot_product_attention`` over the whole sequence, computed as ring attention."""
         self.attention_calls += 1
+        if not self.agreeing:
+            operands = self._operands(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        else:  # the step check: a mask one rank of the group cannot read stops every rank here, none waits
+            try:
+                operands, failure = self._operands(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                   enable_gqa), None
+            except Exception as error:  # noqa: BLE001  raised below, once the group knows
+                operands, failure = None, error
+            if self.agree(failure is not None):
+                raise failure if failure is not None else PeerFailed(
+                    "another rank of the context-parallel group failed at this attention call (its error follows)")
+        q, k, v, lead, value_dim, is_causal, scale, mask = operands
+        if self.comm == "a2a":
+            out = ulysses_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, mask=mask)
+        else:
+            out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
+                                 mask=mask)
+        return out[..., :value_dim].reshape(*lead, *out.shape[2:-1], value_dim)
+
+    def agree(self, failed: bool) -> bool:
+        """Whether any rank of the group failed (each says whether it did); for the step check, which calls it at
+        every attention call of its sharded run and once after it (a rank that failed elsewhere says so there)."""
+        flag = torch.tensor([float(failed)], device=self._positions.device)
+        dist.all_reduce(flag, group=self.group)
+        told = bool(flag.item() > 0)  # the step check's first batch only, never a training step
+        self.failure_told = self.failure_told or told
+        return told
+
+    def _operands(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                  is_causal: bool, scale: Optional[float], enable_gqa: bool) -> tuple:
+        """The call's operands for ring attention and its mask over the whole sequence; raises what cannot be."""
         local = self._positions.numel()
         if query.dim() < 3 or query.size(-2) != local or key.size(-2) != local:
             raise ValueError(
@@ -421,12 +507,7 @@ class ContextParallel:
             mask = unmasked(bool(is_causal), self._facts, self._layer, q.size(0), q.device, self._seq_len,
                             recomputing=compat.in_backward())
             is_causal = is_causal and mask is None
-        if self.comm == "a2a":
-            out = ulysses_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, mask=mask)
-        else:
-            out = ring_attention(q, k, v, group=self.group, is_causal=bool(is_causal), scale=scale, comm=self.comm,
-                                 mask=mask)
-        return out[..., :value_dim].reshape(*lead, *out.shape[2:-1], value_dim)
+        return q, k, v, lead, value_dim, is_causal, scale, mask
 
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:
         """``(is_causal, SequenceMask or None)`` over the whole sequence for a mask the model built on its shard.

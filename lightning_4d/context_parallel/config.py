@@ -11,6 +11,8 @@ from lightning_4d.context_parallel.zigzag import _nearest_multiples
 from lightning_4d.parallel_dims import ParallelDims
 
 COMM_MODES = ("ring", "allgather", "a2a")
+# The step check's sample: at most this many tokens of each sequence (rounded down to the zigzag multiple).
+DEFAULT_CHECK_TOKENS = 1024
 _EXAMPLES = {"cp_batch_keys": "input_ids", "cp_position_modules": "transformer.wpe", "cp_buffers": "model.cos"}
 
 
@@ -25,7 +27,9 @@ class ContextParallelConfig:
     indices as strings, dotted for nesting; ``None``: every tensor as long on ``seq_dim`` as the first one).
     position_modules: FQN globs of modules whose position input must see global positions. buffers: FQN globs
     of per-position tables that code slices by length. document_key: the batch entry holding a document id per
-    token (packed sequences, for models that build their document mask from it). See
+    token (packed sequences, for models that build their document mask from it). check: on the first training,
+    validation and test batch, run the step on a sample sharded and whole and refuse a difference
+    (:mod:`.step_check`); check_tokens: the sample's tokens per sequence at most. See
     ``docs/context_parallel.md``."""
 
     cp: int = 1
@@ -35,9 +39,19 @@ class ContextParallelConfig:
     position_modules: Optional[Sequence[str]] = None
     buffers: Optional[Sequence[str]] = None
     document_key: Optional[str] = None
+    check: bool = True
+    check_tokens: int = DEFAULT_CHECK_TOKENS
 
     def __post_init__(self) -> None:
         ParallelDims.check_sizes(1, 1, self.cp, 1)
+        if not isinstance(self.check, bool):
+            raise ValueError(f"cp_check={self.check!r} must be True (on the first batch of training, validation and"
+                             " test, run the step sharded and whole and refuse a difference from one process) or"
+                             " False (no check).")
+        if isinstance(self.check_tokens, bool) or not isinstance(self.check_tokens, int) or self.check_tokens <= 0:
+            raise ValueError(f"cp_check_tokens={self.check_tokens!r} must be a positive number of tokens: the step"
+                             f" check's sample keeps at most that many of each sequence (default"
+                             f" {DEFAULT_CHECK_TOKENS}); to turn the check off use cp_check=False.")
         if self.comm not in COMM_MODES:
             raise ValueError(f"cp_comm={self.comm!r} is not a communication mode: use 'ring' (K/V blocks passed round"
                              " the group, O(L/cp) memory), 'allgather' (all K/V gathered at once, O(L) memory) or"

@@ -164,15 +164,17 @@ class PipelineRunner:
 
     def step(self, method: str, args: tuple, kwargs: dict, accumulate_grad_batches: int = 1,
              around: Callable[[bool], AbstractContextManager[None]] = lambda training: nullcontext(),
-             token_losses: Optional[TokenMeanLosses] = None) -> Any:
+             token_losses: Optional[TokenMeanLosses] = None, forward_only: bool = False) -> Any:
         """Run ``module.<method>`` on every micro-batch of ``args[0]`` through the pipeline; returns the step
         output on every rank (the merged outputs of the micro-batches, computed on the last stage). Training
         losses are scaled by ``1 / (micro-batches * accumulate_grad_batches)``, as one process averages them.
         ``around(training)`` is entered around the schedule (sharded data parallelism gathers and reduces there);
         the gradients are set aside after it. ``token_losses`` (deferred): token-mean losses count every valid
         target of the whole batch once; the step's gradients are divided by the batch's count when committed, and
-        the micro-batches' logged losses are combined weighted by their counts (in evaluation steps too)."""
-        training = self._training = method == "training_step"
+        the micro-batches' logged losses are combined weighted by their counts (in evaluation steps too).
+        ``forward_only``: a training step run like an evaluation step (no backward; context parallelism's step
+        check)."""
+        training = self._training = method == "training_step" and not forward_only
         n = self.config.num_microbatches
         micro = split_batch(args[0], n)
         user_step = getattr(self.module, method)
@@ -215,10 +217,18 @@ class PipelineRunner:
     def _learn_boundary(self) -> tuple:
         """Shape and dtype of the activation between stages, from a real forward of micro-batch 0."""
         info: list[Any] = [None]
+        error = None
         if 0 in self.local_stages:
-            hidden = self._ready[0] = self._run_stage(0, 0, None)
-            info[0] = (tuple(hidden.shape), hidden.dtype)
+            try:
+                hidden = self._ready[0] = self._run_stage(0, 0, None)
+                info[0] = (tuple(hidden.shape), hidden.dtype)
+            except Exception as failure:  # every stage raises, instead of the others waiting for a shape
+                error, info[0] = failure, f"{type(failure).__name__}: {failure}"
         dist.broadcast_object_list(info, src=self._first_rank, group=self.group)
+        if error is not None:
+            raise error
+        if isinstance(info[0], str):
+            raise RuntimeError(f"Pipeline stage 0 failed on micro-batch 0 of the step: {info[0]}")
         return info[0]
 
     def _build(self, training: bool, boundary: tuple) -> Any:

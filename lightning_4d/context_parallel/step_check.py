@@ -1,0 +1,359 @@
+"""What a rank's step computes on its shard, checked against the whole sequence before any weight changes.
+
+Context parallelism makes attention, position modules, the masks it can read, token-mean losses and logged
+means global. Code that depends on where a token sits or on the length it sees (``logits[:, -16:]``,
+``torch.arange(x.size(1))`` in a weight or a mask, a prompt mask or position ids built in the step or in
+forward, a random mask drawn in the shard's shape) computes something else on a shard, and would train another
+model than one process without a word. So on the first training, validation and test batch every rank runs the
+step on a sample of its batch twice, without gradients, in eval mode and without autocast: **sharded** as
+training runs it (ring attention, global positions, token losses and logged values combined over the cp group)
+and **whole**, with context parallelism off, as one process would. It compares the returned loss and every
+logged value:
+
+* a difference beyond round-off stops every rank before the step, naming the step, the values, the usual causes
+  and fixes that work (:class:`StepMismatch`);
+* a step that fails on the shard but runs whole is refused with the same explanation before its own error;
+* a logged value that matches one process when taken once rather than combined with its ``reduce_fx`` (a
+  sample count summed over cp) or when summed (a token count) is combined that way from then on, said once.
+
+The sample is the batch with every sequence cut to ``check_tokens`` tokens (a multiple of ``2 x cp``, and of
+``tp`` under sequence parallelism). The runs leave no trace: logged values go nowhere, torchmetrics states,
+module modes and every random stream are restored, optimizer and scheduler steps and ``manual_backward`` do
+nothing while they run. It costs two forward passes of the sample once per step method, and one object
+all-gather over the cp group and one over the world, outside the steady state.
+"""
+
+from __future__ import annotations
+
+import builtins
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_4d import _compat as compat
+from lightning_4d.context_parallel.apply import MODEL_REFUSAL, ContextParallel, PeerFailed
+from lightning_4d.context_parallel.batches import _map_tensors, sequence_paths
+from lightning_4d.step_logging import StepLogs, _reduce_name
+
+STEPS = ("training_step", "validation_step", "test_step")
+# Relative and absolute tolerance of a comparison. The check computes in full fp32 (no autocast, no TF32), where
+# the round-off of ring against whole-sequence attention measured at most 2.3e-7 relative on a loss over the
+# suite's cp models; the differences the check exists for were 1.7e-2 to 3e-2 on the first models measured and
+# 2.5e-4 for a last-4-token loss of an untrained tiny model. With 16-bit parameters (or FSDP computing in 16
+# bits) round-off is ~1e-2 itself: the check then finds only larger differences.
+TOLERANCE = {"fp32": (1e-5, 1e-6), "16-bit": (5e-2, 1e-3)}
+_LEARNABLE = ("one", "sum")  # other combinations the check may learn for a logged value, in this order
+
+CAUSES = ("slicing or indexing the sequence dim (logits[:, -16:], the first or last tokens; one token tensor"
+          " shifted in the step, model(x[:, :-1]) against x[:, 1:]); torch.arange(x.size(1)) or x.size(1) in a"
+          " weight, a mask or position ids, in the step or in the model's forward; masks, labels or position ids"
+          " derived from the tokens a rank sees; random masks drawn in the shape of the rank's tokens")
+FIXES = ("build them in the data, where context parallelism shards them with the tokens: inputs and labels already"
+         " shifted (input_ids = tokens[:-1], labels = tokens[1:] per sample), prompt and response masks as labels"
+         " of -100, attention_mask and position_ids as batch entries; or compute them from"
+         " lightning_4d.sequence_positions(x), the global positions and length of the tokens this rank holds"
+         " (docs/context_parallel.md, \"What your step sees under cp\")")
+
+
+class StepMismatch(ValueError):
+    """The step computes on its shard of the sequence something other than one process on the whole."""
+
+
+@dataclass
+class _Seen:
+    """What one run of the step gave: its loss and logged values, as floats (NaN kept), and its error."""
+
+    loss: Optional[list[float]] = None
+    logs: dict[str, tuple[str, Optional[list[float]], str, bool]] = field(default_factory=dict)  # kind, values, fx, on_step
+    error: Optional[BaseException] = None
+
+
+class StepCheck:
+    """Checks each of ``training_step``, ``validation_step`` and ``test_step`` once, on its first batch.
+
+    ``run(sample, sharded)``, given to :meth:`check`, runs the step on ``sample`` and returns what training
+    returns: sharded, inside the context's :meth:`~ContextParallel.context`, with token losses and the loss
+    combined over the cp group; whole, as one process. The check runs it without gradients.
+    """
+
+    def __init__(self, context: ContextParallel, module: nn.Module, device: torch.device, tokens: int,
+                 low_precision: bool) -> None:
+        self.context, self.module, self.device, self.tokens = context, module, device, tokens
+        self.tolerance = TOLERANCE["16-bit" if low_precision else "fp32"]
+        self.pending = set(STEPS)
+
+    def due(self, name: Optional[str]) -> bool:
+        """The next step of ``name`` is checked (its batch must be kept whole when sharded)."""
+        return name in self.pending
+
+    def check(self, name: str, run: Callable[[Any, bool], Any]) -> None:
+        """Check the step ``name`` on the batch the context kept whole; raise on every rank on a difference.
+        Collective over the world."""
+        self.pending.discard(name)
+        batch, self.context.whole_batch = self.context.whole_batch, None
+        if batch is None:
+            return
+        sample, length = self._sample(batch)
+        whole = self._observe(name, lambda: run(sample, False))
+        context = self.context
+        with context.probing(sample) as shard:
+            context.agreeing, context.failure_told = True, False
+            try:
+                sharded = self._observe(name, lambda: run(shard, True))
+            finally:
+                context.agreeing = False
+            if not context.failure_told:  # the last word, or the notice of a failure outside attention
+                context.agree(sharded.error is not None)
+        shards: list[Any] = [None] * self.context.size
+        dist.all_gather_object(shards, None if sharded.error else sharded.logs, group=self.context.group)
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, self._report(whole, sharded, shards))
+        self._decide(name, reports, sharded, length)
+
+    def _sample(self, batch: Any) -> tuple[Any, int]:
+        """``batch`` with every sequence cut to at most ``tokens`` tokens, a length the zigzag split divides."""
+        paths, length = sequence_paths(batch, self.context.seq_dim, self.context.batch_keys)
+        if self.context.document_key is not None:
+            paths.append(self.context.document_key)
+        multiple = 2 * self.context.size * self.context.sequence_parallel
+        keep = length if length <= self.tokens else max(multiple, self.tokens // multiple * multiple)
+        if keep == length:
+            return batch, length
+        selected, dim = set(paths), self.context.seq_dim
+        return _map_tensors(batch, lambda path, t: t.narrow(dim, 0, keep) if path in selected else t), keep
+
+    def _observe(self, name: str, run: Callable[[], Any]) -> _Seen:
+        """One run of the step, leaving no trace; its loss and logged values as floats, or its error."""
+        seen = _Seen()
+        logs = StepLogs(self.module)
+        try:
+            with _without_trace(self.module, self.device):
+                with logs.recording():
+                    output = run()
+                loss = output.get("loss") if isinstance(output, Mapping) else output
+                if name == "training_step" and isinstance(loss, Tensor):
+                    seen.loss = _floats(loss)
+                for key, (value, kwargs) in logs.records[0].items():
+                    on_step = kwargs.get("on_step")
+                    on_step = name == "training_step" if on_step is None else bool(on_step)
+                    if isinstance(value, Tensor):
+                        seen.logs[key] = ("value", _floats(value), _reduce_name(kwargs), on_step)
+                    else:  # a torchmetrics Metric: its value on this batch (forward's), read before it is restored
+                        cache = compat.metric_forward_cache(value)
+                        values = _floats(cache) if isinstance(cache, Tensor) else None
+                        seen.logs[key] = ("metric", values, "mean", on_step)
+        except Exception as error:  # noqa: BLE001  judged with every rank's outcome in _decide
+            seen.error = error
+        return seen
+
+    # ------------------------------------------------------------------------------------------ judging
+
+    def _close(self, got: Optional[list[float]], expected: Optional[list[float]]) -> bool:
+        if got is None or expected is None:
+            return got is expected
+        rtol, atol = self.tolerance
+        return len(got) == len(expected) and all(
+            (math.isnan(a) and math.isnan(b)) or abs(a - b) <= rtol * abs(b) + atol for a, b in zip(got, expected))
+
+    def _report(self, whole: _Seen, sharded: _Seen, shards: list[Any]) -> dict[str, Any]:
+        """This rank's verdict: the errors, the differences (as lines of the message) and, per logged value,
+        the combinations over the cp ranks that give one process's value."""
+        report: dict[str, Any] = {"rank": dist.get_rank(), "whole_error": _describe(whole.error),
+                                  "sharded_error": _describe(sharded.error), "differences": [], "combinations": {},
+                                  "fx": {}, "peer": isinstance(sharded.error, PeerFailed)}
+        if whole.error is not None or sharded.error is not None:
+            return report
+        differences = report["differences"]
+        if not self._close(sharded.loss, whole.loss):
+            differences.append(f"the returned loss: {_show(whole.loss)} whole, {_show(sharded.loss)} sharded")
+        for key in dict.fromkeys([*whole.logs, *sharded.logs]):
+            if key not in whole.logs or key not in sharded.logs:
+                where = "on the shard only" if key in sharded.logs else "on the whole sequence only"
+                differences.append(f"{key!r} is logged {where}")
+                continue
+            kind, expected, fx, on_step = whole.logs[key]
+            values = [rank_logs[key][1] for rank_logs in shards if rank_logs is not None and key in rank_logs]
+            if kind == "metric":
+                if on_step and not all(self._close(v, expected) for v in values):
+                    differences.append(
+                        f"{key!r}, a torchmetrics metric logged per step: {_show(expected)} whole, on the shards"
+                        f" {', '.join(_show(v) for v in values)}. Its step value is computed from the tokens this"
+                        " rank holds; log it with on_step=False, on_epoch=True (its epoch value is synchronized"
+                        " over the data- and context-parallel ranks, and exact)")
+                continue
+            fits = [combination for combination in (fx, *_LEARNABLE)
+                    if self._close(_combine(combination, values, sharded.logs[key][1]), expected)
+                    and (combination != "one" or all(self._close(v, expected) for v in values))]
+            report["combinations"][key], report["fx"][key] = fits, fx
+            if not fits:
+                differences.append(f"{key!r} (reduce_fx={fx!r}): {_show(expected)} whole,"
+                                   f" {_show(_combine(fx, values, sharded.logs[key][1]))} from the shards"
+                                   f" ({', '.join(_show(v) for v in values)})")
+        return report
+
+    def _decide(self, name: str, reports: list[dict[str, Any]], sharded: _Seen, length: int) -> None:
+        """The same outcome on every rank: go on (learning a logged value's combination), skip, or raise."""
+        owner = f"{type(self.module).__name__}.{name}"
+        cp = self.context.size
+        failed_whole = next((r for r in reports if r["whole_error"] is not None), None)
+        if failed_whole is not None:
+            rank_zero_warn(f"cp={cp}: the step check could not run {owner} on the whole sample with context"
+                           f" parallelism off (rank {failed_whole['rank']}: {failed_whole['whole_error']}), so it did"
+                           " not compare the sharded step with one process's. (A manual-optimization step that reads"
+                           " gradients after manual_backward cannot run without them.)")
+            return
+        failed = next((r for r in reports if r["sharded_error"] is not None and not r["peer"]), None)
+        if failed is not None:
+            error = None if isinstance(sharded.error, PeerFailed) else sharded.error
+            if error is not None and getattr(error, MODEL_REFUSAL, False):
+                raise error
+            explanation = (f"{owner} fails on this rank's shard of the sequence but runs on the whole sample with"
+                           f" context parallelism off (cp={cp}: the step check ran it both ways on the first batch,"
+                           " before any weight changed), so the step or the model's forward builds something from"
+                           f" the tokens it sees. Usual causes: {CAUSES}. Fixes that work: {FIXES}. To train anyway:"
+                           " FourDStrategy(cp_check=False), at your own risk, or cp=1.")
+            if error is None:  # another rank's error, of its type where that is a builtin one
+                kind = getattr(builtins, failed["sharded_error"].split(":")[0], RuntimeError)
+                kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+                raise _with_message(kind(), f"{explanation} What failed on the shard of rank {failed['rank']}:"
+                                            f" {failed['sharded_error']}")
+            raise _with_message(error, f"{explanation} What failed on the shard: {type(error).__name__}: {error}")
+        mismatch = next((r for r in reports if r["differences"]), None)
+        if mismatch is not None:
+            lines = "\n".join(f"  - {line}" for line in mismatch["differences"])
+            raise StepMismatch(
+                f"Context parallelism (cp={cp}) changes what {owner} computes. The step check ran it on a sample of"
+                f" the first batch ({length} tokens per sequence) without gradients, sharded as training runs it and"
+                f" whole with context parallelism off, as one process; on rank {mismatch['rank']} it gives"
+                f"\n{lines}\nNo weight has changed. The step (or the model's forward) computes something from where"
+                f" a token sits or from the length it sees, which on a shard are not the whole sequence's. Usual"
+                f" causes: {CAUSES}. Fixes that work: {FIXES}. To train anyway: FourDStrategy(cp_check=False), at"
+                " your own risk, or cp=1.")
+        self._learn(owner, reports)
+
+    def _learn(self, owner: str, reports: list[dict[str, Any]]) -> None:
+        """A logged value that only another combination over the cp ranks gives one process's value on every
+        rank is combined that way from now on."""
+        keys = dict.fromkeys(key for r in reports for key in r["combinations"])
+        for key in keys:
+            fits = [set(r["combinations"].get(key, ())) for r in reports if key in r["combinations"]]
+            common = set.intersection(*fits) if fits else set()
+            configured = next(r["fx"][key] for r in reports if key in r["fx"])
+            if configured in common or not common:
+                continue
+            learned = next(c for c in _LEARNABLE if c in common)
+            self.context.log_reductions[key] = learned
+            meaning = ("is the same on every shard, so it is taken once instead of combined over the cp ranks"
+                       if learned == "one" else "is the shards' sum, so it is summed over the cp ranks")
+            rank_zero_info(f"cp={self.context.size}: {owner} logs {key!r}, whose value on the whole sequence {meaning}"
+                           " (learned by the step check on the first batch).")
+
+
+def _floats(value: Tensor) -> list[float]:
+    return value.detach().reshape(-1).double().cpu().tolist()
+
+
+def _show(values: Optional[list[float]]) -> str:
+    if values is None:
+        return "nothing"
+    shown = ", ".join(f"{v:.6g}" for v in values[:4]) + (", ..." if len(values) > 4 else "")
+    return shown if len(values) == 1 else f"[{shown}]"
+
+
+def _combine(fx: str, values: list[list[float]], own: Optional[list[float]]) -> Optional[list[float]]:
+    """``values`` (one list per cp rank) combined elementwise as ``fx`` combines them; ``"one"``: this rank's."""
+    if fx == "one" or own is None or not values:
+        return own
+    columns = list(zip(*values))
+    combine = {"mean": lambda c: sum(c) / len(c), "sum": sum, "max": max, "min": min}[fx]
+    return [combine(column) for column in columns]
+
+
+def _describe(error: Optional[BaseException]) -> Optional[str]:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _with_message(error: BaseException, message: str) -> BaseException:
+    """An exception of ``error``'s type with ``message`` (a RuntimeError where that type takes no message)."""
+    try:
+        new = type(error)(message)
+    except Exception:  # noqa: BLE001  a type with another constructor
+        new = RuntimeError(message)
+    new.__cause__ = error
+    return new
+
+
+@contextmanager
+def _without_trace(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Around one run of the check: no gradients, eval mode (no dropout), no autocast and no TF32 (fp32
+    round-off), no optimizer, scheduler or ``manual_backward`` effect; afterwards the modes, every torchmetrics state and every
+    random stream are as they were."""
+    from torchmetrics import Metric
+
+    streams = compat.rng_states()
+    modes = [(m, m.training) for m in module.modules()]
+    metrics = [(m, compat.metric_snapshot(m)) for m in module.modules() if isinstance(m, Metric)]
+    precision, cudnn_tf32 = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    module.eval()
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.autocast(device.type, enabled=False))
+            stack.enter_context(_steps_disabled(module))
+            yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        for m, training in modes:
+            m.training = training
+        for m, snapshot in metrics:
+            compat.restore_metric(m, snapshot)
+        compat.set_rng_states(streams)
+
+
+@contextmanager
+def _steps_disabled(module: nn.Module) -> Iterator[None]:
+    """``manual_backward``, ``clip_gradients``, the optimizers' ``step``/``zero_grad`` and the schedulers' ``step``
+    do nothing (instance attributes shadow the methods while the check runs)."""
+    owners: list[tuple[Any, str]] = []
+    trainer = _trainer_of(module)
+    if trainer is not None:
+        owners += [(module, "manual_backward"), (module, "clip_gradients")]
+        optimizers = module.optimizers(use_pl_optimizer=True) if trainer.strategy.optimizers else []
+        owners += [(o, n) for o in (optimizers if isinstance(optimizers, list) else [optimizers])
+                   for n in ("step", "zero_grad")]
+        owners += [(config.scheduler, "step") for config in trainer.lr_scheduler_configs]
+    shadowed = [(owner, name, name in vars(owner), vars(owner).get(name)) for owner, name in owners]
+    for owner, name in owners:
+        setattr(owner, name, _nothing)
+    try:
+        yield
+    finally:
+        for owner, name, had, value in shadowed:
+            if had:
+                setattr(owner, name, value)
+            else:
+                delattr(owner, name)
+
+
+def _trainer_of(module: nn.Module) -> Any:
+    if not isinstance(module, LightningModule):
+        return None
+    try:
+        return module.trainer
+    except RuntimeError:  # not attached to a Trainer
+        return None
+
+
+def _nothing(*_: Any, **__: Any) -> None:
+    return None
