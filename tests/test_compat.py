@@ -42,6 +42,29 @@ def _module_registries():
     assert len(container) == 1
 
 
+
+def _metric_snapshot():
+    metric = torchmetrics.MeanMetric()
+    metric(torch.tensor(3.0))
+    saved = compat.metric_snapshot(metric)
+    metric(torch.tensor(5.0))
+    compat.restore_metric(metric, saved)
+    assert compat.metric_update_count(metric) == 1 and float(metric.compute()) == 3.0
+    cat = torchmetrics.CatMetric()
+    cat(torch.tensor([1.0]))
+    saved = compat.metric_snapshot(cat)
+    cat(torch.tensor([2.0]))
+    compat.restore_metric(cat, saved)
+    assert cat.compute().reshape(-1).tolist() == [1.0]
+
+
+def _rng_states():
+    saved = compat.rng_states()
+    first = torch.rand(3)
+    compat.set_rng_states(saved)
+    assert torch.equal(torch.rand(3), first)
+
+
 def _index_sampler():
     class Skipping(DataLoader):
         pass
@@ -208,6 +231,8 @@ CHECKS = {
     "torch._C._current_graph_task_id": _in_backward,
     "DataLoader._index_sampler": _index_sampler,
     "torchmetrics Metric._update_count/_forward_cache/_computed": _metric_internals,
+    "torchmetrics Metric._defaults (saved and restored by the cp step check)": _metric_snapshot,
+    "lightning.fabric _collect_rng_states/_set_rng_states": _rng_states,
     "torch.utils._pytree, torch._ops.OpOverloadPacket._qualified_op_name": _pytree_and_ops,
     "torch.distributed.device_mesh.DeviceMesh._flatten": lambda: compat.DeviceMesh._flatten,
     "torch.distributed.distributed_c10d._get_default_store": lambda: compat.dist.distributed_c10d._get_default_store,
