@@ -2,7 +2,7 @@
 
     python -m bench all [--quick]          # every benchmark
     python -m bench dp cp [--quick]        # some of them: dp tp pp cp memory scaling checkpoint activation_checkpointing
-                                           # compile big_model experts
+                                           # compile big_model experts cp_step_check
 
 Each benchmark runs as its own script (``python bench/NAME.py ...``, which launches its own ranks), on CPU
 with gloo and, when CUDA is available, a second time on the GPUs with NCCL (those that need no more processes
@@ -66,6 +66,9 @@ BENCHMARKS = {
                          ("--steps", "6", "--rounds", "1", "--layouts", "dp2"), 2, gpu=False),
     "experts": Benchmark("Expert parallelism: state per rank, step time, traffic of an 8-expert MoE, ep vs dp",
                          ("--steps", "6"), ("--steps", "3", "--layouts", "single", "dp2ep2", "dp2"), 4, gpu=False),
+    "cp_step_check": Benchmark("Context parallelism's step check: the first step and peak memory with it on and off",
+                               ("--seq", "1024", "4096", "--rounds", "2"),
+                               ("--seq", "256", "--hidden", "64", "--layers", "2", "--rounds", "1"), 2, gpu=False),
     "big_model": Benchmark("Models bigger than one rank: setup and training peak per rank, whole- vs meta-built",
                            ("--sizes", "0.6GB", "2GB", "--steps", "3"),
                            ("--sizes", "tiny", "--layouts", "single", "tp2", "tp2dp_shard2", "--steps", "2"), 4,

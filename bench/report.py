@@ -94,6 +94,14 @@ def _compile(payload: dict) -> str:
                    f"{r['compiled_first_step_s']:.1f}", f"{r['spread']:.0%}"] for r in payload["rows"]])
 
 
+def _cp_step_check(payload: dict) -> str:
+    return _rows(["tokens per sequence", "round", "cp_check", "first step s (wall)", "first step CPU s",
+                  "second step s (wall)", "peak MiB per rank"],
+                 [[str(r["seq"]), str(r["round"]), "on" if r["check"] else "off", f"{r['first_step_wall_s']:.2f}",
+                   f"{r['first_step_cpu_s']:.2f}", f"{r['second_step_wall_s']:.2f}", f"{r['peak_mib']:.0f}"]
+                  for r in payload["results"]])
+
+
 def _goal(ratio: float | None, goal: float | None, met: bool | None, excess_gb: float) -> str:
     if goal is None:
         return "" if ratio is None else f"{ratio:.2f}"
@@ -136,7 +144,7 @@ def _log2_x(ax, values) -> None:
 
 TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
           "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile,
-          "big_model": _big_model}
+          "big_model": _big_model, "cp_step_check": _cp_step_check}
 
 
 def table(name: str, payload: dict) -> str:
