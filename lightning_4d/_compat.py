@@ -8,6 +8,7 @@ instead of a parallel run going wrong somewhere else. Each entry says why no pub
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -259,6 +260,26 @@ all_gather_ddp_if_available = _all_gather_ddp_if_available
 def setup_distributed(strategy: Any) -> None:
     """ModelParallelStrategy's process-group set-up (environment, backend, timeout), which the strategy reuses."""
     strategy._setup_distributed()
+
+
+# ``LightningModule.load_from_checkpoint`` reads one file through ``lightning.pytorch.core.saving.pl_load`` (a
+# private alias of fabric's ``_load``), which meets a directory, such as a lightning-4d checkpoint, with a bare
+# IsADirectoryError. Wrapped once, so that a directory is refused with ``message(path)`` instead; a file loads as
+# before.
+def refuse_directories_in_load_from_checkpoint(message: Callable[[str], str]) -> None:
+    from lightning.pytorch.core import saving
+
+    original = saving.pl_load
+    if getattr(original, "lightning_4d_wrapped", False):
+        return
+
+    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
+            raise IsADirectoryError(message(os.fspath(path_or_url)))
+        return original(path_or_url, *args, **kwargs)
+
+    pl_load.lightning_4d_wrapped = True
+    saving.pl_load = pl_load
 
 
 def set_device_mesh(owner: Any, mesh: DeviceMesh) -> None:

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -57,6 +58,10 @@ def _step_method(name: str, precision_context: str) -> Callable[..., Any]:
                                       gradients_zeroed=name == "training_step" and self._gradients_zeroed)
     step.__name__ = step.__qualname__ = name
     return step
+
+
+def _write_nothing(*_: Any, **__: Any) -> None:
+    return None
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -201,6 +206,7 @@ class FourDStrategy(ModelParallelStrategy):
         check_start_method(start_method)
         self.start_method, self._fork_launcher = start_method, None
         self._desync: Optional[DesyncMonitor] = None
+        self._silenced: list[BasePredictionWriter] = []  # prediction writers of a rank that does not write
 
     @property
     @override
@@ -255,6 +261,27 @@ class FourDStrategy(ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
         return self._train_loaders.track(dataloader) if training else dataloader
+
+    @override
+    def on_predict_start(self) -> None:
+        """Every rank of a replica predicts the same samples (prediction runs whole sequences, and the pipeline
+        gives every stage the last one's outputs): one of them, the tp and cp rank 0 of the last stage, writes
+        them, so that a ``BasePredictionWriter`` writes each sample once, as under DDP."""
+        super().on_predict_start()
+        mesh = self.mesh
+        writer = (mesh.local_rank("tp") == 0 and mesh.local_rank("cp") == 0
+                  and mesh.local_rank("pp") == self.parallel_dims.pp - 1)
+        self._silenced = [] if writer else [
+            callback for callback in self.lightning_module.trainer.callbacks if isinstance(callback, BasePredictionWriter)]
+        for callback in self._silenced:  # instance attributes shadow the writer's methods while predicting
+            callback.write_on_batch_end = callback.write_on_epoch_end = _write_nothing
+
+    @override
+    def on_predict_end(self) -> None:
+        for callback in self._silenced:
+            del callback.write_on_batch_end, callback.write_on_epoch_end
+        self._silenced = []
+        super().on_predict_end()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -313,8 +340,10 @@ class FourDStrategy(ModelParallelStrategy):
                 base.clip_grad_by_norm(plugin, optimizer, clip_val)
 
         def clip_grad_by_value(optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+            # Elementwise, so each rank clamps what it holds; one tensor at a time: torch's foreach kernels
+            # refuse a list mixing tensor-parallel DTensors with plain tensors.
             self.parallel.check_synchronized("clip_gradients")
-            base.clip_grad_by_value(plugin, optimizer, clip_val)
+            torch.nn.utils.clip_grad_value_(list(plugin.main_params(optimizer)), float(clip_val), foreach=False)
 
         plugin.clip_grad_by_norm, plugin.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
 
@@ -425,6 +454,7 @@ class FourDStrategy(ModelParallelStrategy):
         super().teardown()
 
 
+compat.refuse_directories_in_load_from_checkpoint(checkpoint.directory_message)
 StrategyRegistry.register(
     FourDStrategy.strategy_name, FourDStrategy, description="4D parallelism (dp, pp, cp, tp) from lightning-4d"
 )

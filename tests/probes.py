@@ -176,3 +176,36 @@ class GradientLifetimeProbe(Callback):
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.alive_at_zero_grad)
         return {"alive_at_zero_grad": everyone}
+
+
+class PredictionWrites(Callback):
+    """After fit, predicts 16 validation sequences with a ``BasePredictionWriter`` (batch interval) that records, on
+    every rank, the sample indices it was asked to write; returns every rank's records (rank 0 reads them)."""
+
+    def parity_extras(self, trainer):
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from lightning.pytorch.callbacks import BasePredictionWriter
+        from torch.utils.data import DataLoader
+
+        from tests.lm_models import token_data
+
+        folder = Path(trainer.strategy.broadcast(tempfile.mkdtemp() if trainer.global_rank == 0 else None))
+
+        class Writer(BasePredictionWriter):
+            def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx,
+                                   dataloader_idx):
+                with open(folder / f"rank{trainer.global_rank}.jsonl", "a") as out:
+                    out.write(json.dumps({"indices": list(batch_indices), "rows": len(prediction)}) + "\n")
+
+        writer = Writer(write_interval="batch")
+        trainer.callbacks.append(writer)
+        data = token_data(train=False)
+        trainer.predict(trainer.lightning_module, DataLoader(data, batch_size=4), return_predictions=False)
+        trainer.callbacks.remove(writer)
+        trainer.strategy.barrier()
+        written = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
+                   for path in sorted(folder.glob("rank*.jsonl"))}
+        return {"written": written, "samples": len(data)}

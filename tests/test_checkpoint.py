@@ -107,3 +107,10 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
     resumed = train(replace(case, strategy={}, max_steps=4, resume_at=None, resume_from="last", callbacks=[]),
                     distributed=True, workdir=str(tmp_path))
     assert_parity(case, after_step(reference(replace(case, max_steps=4)), 2), resumed)
+
+
+def test_load_from_checkpoint_on_a_directory_names_the_export_command(tmp_path):
+    import lightning_4d  # noqa: F401  (installs the refusal)
+
+    with pytest.raises(IsADirectoryError, match=r"that is a directory.*python -m lightning_4d.export .* model.ckpt"):
+        Classifier.load_from_checkpoint(tmp_path)

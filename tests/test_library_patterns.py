@@ -17,6 +17,10 @@ below their norm, so the clip's global norm over plain and DTensor gradients tak
    sums of squares. At tp=2 (also with sequence parallelism), tp=4, tp2 x cp2 and dp_shard2 x tp2, each with
    ``tp_strict``; a LayerNorm over whole projections (no RMSNorm: DTensor's generic path) at tp=2.
 
+Also Lightning's ``gradient_clip_algorithm="value"`` at dp=2, dp_shard=2, tp=2, pp=2, cp=2 and dp_shard2 x tp2, at
+parity (torch's foreach clamp refused a list mixing DTensor and plain gradients under tp), with a bound that
+changes the run.
+
 One 2-process and one 4-process launch (tests/parity.py) hold every case; probes in those launches show that
 torch's own style still fails where ours does not (pattern 1) and count the norm's collectives against a
 wrong, rank-local statistic (pattern 3). The rest runs in this process: plans, refusals, torch's shape rules.
@@ -25,6 +29,7 @@ wrong, rank-local statistic (pattern 3). The rest runs in this process: plans, r
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,7 +43,7 @@ from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from lightning_4d.tensor_parallel.styles import _OwnTensor, own_output, rms_form
 from tests.library_pattern_models import BroadcastKVGPT, Olmo2LM
-from tests.parity import Case, assert_error, assert_parity, reference, report_difference
+from tests.parity import Case, assert_error, assert_parity, max_difference, reference, report_difference
 from tests.test_tp_strategy import _launch  # one launch per world size, its failing cases too (timeout 600 s)
 
 CLIP = {"gradient_clip_val": 0.3}
@@ -50,6 +55,15 @@ BROADCAST = dict(module=M + "BroadcastKVGPT", callbacks=[SHARDING], **LM)
 OLMO2 = dict(module=M + "Olmo2LM", callbacks=[SHARDING, "tests.test_library_patterns:NormProbe"], **LM)
 STRICT = {"tp_strict": True}
 SP = {"sequence_parallel": True}
+
+# Lightning's gradient_clip_algorithm="value" (elementwise) in every dimension: a bound below most gradient
+# elements of the first steps, so that clipping changes the run.
+CLIP_VALUE = dict(module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data", max_steps=3,
+                  trainer={"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"})
+CLIP_VALUE_TWO = [Case(f"clip_value_{name}", strategy=strategy, **CLIP_VALUE)
+                  for name, strategy in (("dp2", {"dp": 2}), ("dp_shard2", {"dp_shard": 2}), ("tp2", {"tp": 2}),
+                                         ("pp2", {"pp": 2}), ("cp2", {"cp": 2}))]
+CLIP_VALUE_FOUR = [Case("clip_value_dp_shard2_tp2", strategy={"dp_shard": 2, "tp": 2}, **CLIP_VALUE)]
 
 TWO = [
     Case("inplace_tp2", strategy={"tp": 2}, **INPLACE),
@@ -167,12 +181,12 @@ def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor, eps: float) -> torch.T
 
 @pytest.fixture(scope="module")
 def two():
-    return _launch(2, TWO, FAILING_TWO)
+    return _launch(2, TWO + CLIP_VALUE_TWO, FAILING_TWO)
 
 
 @pytest.fixture(scope="module")
 def four():
-    return _launch(4, FOUR, {})
+    return _launch(4, FOUR + CLIP_VALUE_FOUR, {})
 
 
 def _assert_parity(case: Case, got: dict) -> None:
@@ -193,6 +207,16 @@ def test_two_processes_match_one(two, name):
 @pytest.mark.parametrize("name", [case.name for case in FOUR])
 def test_four_processes_match_one(four, name):
     _assert_parity(ALL[name], four[0][name])
+
+
+@pytest.mark.parametrize("case", CLIP_VALUE_TWO + CLIP_VALUE_FOUR, ids=lambda case: case.name)
+def test_clipping_by_value_matches_one_process(two, four, case):
+    got = (four if case in CLIP_VALUE_FOUR else two)[0][case.name]
+    expected = reference(case)
+    report_difference(case, expected, got)
+    assert_parity(case, expected, got)
+    unclipped = reference(replace(case, trainer={}))
+    assert max_difference(unclipped, expected)[1] > 1e-3, "the bound does not clip: the test cannot fail"
 
 
 @pytest.mark.parametrize("name", list(FAILING_TWO))

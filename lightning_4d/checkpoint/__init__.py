@@ -14,7 +14,7 @@ _HOMES = {
     "pretrained": ("PretrainedWeightsError", "load_pretrained", "load_weights"),
     "integrity": ("CHECKSUM_FILE", "CorruptCheckpointError", "describe_problems", "expected_files", "verify",
                   "verify_collective"),
-    "export": ("export_checkpoint", "export_hugging_face", "read_checkpoint"),
+    "export": ("directory_message", "export_checkpoint", "export_hugging_face", "read_checkpoint"),
     "resumable_loader": ("ResumableDataLoader", "TrainLoaders", "make_resumable"),
 }
 _MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}

@@ -32,6 +32,16 @@ if TYPE_CHECKING:
 # before torch is imported.
 
 
+def directory_message(path: str) -> str:
+    """What ``MyModule.load_from_checkpoint(<a directory>)`` says: how a sharded checkpoint becomes the one file
+    it reads, or resumes as it is."""
+    return (f"load_from_checkpoint({path!r}): that is a directory, and load_from_checkpoint reads one checkpoint"
+            " file. A lightning-4d checkpoint (a directory of shards) becomes one with"
+            f" `python -m lightning_4d.export {path} model.ckpt`, then MyModule.load_from_checkpoint('model.ckpt');"
+            " or keep it sharded: Trainer(strategy=FourDStrategy(...)).fit(model, ckpt_path=...) resumes from it in"
+            " any layout, and FourDStrategy(init_from=...) starts from its weights.")
+
+
 def read_checkpoint(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     """The whole checkpoint in this process: Lightning's metadata plus the full ``state_dict``."""
     import torch
