@@ -282,6 +282,12 @@ def refuse_directories_in_load_from_checkpoint(message: Callable[[str], str]) ->
     saving.pl_load = pl_load
 
 
+# ``Trainer(sync_batchnorm=True)`` reaches a strategy only as its private ``_layer_sync`` plugin (Lightning's
+# accelerator connector sets it on every ParallelStrategy; DDPStrategy applies it in its own setup).
+def sync_batchnorm_requested(strategy: Any) -> bool:
+    return getattr(strategy, "_layer_sync", None) is not None
+
+
 def set_device_mesh(owner: Any, mesh: DeviceMesh) -> None:
     """What ``strategy.device_mesh`` and ``LightningModule.device_mesh`` return (their setters are private)."""
     owner._device_mesh = mesh
@@ -306,6 +312,21 @@ def metric_forward_cache(metric: Any) -> Any:
 
 def set_metric_forward_cache(metric: Any, value: Any) -> None:
     metric._forward_cache = value
+
+
+# Under pipelining a step's micro-batches update a metric one after another; its step value (what ``forward``
+# returns and Lightning logs per step) is that of the whole batch: a copy updated with each micro-batch, reset
+# per step, computed without synchronizing (``forward``'s own batch value is local too; ``sync_on_compute``
+# is read once, into the private ``_to_sync``).
+def local_metric_copy(metric: Any) -> Any:
+    group, metric.process_group = metric.process_group, None  # a process group cannot be deep-copied
+    try:
+        copy = metric.clone()
+    finally:
+        metric.process_group = group
+    copy.reset()
+    copy.sync_on_compute = copy._to_sync = False
+    return copy
 
 
 # Context parallelism's step check runs the user's step twice on a sample and must leave every metric as it

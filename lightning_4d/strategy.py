@@ -22,7 +22,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -37,6 +37,7 @@ from lightning_4d.context_parallel import ContextParallelConfig
 from lightning_4d.context_parallel.config import DEFAULT_CHECK_TOKENS
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_forward, check_shard_units,
                                         param_dtype_for)
+from lightning_4d.data_parallel.batchnorm import batchnorm_layers, restore_batchnorm, sync_batchnorm
 from lightning_4d.desync import DesyncMonitor
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.report import destroy_process_groups_at_exit
@@ -271,8 +272,8 @@ class FourDStrategy(ModelParallelStrategy):
         mesh = self.mesh
         writer = (mesh.local_rank("tp") == 0 and mesh.local_rank("cp") == 0
                   and mesh.local_rank("pp") == self.parallel_dims.pp - 1)
-        self._silenced = [] if writer else [
-            callback for callback in self.lightning_module.trainer.callbacks if isinstance(callback, BasePredictionWriter)]
+        callbacks = self.lightning_module.trainer.callbacks
+        self._silenced = [] if writer else [c for c in callbacks if isinstance(c, BasePredictionWriter)]
         for callback in self._silenced:  # instance attributes shadow the writer's methods while predicting
             callback.write_on_batch_end = callback.write_on_epoch_end = _write_nothing
 
@@ -315,6 +316,7 @@ class FourDStrategy(ModelParallelStrategy):
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())
         self._install_clipping()
+        self._batchnorm_statistics(first)
         if self.init_from is not None:
             self.parallel.load_weights(self.init_from, strict=self.lightning_module.strict_loading,
                                        prefix=self.init_from_prefix)
@@ -323,6 +325,22 @@ class FourDStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             self.parallel.attach_optimizers(self.optimizers)
         self.setup_precision_plugin()
+
+    def _batchnorm_statistics(self, first: bool) -> None:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm layers normalize with the statistics of the whole batch, over
+        dp x cp (:mod:`lightning_4d.data_parallel.batchnorm`, CPU and GPU); without it, a model with BatchNorm whose
+        batch is split says once that each replica keeps its own statistics, as under DDPStrategy."""
+        dims = self.parallel_dims
+        layers = batchnorm_layers(self.lightning_module)
+        if not layers or dims.dp * dims.dp_shard * dims.cp == 1:
+            return
+        if compat.sync_batchnorm_requested(self):
+            sync_batchnorm(self.lightning_module, self.mesh.group("dp_cp"))
+        elif first:
+            rank_zero_warn(f"{len(layers)} BatchNorm layers ({layers[0][0]}, ...) normalize with the statistics of the"
+                           f" part of the batch each rank holds (dp={dims.dp * dims.dp_shard}, cp={dims.cp}), as under"
+                           " DDPStrategy, not the whole batch's as one process does: Trainer(sync_batchnorm=True) gives"
+                           " them the whole batch's.")
 
     def _install_clipping(self) -> None:
         """Clipping on the precision plugin (Lightning's ``gradient_clip_val`` and ``self.clip_gradients``) that
@@ -451,6 +469,8 @@ class FourDStrategy(ModelParallelStrategy):
             self._desync.stop_tracing()
         if self.parallel is not None:
             self.parallel.remove()
+        if self.lightning_module is not None:
+            restore_batchnorm(self.lightning_module)
         super().teardown()
 
 

@@ -72,7 +72,8 @@ class _Seen:
     """What one run of the step gave: its loss and logged values, as floats (NaN kept), and its error."""
 
     loss: Optional[list[float]] = None
-    logs: dict[str, tuple[str, Optional[list[float]], str, bool]] = field(default_factory=dict)  # kind, values, fx, on_step
+    # name -> (kind: "value" or "metric", its values, its reduce_fx, whether it is logged per step)
+    logs: dict[str, tuple[str, Optional[list[float]], str, bool]] = field(default_factory=dict)
     error: Optional[BaseException] = None
 
 
@@ -294,8 +295,8 @@ def _with_message(error: BaseException, message: str) -> BaseException:
 @contextmanager
 def _without_trace(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Around one run of the check: no gradients, eval mode (no dropout), no autocast and no TF32 (fp32
-    round-off), no optimizer, scheduler or ``manual_backward`` effect; afterwards the modes, every torchmetrics state and every
-    random stream are as they were."""
+    round-off), no optimizer, scheduler or ``manual_backward`` effect; afterwards the modes, every torchmetrics
+    state and every random stream are as they were."""
     from torchmetrics import Metric
 
     streams = compat.rng_states()

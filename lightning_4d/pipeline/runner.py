@@ -32,7 +32,7 @@ import inspect
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -132,7 +132,11 @@ class PipelineRunner:
         # nothing does), so no micro-batch's activation is held longer than without it.
         self._injected: dict[int, tuple[weakref.ref, Tensor]] = {}
         self._outputs: dict[int, Any] = {}
-        self._forward_caches: dict[str, list[Any]] = {}
+        # The last stage's metrics: a copy of each, updated with every micro-batch a step passes to the metric's
+        # forward, gives the step's value on the whole batch (not the mean of the micro-batches' values, which is
+        # another number for Perplexity, F1, ...); the names whose forward ran this step.
+        self._step_copies: dict[str, Any] = {}
+        self._forwarded: set[str] = set()
         self._boundary: Optional[tuple] = None
         self._params: list[nn.Parameter] = []  # the module's parameters as of the last training step
         self._pending: Optional[list[Optional[Tensor]]] = None
@@ -180,6 +184,12 @@ class PipelineRunner:
         user_step = getattr(self.module, method)
         self._call = lambda index: user_step(micro[index], *args[1:], **kwargs)
         counts = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
+        with self._metric_copies():
+            return self._run(method, training, n, micro, counts, accumulate_grad_batches, around, token_losses)
+
+    def _run(self, method: str, training: bool, n: int, micro: list, counts: dict[str, int],
+             accumulate_grad_batches: int, around: Callable[[bool], AbstractContextManager[None]],
+             token_losses: Optional[TokenMeanLosses]) -> Any:
         index = torch.arange(n, device=self.device)
         self._token_losses, self._token_counts, self._token_problem = token_losses if training else None, {}, None
         self._token_window = token_losses is not None and token_losses.window
@@ -201,6 +211,35 @@ class PipelineRunner:
             with around(False), token_losses if token_losses is not None else nullcontext():
                 self._schedule(training, shape_key(micro[0])).step(index, mb=index, return_outputs=False)
         return self._finish(n, counts)
+
+    @contextmanager
+    def _metric_copies(self) -> Iterator[None]:
+        """On the last stage, while the step runs: each metric's forward also updates its step copy."""
+        shadowed = []
+        self._forwarded.clear()
+        if self.holds_last:
+            for name, metric in self._metrics.items():
+                copy = self._step_copies.get(name)
+                if copy is None:
+                    copy = self._step_copies[name] = compat.local_metric_copy(metric)
+                copy.reset()
+                metric.forward = self._forward_into(name, metric, copy)
+                shadowed.append(metric)
+        try:
+            yield
+        finally:
+            for metric in shadowed:
+                del metric.forward
+
+    def _forward_into(self, name: str, metric: Any, copy: Any) -> Callable[..., Any]:
+        original = type(metric).forward.__get__(metric)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._forwarded.add(name)
+            copy.update(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return forward
 
     def _schedule(self, training: bool, key: tuple) -> Any:
         key = (training, key)
@@ -260,7 +299,6 @@ class PipelineRunner:
         logs = self._logs if stage == self.last else StepLogs(self.module)
         self._running = _Running(stage, hidden)
         self.split.enter(stage)
-        before = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         try:
             if self.before_microbatch is not None:
                 self.before_microbatch(index, self.config.num_microbatches)
@@ -278,9 +316,6 @@ class PipelineRunner:
         if stage != 0 and not running.injected:
             raise RuntimeError(f"Pipeline stage {stage}: the step never called the first block of the stage in"
                                f" {self.split.path}, so it did not use the activation of the previous stage.")
-        for name, m in self._metrics.items():
-            if compat.metric_update_count(m) != before[name]:
-                self._forward_caches.setdefault(name, []).append(compat.metric_forward_cache(m))
         self._outputs[index] = detached(output)
         if self._training:
             loss = output.get("loss") if isinstance(output, Mapping) else output
@@ -382,9 +417,8 @@ class PipelineRunner:
             logs = {name: (_MetricRef(self._metric_name(value)) if not isinstance(value, Tensor) else value, kw)
                     for name, (value, kw) in self._logs.combined().items()}
             updates = {name: (compat.metric_update_count(m) - counts[name],
-                              _mean_or_none(self._forward_caches.get(name, [])))
+                              self._step_copies[name].compute() if name in self._forwarded else None)
                        for name, m in self._metrics.items() if compat.metric_update_count(m) != counts[name]}
-            self._forward_caches.clear()
             batch_count = self._token_losses.batch_count() if self._token_losses is not None else None
             local = (merge(outputs), logs, updates, batch_count, self._token_problem)
             payload[0] = apply_to_collection(local, Tensor, Tensor.cpu)
@@ -476,8 +510,3 @@ class PipelineRunner:
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-
-def _mean_or_none(values: list[Any]) -> Optional[Tensor]:
-    if values and all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
-        return torch.stack([v.detach() for v in values]).mean(0)
-    return None
