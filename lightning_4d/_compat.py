@@ -7,6 +7,7 @@ instead of a parallel run going wrong somewhere else. Each entry says why no pub
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Iterator
@@ -315,18 +316,27 @@ def set_metric_forward_cache(metric: Any, value: Any) -> None:
 
 
 # Under pipelining a step's micro-batches update a metric one after another; its step value (what ``forward``
-# returns and Lightning logs per step) is that of the whole batch: a copy updated with each micro-batch, reset
-# per step, computed without synchronizing (``forward``'s own batch value is local too; ``sync_on_compute``
-# is read once, into the private ``_to_sync``).
-def local_metric_copy(metric: Any) -> Any:
-    group, metric.process_group = metric.process_group, None  # a process group cannot be deep-copied
-    try:
-        copy = metric.clone()
-    finally:
-        metric.process_group = group
-    copy.reset()
-    copy.sync_on_compute = copy._to_sync = False
-    return copy
+# returns and Lightning logs per step) is that of the whole batch. ``MetricOnBatch`` keeps a second set of the
+# metric's states (named in the private ``_defaults``), reset per step and updated by the class's own ``update``
+# with every micro-batch, and computes it with the class's own ``compute``: no synchronization (``forward``'s
+# batch value is local too), no counters, and no copy of the module (a deep copy would meet process groups).
+class MetricOnBatch:
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self.states = copy.copy(metric)  # its own attribute dict; the states are replaced by reset()
+        self.reset()
+
+    def reset(self) -> None:
+        for name, default in self.metric._defaults.items():
+            current = getattr(self.metric, name)
+            value = default.detach().clone().to(current.device) if isinstance(default, torch.Tensor) else []
+            setattr(self.states, name, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        type(self.metric).update(self.states, *args, **kwargs)
+
+    def compute(self) -> Any:
+        return type(self.metric).compute(self.states)
 
 
 # Context parallelism's step check runs the user's step twice on a sample and must leave every metric as it

@@ -58,6 +58,18 @@ def _metric_snapshot():
     assert cat.compute().reshape(-1).tolist() == [1.0]
 
 
+def _metric_on_batch():
+    metric = torchmetrics.MeanMetric()
+    metric(torch.tensor(1.0))
+    batch = compat.MetricOnBatch(metric)
+    batch.update(torch.tensor(3.0))
+    batch.update(torch.tensor(5.0))
+    assert float(batch.compute()) == 4.0 and float(metric.compute()) == 1.0
+    batch.reset()
+    batch.update(torch.tensor(7.0))
+    assert float(batch.compute()) == 7.0
+
+
 def _rng_states():
     saved = compat.rng_states()
     first = torch.rand(3)
@@ -233,6 +245,8 @@ CHECKS = {
     "torchmetrics Metric._update_count/_forward_cache/_computed": _metric_internals,
     "torchmetrics Metric._defaults (saved and restored by the cp step check)": _metric_snapshot,
     "lightning.fabric _collect_rng_states/_set_rng_states": _rng_states,
+    "torchmetrics Metric._defaults and its class's own update/compute (a metric's step value under pp)":
+        _metric_on_batch,
     "torch.utils._pytree, torch._ops.OpOverloadPacket._qualified_op_name": _pytree_and_ops,
     "torch.distributed.device_mesh.DeviceMesh._flatten": lambda: compat.DeviceMesh._flatten,
     "torch.distributed.distributed_c10d._get_default_store": lambda: compat.dist.distributed_c10d._get_default_store,

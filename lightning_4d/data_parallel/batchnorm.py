@@ -27,6 +27,7 @@ BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def batchnorm_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The BatchNorm layers of ``module`` (torch's 1d, 2d and 3d), by name."""
     return [(name, m) for name, m in module.named_modules() if isinstance(m, BATCHNORMS)]
 
 
@@ -39,6 +40,7 @@ def sync_batchnorm(module: nn.Module, group: dist.ProcessGroup) -> list[str]:
 
 
 def restore_batchnorm(module: nn.Module) -> None:
+    """Take :func:`sync_batchnorm`'s forward off every BatchNorm layer of ``module`` again."""
     for _, layer in batchnorm_layers(module):
         if isinstance(vars(layer).get(_FORWARD), functools.partial):
             delattr(layer, _FORWARD)

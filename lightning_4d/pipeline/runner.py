@@ -221,7 +221,7 @@ class PipelineRunner:
             for name, metric in self._metrics.items():
                 copy = self._step_copies.get(name)
                 if copy is None:
-                    copy = self._step_copies[name] = compat.local_metric_copy(metric)
+                    copy = self._step_copies[name] = compat.MetricOnBatch(metric)
                 copy.reset()
                 metric.forward = self._forward_into(name, metric, copy)
                 shadowed.append(metric)
