@@ -55,6 +55,8 @@ MODEL_REFUSAL = "_lightning_4d_model_refusal"
 class PeerFailed(RuntimeError):
     """Raised on the ranks of a context-parallel group that did not fail when another did (step check)."""
 
+    peer_failure = True  # so marked, an error (or one it was raised from) stands for another rank's
+
 
 class SequencePositions(NamedTuple):
     positions: Tensor  # the global positions of the tokens this rank holds, in their local order

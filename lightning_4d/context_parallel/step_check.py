@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_4d import _compat as compat
-from lightning_4d.context_parallel.apply import MODEL_REFUSAL, ContextParallel, PeerFailed
+from lightning_4d.context_parallel.apply import MODEL_REFUSAL, ContextParallel
 from lightning_4d.context_parallel.batches import _map_tensors, sequence_paths
 from lightning_4d.step_logging import StepLogs, _reduce_name
 
@@ -169,7 +169,7 @@ class StepCheck:
         the combinations over the cp ranks that give one process's value."""
         report: dict[str, Any] = {"rank": dist.get_rank(), "whole_error": _describe(whole.error),
                                   "sharded_error": _describe(sharded.error), "differences": [], "combinations": {},
-                                  "fx": {}, "peer": isinstance(sharded.error, PeerFailed)}
+                                  "fx": {}, "peer": _from_peer(sharded.error)}
         if whole.error is not None or sharded.error is not None:
             return report
         differences = report["differences"]
@@ -213,7 +213,7 @@ class StepCheck:
             return
         failed = next((r for r in reports if r["sharded_error"] is not None and not r["peer"]), None)
         if failed is not None:
-            error = None if isinstance(sharded.error, PeerFailed) else sharded.error
+            error = None if _from_peer(sharded.error) else sharded.error
             if error is not None and getattr(error, MODEL_REFUSAL, False):
                 raise error
             explanation = (f"{owner} fails on this rank's shard of the sequence but runs on the whole sample with"
@@ -276,6 +276,15 @@ def _combine(fx: str, values: list[list[float]], own: Optional[list[float]]) -> 
     columns = list(zip(*values))
     combine = {"mean": lambda c: sum(c) / len(c), "sum": sum, "max": max, "min": min}[fx]
     return [combine(column) for column in columns]
+
+
+def _from_peer(error: Optional[BaseException]) -> bool:
+    """The error only says that another rank failed (``peer_failure``, on it or on what it was raised from)."""
+    while error is not None:
+        if getattr(error, "peer_failure", False):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _describe(error: Optional[BaseException]) -> Optional[str]:

@@ -185,11 +185,12 @@ class PipelineRunner:
         self._call = lambda index: user_step(micro[index], *args[1:], **kwargs)
         counts = {name: compat.metric_update_count(m) for name, m in self._metrics.items()}
         with self._metric_copies():
-            return self._run(method, training, n, micro, counts, accumulate_grad_batches, around, token_losses)
+            return self._run(method, training, n, micro, counts, accumulate_grad_batches, around, token_losses,
+                             forward_only)
 
     def _run(self, method: str, training: bool, n: int, micro: list, counts: dict[str, int],
              accumulate_grad_batches: int, around: Callable[[bool], AbstractContextManager[None]],
-             token_losses: Optional[TokenMeanLosses]) -> Any:
+             token_losses: Optional[TokenMeanLosses], forward_only: bool) -> Any:
         index = torch.arange(n, device=self.device)
         self._token_losses, self._token_counts, self._token_problem = token_losses if training else None, {}, None
         self._token_window = token_losses is not None and token_losses.window
@@ -209,8 +210,43 @@ class PipelineRunner:
                     p.grad = grad
         else:  # token-mean losses are only weighted for what is logged
             with around(False), token_losses if token_losses is not None else nullcontext():
-                self._schedule(training, shape_key(micro[0])).step(index, mb=index, return_outputs=False)
+                if forward_only:
+                    self._forward_stage_by_stage(n)
+                else:
+                    self._schedule(training, shape_key(micro[0])).step(index, mb=index, return_outputs=False)
         return self._finish(n, counts)
+
+    def _forward_stage_by_stage(self, n: int) -> None:
+        """A training step's forward pass for the step check: one stage after another, each running every
+        micro-batch, the pipeline group agreeing after each stage whether it failed. A failure on a stage (a mask
+        a sequence shard cannot carry) then stops every stage, where a schedule would leave the next stage
+        waiting for an activation; the activations travel by broadcast over the pipeline group."""
+        self._boundary = None
+        hidden: dict[int, Tensor] = {}
+        for stage, pp_rank in enumerate(self.plan.stage_ranks):
+            error = None
+            if stage in self.local_stages:
+                try:
+                    hidden = {index: self._run_stage(stage, index, hidden.get(index)) for index in range(n)}
+                except Exception as failure:  # noqa: BLE001  raised below, once the group knows
+                    error = failure
+            flag = torch.tensor([float(error is not None)], device=self.device)
+            dist.all_reduce(flag, group=self.group)
+            if flag.item() > 0:  # the step check's first batch only, never a training step
+                if error is None:
+                    error = RuntimeError(f"Pipeline stage {stage} failed in the step check's forward pass on another"
+                                         " rank (its error is reported there)")
+                    error.peer_failure = True  # the step check reports the other rank's error instead
+                raise error
+            if stage == self.last:
+                return
+            source = dist.get_global_rank(self.group, pp_rank)
+            shape: list[Any] = [(tuple(hidden[0].shape), hidden[0].dtype) if stage in self.local_stages else None]
+            dist.broadcast_object_list(shape, src=source, group=self.group)
+            hidden = {index: hidden[index] if stage in self.local_stages
+                      else torch.empty(shape[0][0], dtype=shape[0][1], device=self.device) for index in range(n)}
+            for index in range(n):
+                dist.broadcast(hidden[index], src=source, group=self.group)
 
     @contextmanager
     def _metric_copies(self) -> Iterator[None]:
