@@ -97,6 +97,22 @@ def mesh_with_flattened(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
         return mesh[dims]
 
 
+@contextmanager
+def loss_parallel_ops() -> Iterator[None]:
+    """torch's ``loss_parallel()``, entered only where it is not active already. torch's context installs its
+    loss ops on entry and deletes them on exit without counting, so inside a user's own ``loss_parallel()`` (a
+    module written for ModelParallelStrategy wraps its loss and backward in one) a nested one would delete the
+    user's on exit (``KeyError: aten._log_softmax`` when the user's exits). torch has no public way to ask
+    whether the ops are installed."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers:
+        yield
+        return
+    with loss_parallel():
+        yield
+
+
 def default_store() -> Optional[dist.Store]:
     """The rendezvous store of the default process group (None without one): a side channel that works while
     collectives hang or fail (desync checks, first-failure reports, heartbeats). torch keeps it private."""

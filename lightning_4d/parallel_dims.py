@@ -32,6 +32,8 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")  # rank order of the coordinates; ``dp`` is
 DEVICE_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_MESH_DIMS = ("ep_pp", "ep_replica", "ep", "ep_tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
+# ModelParallelStrategy's dimension names, answered by the same mesh (``self.device_mesh["data_parallel"]``).
+LIGHTNING_MESH_DIMS = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
 
 Size = Union[int, Literal["auto"]]
 
@@ -225,6 +227,9 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DEVICE_MESH_DIMS)
         flat = {"dp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp"),
                 "dp_cp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")}
+        # Lightning's ModelParallelStrategy names: a module written for it slices them in configure_model.
+        for name, dims in LIGHTNING_MESH_DIMS.items():
+            flat[name] = compat.flatten_mesh(mesh, dims, name)
         if self.dp_shard_enabled:
             flat["dp_shard_cp"] = compat.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")
         if self.pp_enabled:

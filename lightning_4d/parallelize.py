@@ -68,7 +68,7 @@ from lightning_4d.context_parallel.step_check import StepCheck
 from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model, replaced_expert_lists
 from lightning_4d.experts import find_expert_lists, global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
-                                        apply_sharding, gathered)
+                                        apply_sharding, check_own_units, gathered, own_unit_params, own_units)
 from lightning_4d.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner
@@ -81,6 +81,7 @@ from lightning_4d.tensor_parallel import (
     apply_tensor_parallel,
     plan_tensor_parallel,
     tensor_parallel_context,
+    unmix_foreach,
 )
 
 _ATTRIBUTE = "_lightning_4d_parallel"
@@ -190,6 +191,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                          " gather them again, and zero-bubble schedules need them between the two halves of a"
                          " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
+    units = own_units(module)  # fully_shard applied by the module's configure_model: left as it is
+    if units:
+        check_own_units(units, module, mesh.dims.pp, mesh.dims.cp, mesh.dims.ep)
     frozen = frozenset(name for name, p in module.named_parameters() if not p.requires_grad)
     meta = has_meta_tensors(module)
     if meta:  # on the whole module, before any collective: the same refusal on every rank
@@ -235,7 +239,11 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
             parallel.recompute_context if mesh.dims.cp_enabled else None)
     if compile.enabled and compile_outside:
         parallel.compiled = apply_compile(blocks_to_compile(module, plans.pipeline, pipeline), compile)
-    if mesh.dims.dp_shard_enabled:
+    parallel.own_sharded = own_unit_params(module)
+    if units:
+        rank_zero_info(f"{type(module).__name__}.configure_model applied fully_shard ({len(units)} units): left as it"
+                       " is, with the mesh and mixed precision it chose; FSDP reduces those parameters' gradients.")
+    elif mesh.dims.dp_shard_enabled:
         parallel.replicated_params = gradient_hooked(module, parallel.tensor_plan)
         outside, around = None, []
         if runner is not None:
@@ -289,6 +297,7 @@ class ParallelModel:
         self._sync_blocked = False  # inside block_sync(): manual backwards accumulate this rank's gradients only
         self._unsynchronized = False  # the gradients hold a blocked manual backward's, not synchronized since
         self.sharded: Optional[ShardedUnits] = None  # the FSDP units when dp_shard > 1
+        self.own_sharded: set[int] = set()  # ids of parameters in FSDP units the module's configure_model made
         self.replicated_params: list[nn.Parameter] = []  # kept out of FSDP: reduced by the gradient buckets
         self.expert_params: list[nn.Parameter] = []  # split over ep: reduced over the ep replicas only
         self.expert_dispatch: list[Any] = []  # expert parallelism's dispatchers (their traffic counters)
@@ -551,15 +560,21 @@ class ParallelModel:
         for buckets in self._buckets.values():
             buckets.remove()
         self._optimizers = list(optimizers)
+        unmixed = unmix_foreach(self._optimizers)
+        if unmixed:
+            rank_zero_info(f"foreach=False in {len(unmixed)} optimizer param groups that asked for foreach=True: they"
+                           " hold tensor-parallel DTensors and plain tensors, which torch's foreach kernels refuse"
+                           " together; the per-tensor update computes the same values.")
         group = self.mesh.group("dp_cp")
         kept = {id(p) for p in self.replicated_params}
         experts = {id(p) for p in self.expert_params}
+        own = self.own_sharded  # reduced by the module's own FSDP units
         by_key = {_MANUAL: optimizers} if self.manual else {id(optimizer): [optimizer] for optimizer in optimizers}
         self._buckets = {}
         self._unsynchronized = False
         for key, owners in by_key.items():
             params = [p for optimizer in owners for g in optimizer.param_groups for p in g["params"]
-                      if (self.sharded is None or id(p) in kept) and id(p) not in experts]
+                      if (self.sharded is None or id(p) in kept) and id(p) not in experts and id(p) not in own]
             expert_params = [p for optimizer in owners for g in optimizer.param_groups for p in g["params"]
                              if id(p) in experts]
             sets = []

@@ -50,6 +50,8 @@ class Case:
     resume_at: Optional[int] = None  # checkpoint at this step, then resume from it in a new Trainer
     save_last: bool = False  # the ModelCheckpoint also keeps ``last.ckpt``
     resume_from: Optional[str] = None  # fit(ckpt_path=...): a checkpoint saved elsewhere, or "last"
+    strategy_class: str = "lightning_4d:FourDStrategy"  # "module:class" built with **strategy when distributed
+    empty_init: bool = False  # build the module under trainer.init_module(empty_init=True) (meta under 4D)
 
 
 def _load(spec: str) -> Any:
@@ -80,10 +82,14 @@ def _floats(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
-    """The trained model's weights as plain tensors (gathered over shards and stages under FourDStrategy)."""
+    """The trained model's weights as plain tensors (gathered over shards and stages under FourDStrategy; a
+    DTensor of another strategy, ModelParallelStrategy's, gathered whole)."""
+    from torch.distributed.tensor import DTensor
+
     parallel = getattr(trainer.strategy, "parallel", None)
     state = parallel.full_state() if parallel is not None else trainer.lightning_module.state_dict()
-    return {key: value.detach().cpu().clone() for key, value in state.items()}
+    return {key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
+            for key, value in state.items()}
 
 
 def make_trainer(case: Case, *, distributed: bool, devices: int = 1, num_nodes: int = 1, recorder=None):
@@ -106,9 +112,7 @@ def make_trainer(case: Case, *, distributed: bool, devices: int = 1, num_nodes: 
     )
     options.update(case.trainer)
     if distributed:
-        from lightning_4d import FourDStrategy
-
-        options["strategy"] = FourDStrategy(**case.strategy)
+        options["strategy"] = _load(case.strategy_class)(**case.strategy)
     return pl.Trainer(**options)
 
 
@@ -153,13 +157,18 @@ def _fit(case, distributed, devices, num_nodes, workdir, ckpt_path=None) -> dict
         # Each compiled case starts as a process of its own would: dynamo's caches of the blocks' code do not
         # tell an earlier case's checkpointing from this one's (see docs/compile.md).
         torch._dynamo.reset()
-    module = _load(case.module)(**case.module_kwargs)
+    module = None if case.empty_init else _load(case.module)(**case.module_kwargs)
     recorder = Recorder()
     trainer = make_trainer(case, distributed=distributed, devices=devices, num_nodes=num_nodes, recorder=recorder)
+    if module is None:
+        with trainer.init_module(empty_init=True):
+            module = _load(case.module)(**case.module_kwargs)
     if workdir and (case.resume_at or case.save_last):
         trainer.callbacks.append(ModelCheckpoint(dirpath=Path(workdir) / case.name, save_top_k=-1,
                                                  every_n_train_steps=case.resume_at, save_last=case.save_last))
-    dp = trainer.strategy.parallel_dims.dp if distributed else 1  # the layout's replicas, as the Trainer resolved them
+    # The layout's replicas, as the Trainer resolved them (ModelParallelStrategy: its data_parallel_size).
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    dp = 1 if not distributed else dims.dp if dims is not None else trainer.strategy._data_parallel_size
     train_loader, val_loader = dataloaders(case, dp, distributed)
     fit_kwargs = {"val_dataloaders": val_loader} if case.trainer.get("limit_val_batches") else {}
     trainer.fit(module, train_loader, ckpt_path=ckpt_path, **fit_kwargs)
@@ -183,7 +192,7 @@ _reference_cache: dict[str, dict[str, Any]] = {}
 def reference(case: Case) -> dict[str, Any]:
     """Single-process run of ``case`` (cached: several layouts compare against one reference)."""
     case = replace(case, resume_at=None, save_last=False, resume_from=None, callbacks=[])
-    key = json.dumps({k: v for k, v in asdict(case).items() if k not in ("name", "strategy", "callbacks")},
+    key = json.dumps({k: v for k, v in asdict(case).items() if k not in ("name", "strategy", "strategy_class", "callbacks")},
                      sort_keys=True, default=str)
     if key not in _reference_cache:
         _reference_cache[key] = train(case, distributed=False)

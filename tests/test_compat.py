@@ -229,6 +229,24 @@ def _hf_initialization():
     assert torch.equal(rotary.inv_freq, expected)
 
 
+def _nested_loss_parallel():
+    """Inside the user's loss_parallel() ours adds nothing and removes nothing; alone it installs the ops."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    log_softmax = torch.ops.aten._log_softmax.default
+    assert log_softmax not in handlers
+    with loss_parallel():
+        with compat.loss_parallel_ops():
+            assert log_softmax in handlers
+        assert log_softmax in handlers  # the user's still active after ours
+    assert log_softmax not in handlers
+    with compat.loss_parallel_ops():
+        assert log_softmax in handlers
+    assert log_softmax not in handlers
+
+
 CHECKS = {
     "nn.Module._non_persistent_buffers_set, Tensor._backward_hooks/_post_accumulate_grad_hooks,"
     " torch.utils._python_dispatch.TorchDispatchMode, FSDPParam.reset_sharded_param": _meta_materialization,
@@ -261,6 +279,7 @@ CHECKS = {
         _fsdp_internals,
     "transformers PreTrainedModel._supports_sdpa, PretrainedConfig._attn_implementation": _hf_attention,
     "transformers GradientCheckpointingLayer._gradient_checkpointing_func": _hf_reentrant_checkpointing,
+    "DTensor._op_dispatcher._custom_op_handlers (loss_parallel nested in a user's own)": _nested_loss_parallel,
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),

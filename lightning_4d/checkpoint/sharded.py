@@ -204,6 +204,7 @@ def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
         with_state = _names_with_state(stored, f"optimizer_{index}.state.")
         stacked = _stacked_parameters(model)
         for name, param in model.named_parameters():
+            name = _state_dict_name(name)
             names = stacked[name][1] if name in stacked else [name]
             if not any(own in with_state for own in names) and param in optimizer.state:
                 del optimizer.state[param]
@@ -215,6 +216,15 @@ def _load_shards(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, _restack_optimizer_state(model, state[f"optimizer_{index}"]),
                                  options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
+
+
+# Wrappers that keep their module under an attribute the state dict leaves out (activation checkpointing's,
+# torch.compile's, FSDP1's): a parameter's name as torch's state-dict functions give it.
+_WRAPPER_ATTRIBUTES = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+
+
+def _state_dict_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRIBUTES)
 
 
 def _names_with_state(stored: Mapping[str, Any], prefix: str) -> set[str]:

@@ -243,6 +243,34 @@ def _step_methods(module: nn.Module) -> list[str]:
     return found
 
 
+def own_units(module: nn.Module) -> list[str]:
+    """The FSDP units the module's own ``configure_model`` made (``fully_shard`` applied before the strategy
+    parallelizes): left as they are, on the mesh and with the mixed precision the module chose."""
+    return [name or "<root>" for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
+
+
+def check_own_units(units: list[str], module: nn.Module, pp: int, cp: int, ep: int) -> None:
+    """A module that sharded itself is left as it is; the dimensions that must reach inside its units refuse it
+    (a ValueError, the same on every rank, before any collective of the step)."""
+    problems = [(f"pp={pp}", "the pipeline cuts the block list, which FSDP units already wrap") if pp > 1 else None,
+                (f"cp={cp}", "its fully_shard reduces gradients over the data-parallel ranks only, and the"
+                 " context-parallel ranks hold other tokens of the same samples") if cp > 1 else None,
+                (f"ep={ep}", "expert parallelism re-lays the experts FSDP already holds") if ep > 1 else None]
+    problems = [p for p in problems if p is not None]
+    if problems:
+        size, why = problems[0]
+        raise ValueError(f"{type(module).__name__}.configure_model applied fully_shard itself ({', '.join(units[:3])}"
+                         f"{', ...' if len(units) > 3 else ''}), and FourDStrategy({size}) cannot be combined with a"
+                         f" module that sharded itself: {why}. Fix: remove fully_shard from configure_model and pass"
+                         " dp_shard= to FourDStrategy (it applies FSDP2 in an order that composes with every"
+                         f" dimension), or use {size.split('=')[0]}=1.")
+
+
+def own_unit_params(module: nn.Module) -> set[int]:
+    """Ids of the parameters the module's own FSDP units hold (FSDP reduces their gradients)."""
+    return {id(p) for sub in module.modules() if isinstance(sub, FSDPModule) for p in sub.parameters()}
+
+
 @contextmanager
 def gathered(root: nn.Module) -> Iterator[None]:
     """Inside, any submodule of an FSDP unit that runs first gathers its unit's parameters (collective), even when

@@ -85,7 +85,7 @@ hooks), ``self_check`` (``TensorParallelSelfCheck``), ``config`` (``TensorParall
 DTensor, plain and pipeline-split parameters is :mod:`lightning_4d.clipping`.
 """
 
-from lightning_4d.tensor_parallel.apply import apply_tensor_parallel
+from lightning_4d.tensor_parallel.apply import apply_tensor_parallel, unmix_foreach
 from lightning_4d.tensor_parallel.config import TensorParallelConfig
 from lightning_4d.tensor_parallel.discovery import find_regions, plan_tensor_parallel
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
@@ -108,4 +108,5 @@ __all__ = [
     "find_regions",
     "plan_tensor_parallel",
     "tensor_parallel_context",
+    "unmix_foreach",
 ]

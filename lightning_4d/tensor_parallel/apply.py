@@ -395,3 +395,17 @@ def apply_tensor_parallel(
     return TensorParallelSelfCheck(
         {fqn: (module.get_submodule(fqn), replica) for fqn, replica in replicas.items()}, tp_mesh, plan
     )
+
+
+def unmix_foreach(optimizers: Iterable[torch.optim.Optimizer]) -> list[int]:
+    """``foreach=False`` on each param group that asked for ``foreach=True`` but holds both tensor-parallel
+    DTensors and plain tensors (the norms the plan leaves whole): torch's foreach kernels refuse such a list
+    (``got mixed torch.Tensor and DTensor``). The per-tensor update computes the same values; torch's own default
+    (``foreach=None``) already takes it for a list with DTensors. Returns the positions of the groups changed."""
+    changed = []
+    for position, group in enumerate(g for optimizer in optimizers for g in optimizer.param_groups):
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if group.get("foreach") and len(kinds) == 2:
+            group["foreach"] = False
+            changed.append(position)
+    return changed

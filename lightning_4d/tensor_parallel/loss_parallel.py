@@ -19,10 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.overrides import TorchFunctionMode
 
-from lightning_4d._compat import tree_flatten, tree_map
+from lightning_4d._compat import loss_parallel_ops, tree_flatten, tree_map
 from lightning_4d.tensor_parallel.styles import own_tensor
 
 _local = threading.local()
@@ -70,7 +69,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, reduction):
-        with torch.enable_grad(), loss_parallel():
+        with torch.enable_grad(), loss_parallel_ops():
             ctx.leaf = logits.detach().requires_grad_()
             ctx.loss = F.cross_entropy(ctx.leaf, target, weight=weight, ignore_index=ignore_index, reduction=reduction)
         return ctx.loss.detach().to_local()
@@ -78,7 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = DTensor.from_local(grad, ctx.loss.device_mesh, ctx.loss.placements, run_check=False)
-        with loss_parallel():
+        with loss_parallel_ops():
             (logits_grad,) = torch.autograd.grad(ctx.loss, ctx.leaf, grad)
         del ctx.leaf, ctx.loss
         return logits_grad, None, None, None, None
@@ -154,7 +153,7 @@ class _VocabShardedLogits(TorchFunctionMode):
                     return _VocabParallelCrossEntropy.apply(
                         logits, target, a["weight"], a["ignore_index"], a["reduction"]
                     )
-                with loss_parallel():
+                with loss_parallel_ops():
                     loss = F.cross_entropy(
                         logits, target, weight=a["weight"], ignore_index=a["ignore_index"], reduction=a["reduction"]
                     )
