@@ -133,13 +133,25 @@ def fsdp_lazy_init(unit: nn.Module) -> None:
     fully_shard.state(unit)._lazy_init()
 
 
+def fsdp_defer_backward_end(unit: nn.Module) -> None:
+    """Before a pipeline step's micro-batches: the caller ends FSDP's backward itself, after the last one
+    (:func:`fsdp_finish_backward`). torch 2.15 asks to be told first (public ``set_manual_backward_finalization``,
+    as its own pipelining does); earlier releases have neither the switch nor the need."""
+    if hasattr(unit, "set_manual_backward_finalization"):
+        unit.set_manual_backward_finalization(True)
+
+
 def fsdp_finish_backward(unit: nn.Module) -> None:
     """What torch's pipelining runs after the last micro-batch for an FSDP stage module
-    (``PipelineStage.perform_reduce_grad``, which reaches the same private names): each parameter group's
-    post-backward (reduce-scatter if gradient sync is on, else local accumulation; then reshard), and the root's
-    end-of-backward callback. FSDP2 has no public call for it."""
+    (``PipelineStage.perform_reduce_grad``): each parameter group's post-backward (reduce-scatter if gradient sync
+    is on, else local accumulation; then reshard), and the root's end-of-backward callback. torch 2.15 has a public
+    call for it (``finalize_backward``); before it, the same private names torch's pipelining reached."""
     from torch.distributed.fsdp import fully_shard
 
+    if hasattr(unit, "finalize_backward"):
+        unit.finalize_backward()
+        unit.set_manual_backward_finalization(False)
+        return
     state = fully_shard.state(unit)
     for member in state._state_ctx.all_states:
         for group in member._fsdp_param_groups:

@@ -216,6 +216,7 @@ class ShardedUnits:
         for unit in self.units:
             unit.unshard()
             if training:
+                compat.fsdp_defer_backward_end(unit)
                 unit.set_is_last_backward(False)
                 unit.set_reshard_after_backward(False, recurse=False)
                 unit.set_requires_gradient_sync(False, recurse=False)
