@@ -113,6 +113,14 @@ def loss_parallel_ops() -> Iterator[None]:
         yield
 
 
+def without_function_modes() -> Any:
+    """No ``__torch_function__`` mode or subclass handler runs inside: for a check that must reach torch itself
+    (``sdpa_operands``'s meta-device call). Inside a mode's handler torch 2.15 can dispatch such a call to the
+    modes again (a layer recomputed by activation checkpointing under pipelining sent it back to context
+    parallelism's, with meta tensors); torch's switch for it is private."""
+    return torch._C.DisableTorchFunction()
+
+
 def default_store() -> Optional[dist.Store]:
     """The rendezvous store of the default process group (None without one): a side channel that works while
     collectives hang or fail (desync checks, first-failure reports, heartbeats). torch keeps it private."""

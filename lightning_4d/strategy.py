@@ -17,7 +17,6 @@ from typing import Any, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -31,6 +30,7 @@ from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
 from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
 from lightning_4d.arguments import positive, refuse_unknown
+from lightning_4d.callbacks import PredictionWriters, check_weight_averaging
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders
 from lightning_4d.compile import CompileConfig
 from lightning_4d.context_parallel import ContextParallelConfig
@@ -59,10 +59,6 @@ def _step_method(name: str, precision_context: str) -> Callable[..., Any]:
                                       gradients_zeroed=name == "training_step" and self._gradients_zeroed)
     step.__name__ = step.__qualname__ = name
     return step
-
-
-def _write_nothing(*_: Any, **__: Any) -> None:
-    return None
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -207,7 +203,7 @@ class FourDStrategy(ModelParallelStrategy):
         check_start_method(start_method)
         self.start_method, self._fork_launcher = start_method, None
         self._desync: Optional[DesyncMonitor] = None
-        self._silenced: list[BasePredictionWriter] = []  # prediction writers of a rank that does not write
+        self._writers = PredictionWriters()
 
     @property
     @override
@@ -227,6 +223,8 @@ class FourDStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         assert self.parallel_dims is not None and self.lightning_module is not None
         dims = self.parallel_dims
+        check_weight_averaging(self.lightning_module.trainer.callbacks,
+                               {"tp": dims.tp, "dp_shard": dims.dp_shard, "pp": dims.pp, "ep": dims.ep})
         if (dims.pp_enabled or dims.dp_shard_enabled or dims.ep_enabled) and parallelized(
                 self.lightning_module) is None and not is_overridden("configure_model", self.lightning_module):
             # A module the pipeline cannot cut, or that sharding refuses, fails here, before any process group.
@@ -265,23 +263,15 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def on_predict_start(self) -> None:
-        """Every rank of a replica predicts the same samples (prediction runs whole sequences, and the pipeline
-        gives every stage the last one's outputs): one of them, the tp and cp rank 0 of the last stage, writes
-        them, so that a ``BasePredictionWriter`` writes each sample once, as under DDP."""
+        """Prediction writers write on one rank per replica: the tp and cp rank 0 of the last stage."""
         super().on_predict_start()
         mesh = self.mesh
-        writer = (mesh.local_rank("tp") == 0 and mesh.local_rank("cp") == 0
-                  and mesh.local_rank("pp") == self.parallel_dims.pp - 1)
-        callbacks = self.lightning_module.trainer.callbacks
-        self._silenced = [] if writer else [c for c in callbacks if isinstance(c, BasePredictionWriter)]
-        for callback in self._silenced:  # instance attributes shadow the writer's methods while predicting
-            callback.write_on_batch_end = callback.write_on_epoch_end = _write_nothing
+        self._writers.start(self.lightning_module.trainer.callbacks, writes=mesh.local_rank("tp") == 0
+                            and mesh.local_rank("cp") == 0 and mesh.local_rank("pp") == self.parallel_dims.pp - 1)
 
     @override
     def on_predict_end(self) -> None:
-        for callback in self._silenced:
-            del callback.write_on_batch_end, callback.write_on_epoch_end
-        self._silenced = []
+        self._writers.end()
         super().on_predict_end()
 
     @override

@@ -280,6 +280,7 @@ CHECKS = {
     "transformers PreTrainedModel._supports_sdpa, PretrainedConfig._attn_implementation": _hf_attention,
     "transformers GradientCheckpointingLayer._gradient_checkpointing_func": _hf_reentrant_checkpointing,
     "DTensor._op_dispatcher._custom_op_handlers (loss_parallel nested in a user's own)": _nested_loss_parallel,
+    "torch._C.DisableTorchFunction (sdpa_operands's meta check)": lambda: compat.without_function_modes().__enter__,
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),

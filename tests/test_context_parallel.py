@@ -97,7 +97,9 @@ FAILING = {
     "no_sequence": (Case("no_sequence", module="tests.models:Classifier", data="tests.models:classification_data",
                          strategy={"cp": 2}, max_steps=2),
                     "ValueError", ["split dim 1 of '0' (8, 16) as the sequence",
-                                   "failed before any scaled_dot_product_attention call: RuntimeError: mat1 and mat2",
+                                   # torch 2.15 names the op first ("RuntimeError: addmm: mat1 and mat2 ...")
+                                   "failed before any scaled_dot_product_attention call: RuntimeError: ",
+                                   "mat1 and mat2 shapes cannot be multiplied",
                                    "use cp=1", "cp_seq_dim or cp_batch_keys"]),
     "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
                   "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),

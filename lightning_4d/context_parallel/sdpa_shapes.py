@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_4d._compat import without_function_modes
+
 __all__ = ["sdpa_operands"]
 
 
@@ -25,9 +27,10 @@ def sdpa_operands(
     are expanded.
     """
     try:
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            *(t.new_empty(t.shape, device="meta") for t in (query, key, value)), enable_gqa=enable_gqa
-        )
+        with without_function_modes():
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                *(t.new_empty(t.shape, device="meta") for t in (query, key, value)), enable_gqa=enable_gqa
+            )
     except (RuntimeError, ValueError) as error:
         raise type(error)(
             f"{error} (torch's scaled_dot_product_attention rejects these shapes too: query {tuple(query.shape)},"
