@@ -13,7 +13,7 @@ class ExponentialAverage(Callback):
     """An exponential moving average of the weights kept beside them, one tensor per parameter, updated after every
     training batch and copied into the model at the end. Each average is a copy of what this rank holds of its
     parameter (a tensor-parallel or FSDP shard is a DTensor shard, a pipeline stage holds its own), so it works in
-    every layout, where ``AveragedModel``'s deep copy of the module does not (see docs/lightning_features.md)."""
+    every layout, where ``AveragedModel``'s deep copy of the module does not (docs/getting_started.md, "Weight averaging")."""
 
     def __init__(self, decay: float = 0.5) -> None:
         self.decay = decay

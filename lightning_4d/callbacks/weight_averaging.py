@@ -21,5 +21,5 @@ def check_weight_averaging(callbacks: list[Any], sizes: dict[str, int]) -> None:
             f"StochasticWeightAveraging with FourDStrategy({', '.join(held)}): Lightning's callback averages a copy of"
             " the module made before the strategy shards it, which cannot take this layout's sharded or cut"
             " weights. Fix: keep an exponential moving average in a callback, one tensor per parameter"
-            " (`average.lerp_(p.detach(), 1 - decay)` after each batch; see docs/lightning_features.md), which"
+            " (`average.lerp_(p.detach(), 1 - decay)` after each batch; docs/getting_started.md, 'Weight averaging'), which"
             " works in every layout, or train with SWA under dp and cp only.")
