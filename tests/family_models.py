@@ -26,15 +26,33 @@ def mlm_data(train: bool = True, size: int = 32, seq_len: int = SEQ, vocab: int 
 class BertMLM(_CausalLM):
     """``BertForMaskedLM`` (intermediate 4 x hidden, as BERT's own configs: the share tp shards is a real one)."""
 
-    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4) -> None:
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4, positions: int = 2 * SEQ) -> None:
         super().__init__()
         import transformers
 
         config = transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-            intermediate_size=4 * hidden, max_position_embeddings=2 * SEQ, type_vocab_size=1,
+            intermediate_size=4 * hidden, max_position_embeddings=positions, type_vocab_size=1,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa", pad_token_id=0)
         self.model = transformers.BertForMaskedLM(config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids).logits
+
+
+class OPTLongPositions(_CausalLM):
+    """``OPTForCausalLM`` whose learned positions (128 + OPT's offset of 2 rows) outnumber the vocabulary (64), as a
+    small vocabulary's would: the token embedding is the one the tied head reads back, not the largest."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, max_position_embeddings=128, word_embed_proj_dim=hidden, dropout=0.0,
+            attention_dropout=0.0, layerdrop=0.0, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+        self.model = transformers.OPTForCausalLM(config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits

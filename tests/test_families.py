@@ -10,6 +10,9 @@ clipped below their norm, so the clip's global norm over plain and DTensor gradi
    up-projections (q_b_proj, kv_b_proj column-wise, o_proj row-wise), the down-projections and their norms
    whole, the rotary key columns' gradient summed over tp. At tp=2 (also with the full-rank q_proj of
    DeepSeek-V2-Lite) and cp=2 (value heads narrower than query/key heads).
+   With 512 learned positions (more rows than its vocabulary) the word embedding and the tied MLM decoder are
+   still the ones sharded over the vocabulary; so are OPT's token embedding and head beside its 130 positions
+   (at tp=2 and cp=2).
 3. T5 (``T5ForConditionalGeneration``): q/k/v/o attentions (self and cross), the relative-position bias
    (``nn.Embedding(buckets, heads)``) split with the heads, the one shared table tied across ``shared``, the
    encoder's and decoder's ``embed_tokens`` and ``lm_head`` placed alike. At tp=2 (``tp_strict``) and dp2 x tp2.
@@ -41,6 +44,8 @@ MLA = dict(module=F + "DeepseekV3LM", data="tests.lm_models:token_data", max_ste
            callbacks=[SHARDING])
 SWEPT = dict(module=F + "SweptLM", data="tests.lm_models:token_data", max_steps=3, trainer=CLIP,
              callbacks=[SHARDING])
+OPT = dict(module=F + "OPTLongPositions", data="tests.lm_models:token_data", max_steps=3, trainer=CLIP,
+           callbacks=[SHARDING])
 T5 = dict(module=F + "T5Seq2Seq", data=F + "seq2seq_data", max_steps=3, trainer=CLIP, callbacks=[SHARDING])
 
 TWO = [
@@ -50,6 +55,10 @@ TWO = [
     Case("mla_full_rank_q_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"q_lora_rank": None}, **MLA),
     Case("mla_cp2", strategy={"cp": 2}, **MLA),
     Case("t5_tp2", strategy={"tp": 2, **STRICT}, **T5),
+    # Learned positions with more rows than the vocabulary: the vocabulary embedding and head are still found.
+    Case("bert_512_positions_tp2", strategy={"tp": 2}, module_kwargs={"positions": 512}, **BERT),
+    Case("opt_long_positions_tp2", strategy={"tp": 2}, **OPT),
+    Case("opt_long_positions_cp2", strategy={"cp": 2}, **OPT),
     *(Case(f"{family}_tp2", strategy={"tp": 2, **STRICT}, module_kwargs={"family": family}, **SWEPT)
       for family in ("phi", "xlm", "electra", "falcon", "modernbert", "modernbert_decoder")),
 ]
@@ -92,6 +101,21 @@ def test_bert_layers_are_sharded(two):
     # The decoder's bias is listed under its first registration, cls.predictions.bias: that alias follows it.
     for name in ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.bias"):
         assert name in dtensors, (name, dtensors)
+
+
+def test_vocabulary_is_found_when_positions_outnumber_it(two):
+    """BERT with 512 learned positions and OPT with 130, both over a vocabulary of 64: the token embedding and
+    the head tied to it are sharded over the vocabulary (the position tables stay whole), at parity above."""
+    bert = two[0]["bert_512_positions_tp2"]["extras"]["dtensors"]
+    for name in ("model.bert.embeddings.word_embeddings.weight", "model.cls.predictions.bias"):
+        assert name in bert, (name, bert)
+    assert "model.bert.embeddings.position_embeddings.weight" not in bert
+    opt = two[0]["opt_long_positions_tp2"]["extras"]["dtensors"]
+    assert "model.model.decoder.embed_tokens.weight" in opt, opt
+    assert "model.model.decoder.embed_positions.weight" not in opt
+    plan = plan_tensor_parallel(BertMLM(positions=512), 2)
+    assert plan.styles["model.bert.embeddings.word_embeddings"].role == "embedding"
+    assert plan.styles["model.cls.predictions.decoder"].role == "head"
 
 
 def test_bert_plan():

@@ -646,20 +646,22 @@ def _plan_vocabulary(
     embeddings = [f for f in modules if isinstance(modules[f], nn.Embedding)]
     if not embeddings:
         return
-    emb_fqn = max(embeddings, key=lambda f: modules[f].num_embeddings)
+    outside = [f for f in modules if not _under(f, replicated) and not _under(f, list(plan.regions))]
+
+    def heads_of(fqn: str) -> list[str]:
+        """Linears outside the blocks that map the embedding's width back to its rows, tied to it first."""
+        emb = modules[fqn]
+        found = [f for f in outside
+                 if _linear_shape(modules[f]) == (emb.embedding_dim, emb.num_embeddings) and f not in plan.styles
+                 and not any(part.isdigit() for part in f.split("."))]  # an LM head is not inside repeated blocks
+        return sorted(found, key=lambda f: getattr(modules[f], "weight", None) is not emb.weight)
+
+    emb_fqn = max(embeddings, key=lambda f: _vocabulary_rank(f, modules, heads_of(f)))
     if _under(emb_fqn, replicated):
         return
-    outside = [f for f in modules if not _under(f, replicated) and not _under(f, list(plan.regions))]
     emb = modules[emb_fqn]
-    vocab, dim = emb.num_embeddings, emb.embedding_dim
-    heads = [
-        f
-        for f in outside
-        if _linear_shape(modules[f]) == (dim, vocab)
-        and f not in plan.styles
-        and not any(part.isdigit() for part in f.split("."))  # an LM head is not inside repeated blocks
-    ]
-    heads.sort(key=lambda f: getattr(modules[f], "weight", None) is not emb.weight)
+    vocab = emb.num_embeddings
+    heads = heads_of(emb_fqn)
     if vocab % plan.tp_size:
         raise ValueError(
             f"Vocabulary size {vocab} of {emb_fqn} is not divisible by tp={plan.tp_size}. Fix: pad the vocabulary "
@@ -674,6 +676,17 @@ def _plan_vocabulary(
         )
     if heads:
         plan.styles[heads[0]] = ModuleStyle("colwise", output=None if loss_parallel else "replicate", role="head")
+
+
+def _vocabulary_rank(fqn: str, modules: dict[str, nn.Module], heads: list[str]) -> tuple:
+    """Which embedding is the token embedding: the one an LM head reads back (tied to it, then any), then the one
+    whose rows are a config's ``vocab_size``, then one not named for positions; the most rows last. Learned
+    positions can have more rows than a small vocabulary (OPT's 2 offset rows, BERT's 512 positions)."""
+    emb = modules[fqn]
+    tied = bool(heads) and getattr(modules[heads[0]], "weight", None) is emb.weight
+    vocab_sizes = {getattr(getattr(m, "config", None), "vocab_size", None) for m in modules.values()}
+    positional = any(word in fqn.rsplit(".", 1)[-1] for word in ("position", "wpe", "pos_emb"))
+    return tied, bool(heads), emb.num_embeddings in vocab_sizes, not positional, emb.num_embeddings
 
 
 def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
