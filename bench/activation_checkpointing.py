@@ -4,10 +4,10 @@
 
 One process trains the example GPT (8 blocks, width 128, 8 heads, vocabulary 256, a batch of 4 sequences,
 AdamW, fp32) with each ``FourDStrategy(activation_checkpointing=...)`` mode applied to its blocks exactly as the
-strategy applies it (``lightning_4d.activation_checkpointing``), at each ``--seq`` length. Per mode and length:
+strategy applies it (``lightning_4d.memory.activation_checkpointing``), at each ``--seq`` length. Per mode and length:
 
 * ``peak``: the step's peak memory above what the process held before the forward (the resident set's
-  high-water mark, ``lightning_4d.telemetry.PeakMemory``; the script re-runs itself with a fixed mmap threshold
+  high-water mark, ``lightning_4d.observability.telemetry.PeakMemory``; the script re-runs itself with a fixed mmap threshold
   so that the resident set follows live tensors), the largest of the ``--steps`` steps;
 * ``step``: wall time of forward, backward and optimizer step, the median of ``--steps`` after one warm-up,
   and the process's CPU time per step beside it (the machine is shared: wall time swings, CPU time less).
@@ -30,9 +30,9 @@ if any(os.environ.get(key) != value for key, value in CPU_MALLOC_ENV.items()):  
 
 import torch  # noqa: E402
 
-from lightning_4d.activation_checkpointing import MODES, ActivationCheckpointConfig, apply_activation_checkpointing  # noqa: E402
+from lightning_4d.memory.activation_checkpointing import MODES, ActivationCheckpointConfig, apply_activation_checkpointing  # noqa: E402
 from lightning_4d.demos.gpt import GPT  # noqa: E402
-from lightning_4d.telemetry import PeakMemory  # noqa: E402
+from lightning_4d.observability.telemetry import PeakMemory  # noqa: E402
 
 BATCH = 4
 

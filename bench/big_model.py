@@ -73,7 +73,7 @@ from bench.common import (CPU_MALLOC_ENV, RssSampler, command, llama_config, lla
                           write_rows)
 from bench.report import plot, table  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
-from lightning_4d.telemetry import PeakMemory  # noqa: E402
+from lightning_4d.observability.telemetry import PeakMemory  # noqa: E402
 
 # Width and depth of each model; fp32 bytes are 4 x llama_params (0.60, 2.01 and 6.63 GB). The largest is just
 # over what 4 whole copies in 24 GiB allow (4 x 6.63 GB = 24.7 GiB), and deep and narrow (decoder layers of

@@ -142,7 +142,7 @@ def write_rows(rows: list, out: str) -> None:
         Path(out).write_text(json.dumps(rows))
 
 
-# On CPU the peak is the resident set (``lightning_4d.telemetry.PeakMemory``). glibc keeps freed memory in its heap
+# On CPU the peak is the resident set (``lightning_4d.observability.telemetry.PeakMemory``). glibc keeps freed memory in its heap
 # unless the process runs with a fixed mmap threshold; with this one freed tensors go back to the system and the
 # resident set follows live tensors.
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}

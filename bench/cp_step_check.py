@@ -7,7 +7,7 @@ A Hugging Face Llama (``--hidden``, ``--layers``, vocabulary 8192, fp32, SGD) tr
 of 2 sequences of each ``--seq`` tokens, once with the step check (the default, its sample cut to
 ``--check-tokens``) and once without, alternating ``--rounds`` times, each in fresh processes. Per run and rank:
 the first training step's wall and CPU time (the check runs in it) and the second's, and the peak resident memory
-above what the process held before the model was built (``lightning_4d.telemetry.PeakMemory``). The figure is
+above what the process held before the model was built (``lightning_4d.observability.telemetry.PeakMemory``). The figure is
 the largest rank's. Results go to ``bench/results/cp_step_check.json``.
 """
 
@@ -29,7 +29,7 @@ from bench.common import (CPU_MALLOC_ENV, accelerator, command, layout_parser, l
                           random_tokens, run_worker, write, write_rows)
 from bench.report import table  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
-from lightning_4d.telemetry import PeakMemory  # noqa: E402
+from lightning_4d.observability.telemetry import PeakMemory  # noqa: E402
 
 VOCAB, BATCH, CP = 8192, 2, 2
 TIMEOUT_S = 1200

@@ -12,7 +12,7 @@ so that neither profits from a quieter moment of this shared machine:
 
 Per run and rank: the median wall time and the median CPU time (this process, ``time.process_time``) of a
 training step after 3 warm-up steps, and the peak resident-memory growth above what the process held right
-before the model was built (``lightning_4d.telemetry.PeakMemory``; glibc's mmap threshold is fixed so that
+before the model was built (``lightning_4d.observability.telemetry.PeakMemory``; glibc's mmap threshold is fixed so that
 freed tensors leave the resident set). A round runs the pair as A B B A and averages each strategy's two runs
 (the slower rank of each run), so that a drift of the shared machine's speed cancels. Reported: per pair the
 ratio FourD / Lightning of each figure in every round, its minimum, median and maximum; the result goes to
@@ -45,7 +45,7 @@ from bench.common import (CpuStepTimer, command, plot_if_possible, quiet_trainer
                           write)
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.demos.gpt import GPT  # noqa: E402
-from lightning_4d.telemetry import PeakMemory  # noqa: E402
+from lightning_4d.observability.telemetry import PeakMemory  # noqa: E402
 
 MODEL = dict(vocab_size=256, n_layer=4, n_head=4, block_size=128)
 BATCH, SEQ = 8, 128  # per process

@@ -5,7 +5,7 @@
 
 No process group is needed (one GPU): for each simulated rank of ``--ep`` the tokens routed to its experts are
 gathered as :class:`~lightning_4d.expert_parallel.AllToAllDispatch` gathers them (grouped by expert, local
-expert ids), :meth:`~lightning_4d.experts.ExpertsForward.compute` runs them with that rank's slice of
+expert ids), :meth:`~lightning_4d.modules.experts.ExpertsForward.compute` runs them with that rank's slice of
 ``gate_up_proj``/``down_proj``, and the weighted results are added back. On CUDA ``grouped_mm`` calls
 ``torch._grouped_mm`` (CPU runs its fallback), so this checks the view and the local expert ids on the kernels a
 GPU uses. The reference is the same layer's ``eager`` forward on all its experts. Prints the largest absolute
@@ -22,7 +22,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from lightning_4d.experts import ExpertsForward  # noqa: E402
+from lightning_4d.modules.experts import ExpertsForward  # noqa: E402
 
 
 def simulated(experts: torch.nn.Module, implementation: str, ep: int, hidden: torch.Tensor, index: torch.Tensor,

@@ -6,7 +6,7 @@
 The example GPT (8 layers, 8 heads, vocabulary 256) at each ``--widths`` (n_embd) trains ``--steps`` steps
 of a global batch of 8 sequences of 128 tokens (AdamW, fp32) under each layout. Layouts with the same process
 count share one launch, one Trainer after another. Each rank measures its peak above what it held right before
-the model was built (``lightning_4d.telemetry.PeakMemory``: on CPU the resident-set high-water mark with a fixed mmap
+the model was built (``lightning_4d.observability.telemetry.PeakMemory``: on CPU the resident-set high-water mark with a fixed mmap
 threshold, so that it follows live tensors); the figure is the largest rank's. The estimate is
 ``lightning_4d.planner.estimate`` for the same model, batch and layout: model state, gradient buckets and
 activations on the heaviest pipeline stage, computed without running anything.
@@ -30,7 +30,7 @@ from bench.report import table  # noqa: E402
 from lightning_4d.demos.gpt import GPT  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.planner import Layout, Model, Training, estimate  # noqa: E402
-from lightning_4d.telemetry import PeakMemory  # noqa: E402
+from lightning_4d.observability.telemetry import PeakMemory  # noqa: E402
 
 MODEL = dict(vocab_size=256, n_layer=8, n_head=8, block_size=128)
 GLOBAL_BATCH, SEQ = 8, 128

@@ -12,10 +12,11 @@ import sys
 
 from lightning_4d import _quiet
 
-__all__ = ["FourDStrategy", "GradientBuckets", "ParallelDims", "sequence_positions"]
+__all__ = ["FourDStrategy", "GradientBuckets", "ParallelDims", "Telemetry", "sequence_positions"]
 _COMMAND_LINES = ("lightning_4d.plan", "lightning_4d.export", "lightning_4d.verify_checkpoint")
 _HOMES = {"FourDStrategy": "lightning_4d.strategy", "GradientBuckets": "lightning_4d.data_parallel",
-          "ParallelDims": "lightning_4d.parallel_dims", "sequence_positions": "lightning_4d.context_parallel"}
+          "ParallelDims": "lightning_4d.parallel_dims", "sequence_positions": "lightning_4d.context_parallel",
+          "Telemetry": "lightning_4d.observability"}
 
 
 def _running_our_command_line() -> bool:
@@ -45,5 +46,6 @@ if not _running_our_command_line():
     # Importing the strategy registers "fourd" with Lightning's StrategyRegistry.
     from lightning_4d.data_parallel import GradientBuckets
     from lightning_4d.context_parallel import sequence_positions
+    from lightning_4d.observability import Telemetry
     from lightning_4d.parallel_dims import ParallelDims
     from lightning_4d.strategy import FourDStrategy

@@ -1,8 +1,8 @@
 """``FourDStrategy``: Lightning's hooks mapped onto one composition.
 
 The strategy validates the layout (:class:`~lightning_4d.parallel_dims.ParallelDims`) before any process
-starts, builds the mesh, hands the module to :func:`~lightning_4d.parallelize.parallelize`, and from then on
-forwards each hook to the :class:`~lightning_4d.parallelize.ParallelModel` it got back: steps, backward,
+starts, builds the mesh, hands the module to :func:`~lightning_4d.composition.parallelize.parallelize`, and from then on
+forwards each hook to the :class:`~lightning_4d.composition.parallelize.ParallelModel` it got back: steps, backward,
 gradient sync, clipping, checkpoints. Lightning's own collectives (``reduce``, ``all_gather``) go to the
 group whose ranks hold different data.
 """
@@ -28,26 +28,26 @@ from typing_extensions import override
 
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
-from lightning_4d.activation_checkpointing import ActivationCheckpointConfig
+from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig
 from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.callbacks import PredictionWriters, check_weight_averaging
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders
-from lightning_4d.compile import CompileConfig
+from lightning_4d.memory.compile import CompileConfig
 from lightning_4d.context_parallel import ContextParallelConfig
 from lightning_4d.context_parallel.config import DEFAULT_CHECK_TOKENS
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_forward, check_shard_units,
                                         param_dtype_for)
 from lightning_4d.data_parallel.batchnorm import batchnorm_layers, restore_batchnorm, sync_batchnorm
-from lightning_4d.desync import DesyncMonitor
+from lightning_4d.observability.desync import DesyncMonitor
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
 from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size, check_ep_size
-from lightning_4d.parallelize import ParallelModel, make_plans, parallelize, parallelized
+from lightning_4d.composition.parallelize import ParallelModel, make_plans, parallelize, parallelized
 from lightning_4d.pipeline import PipelineConfig
-from lightning_4d.telemetry import Telemetry
-from lightning_4d.token_losses import check_normalization
+from lightning_4d.observability.telemetry import Telemetry
+from lightning_4d.numerics.token_losses import check_normalization
 from lightning_4d.tensor_parallel import TensorParallelConfig
 
 def _step_method(name: str, precision_context: str) -> Callable[..., Any]:
@@ -106,14 +106,14 @@ class FourDStrategy(ModelParallelStrategy):
             ``accumulate_grad_batches`` window, once, whichever rank holds it, as one process on the window's
             batches does; ``"batch"``: the same within each batch, the window's batches averaged (Lightning's
             accumulation); ``"replica"``: each rank's own mean, averaged (DDPStrategy's); see
-            :mod:`lightning_4d.token_losses`.
+            :mod:`lightning_4d.numerics.token_losses`.
         activation_checkpointing, activation_checkpointing_every: ``"none"``, ``"full"``, ``"every_n"`` or
-            ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.activation_checkpointing`.
+            ``"selective"``, and the ``n`` of ``"every_n"``; see :mod:`lightning_4d.memory.activation_checkpointing`.
         compile: ``torch.compile`` each block (``True``, or a dict of ``backend``/``mode``/``fullgraph``/
-            ``options``); see :mod:`lightning_4d.compile`.
+            ``options``); see :mod:`lightning_4d.memory.compile`.
         debug, debug_steps: for the first ``debug_steps`` steps, check that a replica's ranks get identical
             batches, keep replicated weights bit-identical and issue the same collectives.
-        telemetry: add the :class:`~lightning_4d.telemetry.Telemetry` callback (tokens/s, MFU, memory,
+        telemetry: add the :class:`~lightning_4d.observability.telemetry.Telemetry` callback (tokens/s, MFU, memory,
             communication time per dimension, pipeline bubble).
         broadcast_buffers: broadcast buffers (BatchNorm statistics, ...) within each replica group before every
             training step, as DDP does.

@@ -4,7 +4,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
-from lightning_4d.telemetry import Telemetry
+from lightning_4d.observability.telemetry import Telemetry
 
 
 class ShardTrace(Callback):

@@ -115,7 +115,7 @@ class InitProbe(Callback):
     def on_train_start(self, trainer, pl_module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        from lightning_4d.materialize import shard_key
+        from lightning_4d.composition.materialize import shard_key
 
         shards = {}
         for name, p in pl_module.named_parameters():

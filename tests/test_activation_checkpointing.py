@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_4d.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
+from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lightning_4d.planner import Layout, Model, Training, estimate, kept_bytes_per_layer
 from tests.lm_models import tiny_gpt, token_data
 from tests.parity import Case, assert_error, assert_parity, reference, train_layout_with_failures
@@ -137,7 +137,7 @@ def test_hugging_face_kv_caches_are_turned_off():
     turns it off, and named."""
     import transformers
 
-    from lightning_4d.activation_checkpointing import disable_kv_caches
+    from lightning_4d.memory.activation_checkpointing import disable_kv_caches
 
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2)

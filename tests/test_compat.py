@@ -175,7 +175,7 @@ def _hf_reentrant_checkpointing():
 
 
 def _meta_materialization():
-    # What lightning_4d.materialize reaches: the non-persistent buffer names, a tensor's hooks (attached again
+    # What lightning_4d.composition.materialize reaches: the non-persistent buffer names, a tensor's hooks (attached again
     # after swap_tensors), torch's dispatch mode base class, FSDP's re-padding of a sharded parameter.
     module = nn.Linear(2, 2)
     module.register_buffer("table", torch.zeros(2), persistent=False)
@@ -207,7 +207,7 @@ def _meta_materialization():
 
 
 def _hf_initialization():
-    # What lightning_4d.materialize calls for a module of a transformers model: _init_weights, with the
+    # What lightning_4d.composition.materialize calls for a module of a transformers model: _init_weights, with the
     # _is_hf_initialized flags cleared (transformers sets them while building, on the meta device too).
     import transformers
 

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_4d import FourDStrategy
-from lightning_4d.compile import CompileConfig
+from lightning_4d.memory.compile import CompileConfig
 from tests.parity import Case, assert_error, assert_parity, reference, train_layout_with_failures
 
 LM = dict(module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data", max_steps=4)

@@ -7,7 +7,7 @@ from tests.parity import launch
 WORKER = r'''
 import json, os, sys, torch, torch.distributed as dist
 from torch import nn
-from lightning_4d.desync import CollectiveTrace, DesyncError, check_batch, check_replicas
+from lightning_4d.observability.desync import CollectiveTrace, DesyncError, check_batch, check_replicas
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -137,7 +137,7 @@ def test_a_window_weighs_every_token_once_in_process():
     import torch
     import torch.nn.functional as F
 
-    from lightning_4d.token_losses import TokenMeanLosses, TokenWindow
+    from lightning_4d.numerics.token_losses import TokenMeanLosses, TokenWindow
 
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(4, 6))
@@ -157,7 +157,7 @@ def test_a_window_weighs_every_token_once_in_process():
 def test_a_window_mixing_a_token_mean_and_another_loss_is_refused():
     import torch
 
-    from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenWindow
+    from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenWindow
 
     weight = torch.ones(3, requires_grad=True)
     token_mean = weight.sum() * 2

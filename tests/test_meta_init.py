@@ -147,7 +147,7 @@ class _Tables(torch.nn.Module):
 def test_refusal_names_what_init_from_cannot_fill():
     import transformers
 
-    from lightning_4d.materialize import check_initializers
+    from lightning_4d.composition.materialize import check_initializers
     from tests.meta_models import llama_config
 
     with torch.device("meta"):
@@ -181,7 +181,7 @@ class _TitanLike(torch.nn.Module):
 
 
 def _materialized(build, seed: int = 3):
-    from lightning_4d.materialize import check_initializers, initialize, materialize
+    from lightning_4d.composition.materialize import check_initializers, initialize, materialize
 
     with torch.device("meta"):
         module = build()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_4d.multihead_attention import MultiheadForwards, has_own_forward, unsupported
+from lightning_4d.modules.multihead_attention import MultiheadForwards, has_own_forward, unsupported
 
 E, HEADS, B, L, S = 16, 4, 3, 5, 7
 MASKS = ("none", "causal_float", "causal_bool", "is_causal", "key_padding", "key_padding_float",

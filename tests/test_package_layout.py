@@ -1,6 +1,6 @@
 """The package's layout is its architecture: one package per dimension, each importing only the shared modules
-(``parallel_dims``, ``_compat`` and the small helpers at the root) and its own modules, never another dimension
-nor the composition; no import cycle anywhere. Read from the source with ``ast`` by ``docs/package_graph.py``
+(``parallel_dims``, ``_compat`` and the small helpers at the root, ``numerics/`` and ``modules/``) and its own
+modules, never another dimension nor the composition; no import cycle anywhere. Read from the source with ``ast`` by ``docs/package_graph.py``
 (every import statement counts, lazy ones and ``TYPE_CHECKING`` ones too), which also draws docs/packages.md."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def test_a_dimension_imports_only_shared_modules_and_its_own(dimension):
             continue
         for target in imported:
             home = layout.package_of(target)
-            if target in layout.COMPOSITION or (home is not None and home != dimension):
+            if (target in layout.COMPOSITION or home == "composition"
+                    or (home is not None and home not in (dimension, *layout.SHARED_PACKAGES))):
                 wrong.setdefault(module, []).append(target)
     assert wrong == {}, f"{dimension} reaches outside its package and the shared modules: {wrong}"
 
@@ -47,14 +48,16 @@ def test_the_rule_sees_lazy_and_type_checking_imports(tmp_path):
     assert layout.imports(probe, layout.modules()) == {"lightning_4d.pipeline.config",
                                                        "lightning_4d.tensor_parallel.plan"}
     assert layout.package_of("lightning_4d.pipeline.config") == "pipeline"
-    assert layout.package_of("lightning_4d.clipping") is None
+    assert layout.package_of("lightning_4d.arguments") is None
 
 
 def test_root_modules_are_not_pieces_of_a_package():
     """What moved into a package has no root module left behind, and the kept command-line names only hand over
     to their package (imports and the ``__main__`` call, nothing defined)."""
     for old in ("context_parallel_config", "ring_attention", "_attention_kernels", "fsdp", "resumable_loader",
-                "plan_model", "plan_cli"):
+                "plan_model", "plan_cli", "parallelize", "block_units", "materialize", "weight_agreement",
+                "token_losses", "step_logging", "clipping", "activation_checkpointing", "compile", "telemetry",
+                "desync", "experts", "multihead_attention"):
         assert not (layout.PACKAGE / f"{old}.py").exists(), old
     for entry, package in ENTRY_MODULES.items():
         path = layout.PACKAGE / f"{entry}.py"
@@ -64,7 +67,8 @@ def test_root_modules_are_not_pieces_of_a_package():
         assert any(target.startswith(f"lightning_4d.{package}") for target in layout.imports(path, layout.modules()))
 
 
-@pytest.mark.parametrize("package", [*layout.DIMENSIONS, "checkpoint", "planner", "faults"])
+@pytest.mark.parametrize("package", [*layout.DIMENSIONS, "checkpoint", "planner", "faults", "callbacks", "composition",
+                                     "numerics", "memory", "observability", "modules"])
 def test_each_package_says_what_it_owns_and_lists_its_names(package):
     tree = ast.parse((layout.PACKAGE / package / "__init__.py").read_text())
     assert ast.get_docstring(tree), f"lightning_4d/{package}/__init__.py has no docstring"

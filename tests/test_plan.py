@@ -33,7 +33,7 @@ from lightning_4d.planner import (
     plan,
 )
 from lightning_4d.planner.cli import main
-from lightning_4d.telemetry import PeakMemory
+from lightning_4d.observability.telemetry import PeakMemory
 from tests.lm_models import token_data
 from tests.parity import Case, train_layout
 
@@ -193,7 +193,7 @@ def test_plan_ranks_fitting_layouts_by_communication():
 def test_setup_peak_of_a_whole_and_a_meta_build():
     """Whole-built: every rank holds the whole model and at most one broadcast bucket. Meta-built (or init_from):
     the rank's share and the largest tensor, the one being filled."""
-    from lightning_4d.weight_agreement import BROADCAST_BUCKET_BYTES as runtime_bucket
+    from lightning_4d.composition.weight_agreement import BROADCAST_BUCKET_BYTES as runtime_bucket
     from lightning_4d.planner.estimate import BROADCAST_BUCKET_BYTES
 
     assert BROADCAST_BUCKET_BYTES == runtime_bucket
@@ -307,7 +307,7 @@ def test_bad_sizes_are_refused_with_the_fix():
 
 
 def test_activation_checkpointing_modes_are_the_strategys_and_lower_the_estimate(capsys):
-    from lightning_4d.activation_checkpointing import MODES
+    from lightning_4d.memory.activation_checkpointing import MODES
 
     assert AC_MODES == MODES
     sizes = ["--devices", "1", "--layers", "8", "--hidden", "512", "--heads", "8", "--vocab", "256", "--seq", "512",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from lightning_4d.telemetry import Telemetry, attention_flops, count_tokens, matmul_params, peak_flops_for
+from lightning_4d.observability.telemetry import Telemetry, attention_flops, count_tokens, matmul_params, peak_flops_for
 from tests.lm_models import SEQ, tiny_gpt, token_data
 from tests.parity import launch
 

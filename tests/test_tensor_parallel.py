@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_4d.clipping import clip_grad_norm_
+from lightning_4d.numerics.clipping import clip_grad_norm_
 from lightning_4d.tensor_parallel import (
     TensorParallelCheckError,
     apply_tensor_parallel,

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_4d import FourDStrategy
-from lightning_4d.clipping import clip_grad_norm_
+from lightning_4d.numerics.clipping import clip_grad_norm_
 from lightning_4d.tensor_parallel import plan_tensor_parallel
 from tests.lm_models import TinyGPT, _CausalLM
 from tests.parity import Case, assert_error, assert_parity, reference, report_difference, train_layout_with_failures

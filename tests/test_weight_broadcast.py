@@ -25,7 +25,7 @@ def _module(rank: int) -> nn.Module:
 
 
 def _worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
-    from lightning_4d import weight_agreement
+    from lightning_4d.composition import weight_agreement
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:

@@ -44,7 +44,7 @@ from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
 from lightning_4d.context_parallel.zigzag import zigzag_positions
 from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
-from lightning_4d.step_logging import StepLogs
+from lightning_4d.numerics.step_logging import StepLogs
 
 _SDPA = F.scaled_dot_product_attention
 _RUNNING: list[ContextParallel] = []  # the context-parallel step running on this rank, innermost last

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.attention_kernels import attention_kernels
-from lightning_4d.multihead_attention import unsupported
+from lightning_4d.modules.multihead_attention import unsupported
 
 
 def check_attention_reachable(module: nn.Module, cp: int) -> None:
@@ -16,8 +16,8 @@ def check_attention_reachable(module: nn.Module, cp: int) -> None:
 
     torch's ``nn.MultiheadAttention.forward`` computes its attention inside ``F.multi_head_attention_forward``,
     itself a torch function: a function mode is off while its own handler runs, so the interception would not see
-    the ``scaled_dot_product_attention`` inside it. :func:`~lightning_4d.parallelize.parallelize` gives each
-    instance lightning_4d's forward (:mod:`lightning_4d.multihead_attention`), whose call is intercepted; the
+    the ``scaled_dot_product_attention`` inside it. :func:`~lightning_4d.composition.parallelize.parallelize` gives each
+    instance lightning_4d's forward (:mod:`lightning_4d.modules.multihead_attention`), whose call is intercepted; the
     variants that forward does not compute are refused here. A module calling another
     kernel (``flex_attention``, a variable-length kernel: torchtitan's default FlexAttention, its
     VarlenAttention) is found in its code and refused likewise."""

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.apply import MODEL_REFUSAL, ContextParallel
 from lightning_4d.context_parallel.batches import _map_tensors, sequence_paths
-from lightning_4d.step_logging import StepLogs, _reduce_name
+from lightning_4d.numerics.step_logging import StepLogs, _reduce_name
 
 STEPS = ("training_step", "validation_step", "test_step")
 # Relative and absolute tolerance of a comparison. The check computes in full fp32 (no autocast, no TF32), where

@@ -1,5 +1,5 @@
 """Each fused-experts module's weights split over the ep mesh (``Shard(0)``: E/ep whole experts per rank) and
-its forward set to dispatch tokens to them (:class:`~lightning_4d.experts.ExpertsForward`)."""
+its forward set to dispatch tokens to them (:class:`~lightning_4d.modules.experts.ExpertsForward`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.func import functional_call
 
-from lightning_4d.experts import (FUSED_NAMES, ExpertList, ExpertsForward, ScaleGrad, check_expert_list,
+from lightning_4d.modules.experts import (FUSED_NAMES, ExpertList, ExpertsForward, ScaleGrad, check_expert_list,
                                   find_expert_lists, find_fused_experts, local, route)
 from lightning_4d.expert_parallel.dispatch import AllToAllDispatch
 

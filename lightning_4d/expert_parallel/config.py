@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_4d.experts import (ROUTER_NAMES, TOP_K_NAMES, check_expert_list, find_expert_lists,
+from lightning_4d.modules.experts import (ROUTER_NAMES, TOP_K_NAMES, check_expert_list, find_expert_lists,
                                   find_fused_experts)
 from lightning_4d.parallel_dims import check_ep_layout, check_ep_size
 

@@ -17,10 +17,10 @@ Lightning's closure calls ``zero_grad`` after ``training_step`` and before ``bac
 computes the gradients inside ``training_step``. So the fresh gradients are set aside after the schedule
 (:meth:`PipelineRunner.step`) and committed in the strategy's ``backward`` (:meth:`commit_gradients`), which
 keeps zero_grad, gradient accumulation and the backward hooks where Lightning puts them. (On the first batch of an
-accumulation window :meth:`~lightning_4d.parallelize.ParallelModel.step` frees the gradients that zero_grad would
+accumulation window :meth:`~lightning_4d.composition.parallelize.ParallelModel.step` frees the gradients that zero_grad would
 clear before the schedule runs, so there are none to set aside.)
 
-Logs: ``self.log`` calls are recorded per micro-batch (:class:`~lightning_4d.step_logging.StepLogs`). Only the
+Logs: ``self.log`` calls are recorded per micro-batch (:class:`~lightning_4d.numerics.step_logging.StepLogs`). Only the
 last stage ran the whole step; it merges its records, broadcasts them with the step's output over the
 pipeline group, and every stage replays identical ``log`` calls, so ``sync_dist``, ModelCheckpoint and
 EarlyStopping see the same keys on every rank and rank 0 (a first stage) logs the real values.
@@ -49,8 +49,8 @@ from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
 from lightning_4d.pipeline.plan import PipelinePlan
 from lightning_4d.pipeline.split import split_module
-from lightning_4d.step_logging import StepLogs
-from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
+from lightning_4d.numerics.step_logging import StepLogs
+from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
 
 _CACHED_SCHEDULES = 4  # one per batch shape seen recently, for training and for evaluation
 

@@ -63,7 +63,7 @@ from typing import Any, Optional
 from lightning_4d.planner.model_sizes import Model, PlanError, check_positive, divisors
 
 
-AC_MODES = ("none", "full", "every_n", "selective")  # lightning_4d.activation_checkpointing.MODES
+AC_MODES = ("none", "full", "every_n", "selective")  # lightning_4d.memory.activation_checkpointing.MODES
 # Bytes per element: (parameters, gradients, activations).
 PRECISIONS = {
     "32-true": (4, 4, 4),
@@ -78,7 +78,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}
 # out so that importing the planner (and its --help) needs no torch.
 # How the model is built, for the setup peak: whole on every rank, or on the meta device (also init_from).
 BUILDS = ("whole", "meta")
-# lightning_4d.weight_agreement.BROADCAST_BUCKET_BYTES (tests/test_plan.py keeps them equal), written out for the same
+# lightning_4d.composition.weight_agreement.BROADCAST_BUCKET_BYTES (tests/test_plan.py keeps them equal), written out for the same
 # reason: the most bytes beyond the model that agreeing on a whole-built model's weights copies at once.
 BROADCAST_BUCKET_BYTES = 64 * 2**20
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",

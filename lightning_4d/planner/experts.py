@@ -45,7 +45,7 @@ class MoESizes:
         """Sizes read from a module (whole-built or on the meta device) by the runtime's own discovery; ``top_k``
         when the module does not say (a hand-written MoE's ``top_k``, a transformers config's
         ``num_experts_per_tok``)."""
-        from lightning_4d.experts import find_expert_lists, find_fused_experts
+        from lightning_4d.modules.experts import find_expert_lists, find_fused_experts
 
         fused, lists = find_fused_experts(module), find_expert_lists(module)
         if not fused and not lists:

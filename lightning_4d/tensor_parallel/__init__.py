@@ -73,7 +73,7 @@ Integration (what a strategy calls)
    ``with tensor_parallel_context(plan): ...``.
 3. first training batch: ``check.arm()`` before the forward, ``check.verify()`` after it
    (collective over the tp group; raises ``TensorParallelCheckError``).
-4. gradient clipping: ``lightning_4d.clipping.clip_grad_norm_(params, max_norm, group=pp_group)``.
+4. gradient clipping: ``lightning_4d.numerics.clipping.clip_grad_norm_(params, max_norm, group=pp_group)``.
 
 Modules, one per job
 --------------------
@@ -82,7 +82,7 @@ Modules, one per job
 adapters placed with their base layers), ``loss_parallel``
 (vocabulary-sharded logits and ``tensor_parallel_context``), ``apply`` (``apply_tensor_parallel`` and its
 hooks), ``self_check`` (``TensorParallelSelfCheck``), ``config`` (``TensorParallelConfig``). Clipping over
-DTensor, plain and pipeline-split parameters is :mod:`lightning_4d.clipping`.
+DTensor, plain and pipeline-split parameters is :mod:`lightning_4d.numerics.clipping`.
 """
 
 from lightning_4d.tensor_parallel.apply import apply_tensor_parallel, unmix_foreach

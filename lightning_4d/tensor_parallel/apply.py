@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_4d import _compat as compat
-from lightning_4d.clipping import REPEATED_ROWS
+from lightning_4d.numerics.clipping import REPEATED_ROWS
 from lightning_4d.tensor_parallel.adapters import row_holders
 from lightning_4d.tensor_parallel.loss_parallel import _replication_enter, _replication_exit, _vocab_head_output
 from lightning_4d.tensor_parallel.plan import (

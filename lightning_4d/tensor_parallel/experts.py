@@ -5,7 +5,7 @@ Each expert is a gated MLP: ``gate_up_proj[e]`` [2I, H] is a column-wise project
 every expert's slice of I (``gate_up_proj`` ``Shard(1)``, its rows permuted once so that a rank's contiguous
 slice holds its half of gate and its half of up; ``down_proj`` ``Shard(2)``), computes each routed token's
 partial output for all of its experts, and the combined output is summed over tp once, after the combine
-(:class:`~lightning_4d.experts.ExpertsForward`). The router and shared experts are planned as the rest of the
+(:class:`~lightning_4d.modules.experts.ExpertsForward`). The router and shared experts are planned as the rest of the
 block (a shared expert is an MLP region of its own). Checkpoints keep the original gate|up row order.
 """
 
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_4d.experts import ExpertsForward, find_fused_experts
+from lightning_4d.modules.experts import ExpertsForward, find_fused_experts
 from lightning_4d.tensor_parallel.plan import FusedGateUpLayout, ModuleStyle, TensorParallelPlan, _under
 from lightning_4d.tensor_parallel.styles import _fused_state_dict_hooks
 

@@ -5,7 +5,7 @@ Its q, k and v weights are one parameter, ``in_proj_weight`` (rows q|k|v, ``embe
 ``in_proj_bias`` alike), and torch's forward derives the head size from the full ``embed_dim``. So the plan
 shards it as a fused q|k|v projection by heads (``FusedQKVLayout``: the rows are permuted once so that each
 rank's contiguous shard holds its heads' q, k and v rows; state dicts keep torch's layout) and ``out_proj``
-row-wise, and the instance gets lightning_4d's forward (:mod:`lightning_4d.multihead_attention`), which runs
+row-wise, and the instance gets lightning_4d's forward (:mod:`lightning_4d.modules.multihead_attention`), which runs
 the heads its rank holds. Its size attributes (``num_heads``, ``embed_dim``) keep their global values.
 """
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from lightning_4d.multihead_attention import install, unsupported
+from lightning_4d.modules.multihead_attention import install, unsupported
 from lightning_4d.tensor_parallel.plan import FusedQKVLayout, ModuleStyle, TensorParallelPlan, _child, _pattern, _under
 from lightning_4d.tensor_parallel.styles import _distribute_params, _fused_state_dict_hooks
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_4d.token_losses import TOKENS_ATTRIBUTE
+from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE
 
 _REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN}

@@ -4,7 +4,7 @@
 by the compiled one, so parameter names, state dicts and hooks stay as they are), before sharded data
 parallelism, so FSDP's own hooks stay outside the compiled code. With activation checkpointing torch traces
 the checkpoint into the compiled block; under context parallelism ``full`` and ``every_n`` checkpointing run
-eagerly around it instead (see :mod:`lightning_4d.parallelize`, steps 6 and 7), and where neither works the
+eagerly around it instead (see :mod:`lightning_4d.composition.parallelize`, steps 6 and 7), and where neither works the
 blocks stay eager with a warning (:func:`eager_reason`). ``compile={"backend": ..., "mode": ...}`` passes
 options on to ``torch.compile``.
 

@@ -1,6 +1,6 @@
 """Which modules each step of the composition acts on, decided from the pipeline's and tensor parallelism's facts:
 the blocks this rank holds (activation checkpointing, compile, FSDP's block units), the modules around them that
-become FSDP units of their own, and the parameters kept out of FSDP. Read by :mod:`lightning_4d.parallelize` only."""
+become FSDP units of their own, and the parameters kept out of FSDP. Read by :mod:`lightning_4d.composition.parallelize` only."""
 
 from __future__ import annotations
 

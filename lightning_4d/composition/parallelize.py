@@ -10,7 +10,7 @@ and the per-dimension options, and applies, in this order:
    module built without a common seed still trains one model, and tp/pp cut their shards from it; in buckets
    of at most 64 MB, and not at all when a load follows (``loading``). A module built on the meta device is
    checked instead: every meta tensor needs an initializer, else a ValueError on every rank, before any
-   collective (:func:`~lightning_4d.materialize.check_initializers`).
+   collective (:func:`~lightning_4d.composition.materialize.check_initializers`).
 3. **Pipeline cut**: this rank keeps only its stages' blocks and the modules around them that it owns.
 4. **Device**, then **tensor/sequence parallelism**: the modules this rank holds are sharded over ``tp``.
 5. **Context parallelism**: hooks that give position modules global positions and turn attention into
@@ -27,7 +27,7 @@ and the per-dimension options, and applies, in this order:
    wrapping the blocks as steps 3-7 left them; then the pipeline's stage-boundary hooks, outermost.
    Then, for a module built on the meta device, **materialization**: every placement is decided, so each rank
    allocates only what it holds (its stages, tp shards, FSDP shards) and fills it with the module's own
-   initializer; non-persistent buffers are recomputed (:mod:`lightning_4d.materialize`).
+   initializer; non-persistent buffers are recomputed (:mod:`lightning_4d.composition.materialize`).
 9. **Metric sync** over the ranks that hold different data.
 10. **Gradient synchronisation**, once the optimizers exist (:meth:`ParallelModel.attach_optimizers`):
     bucketed all-reduce over ``dp x cp``, overlapped with backward; with sharding, FSDP's reduce-scatter
@@ -56,24 +56,24 @@ from torch.optim import Optimizer
 
 from lightning_4d import _compat as compat
 from lightning_4d import checkpoint
-from lightning_4d.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
+from lightning_4d.memory.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
                                                    disable_kv_caches)
-from lightning_4d.block_units import (blocks_to_compile, fsdp_blocks, gradient_hooked, held_blocks,
+from lightning_4d.composition.block_units import (blocks_to_compile, fsdp_blocks, gradient_hooked, held_blocks,
                                       modules_around_blocks, shared_params, units_around_blocks)
-from lightning_4d.clipping import clip_grad_norm_
-from lightning_4d.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
-from lightning_4d.compile import CompileConfig, Compiled, apply_compile, eager_reason
+from lightning_4d.numerics.clipping import clip_grad_norm_
+from lightning_4d.composition.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
+from lightning_4d.memory.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
 from lightning_4d.context_parallel.step_check import StepCheck
 from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model, replaced_expert_lists
-from lightning_4d.experts import find_expert_lists, global_balancing_loss
+from lightning_4d.modules.experts import find_expert_lists, global_balancing_loss
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
                                         apply_sharding, check_own_units, gathered, own_unit_params, own_units)
-from lightning_4d.multihead_attention import MultiheadForwards
+from lightning_4d.modules.multihead_attention import MultiheadForwards
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner
-from lightning_4d.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
-from lightning_4d.weight_agreement import agreed_seed, broadcast_from_rank0
+from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
+from lightning_4d.composition.weight_agreement import agreed_seed, broadcast_from_rank0
 from lightning_4d.tensor_parallel import (
     TensorParallelConfig,
     TensorParallelPlan,
@@ -164,10 +164,10 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
 
     ``reshard_after_forward``, ``reduce_scatter_every_batch``, ``param_dtype`` (compute dtype of FSDP's mixed
     precision) and ``shard_units`` only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
-    ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.token_losses`).
+    ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.numerics.token_losses`).
     ``loading``: the caller loads every parameter and persistent buffer right after (``init_from``): rank 0's
     weights are not broadcast, and a meta-built module gets storage but only its non-persistent buffers are
-    initialized (:mod:`lightning_4d.materialize`).
+    initialized (:mod:`lightning_4d.composition.materialize`).
 
     Idempotent per module: a module parallelized already with the same options gets its :class:`ParallelModel`
     back (with its hooks re-installed if they were removed); other options raise a ValueError.

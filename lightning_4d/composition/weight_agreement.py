@@ -55,7 +55,7 @@ def broadcast_from_rank0(module: nn.Module, device: torch.device,
 
 def agreed_seed(device: torch.device) -> int:
     """Rank 0's seed (``seed_everything``'s, or torch's default), the same on every rank: the base of a
-    meta-built module's initialization (:mod:`lightning_4d.materialize`)."""
+    meta-built module's initialization (:mod:`lightning_4d.composition.materialize`)."""
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64, device=device)
     dist.broadcast(seed, src=0)
     return int(seed.item())
