@@ -11,11 +11,11 @@ from typing import Any
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 
 
-def check_weight_averaging(callbacks: list[Any], sizes: dict[str, int]) -> None:
-    """``sizes``: the layout's ``tp``, ``dp_shard``, ``pp`` and ``ep``. A ValueError naming the fix."""
+def check_weight_averaging(callbacks: list[Any], dims: Any) -> None:
+    """``dims``: the layout (:class:`~lightning_4d.parallel_dims.ParallelDims`). A ValueError naming the fix."""
     if not any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
         return
-    held = [f"{name}={size}" for name, size in sizes.items() if size > 1]
+    held = [f"{name}={getattr(dims, name)}" for name in ("tp", "dp_shard", "pp", "ep") if getattr(dims, name) > 1]
     if held:
         raise ValueError(
             f"StochasticWeightAveraging with FourDStrategy({', '.join(held)}): Lightning's callback averages a copy of"

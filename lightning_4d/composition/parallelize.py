@@ -133,6 +133,16 @@ def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, t
     return Plans(tensor_plan, pipeline_plan)
 
 
+def check_before_launch(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, tensor: TensorParallelConfig,
+                        user_parallelized: bool) -> None:
+    """Before any process group, on every rank: a module the pipeline cannot cut, or that sharding or expert
+    parallelism refuses (its plans are made again, on the same module, in :func:`parallelize`; skipped for one
+    already parallelized or whose ``configure_model`` lays it out first, ``user_parallelized``)."""
+    if (mesh_dims.pp_enabled or mesh_dims.dp_shard_enabled or mesh_dims.ep_enabled) and parallelized(
+            module) is None and not user_parallelized:
+        make_plans(module, mesh_dims, pipeline=pipeline, tensor=tensor)
+
+
 def _check_stackable_experts(module: nn.Module, plan: TensorParallelPlan, ep: int, tp: int) -> None:
     """Expert parallelism stacks a hand-written MoE's experts into one tensor per weight, with tensor parallelism's
     slice of each; a fused gate|up projection whose rows tp permutes (and un-permutes in the state dict with hooks

@@ -31,6 +31,25 @@ def batchnorm_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, BATCHNORMS)]
 
 
+def batchnorm_statistics(module: nn.Module, splits: dict[str, int], group: dist.ProcessGroup, requested: bool,
+                         warn: bool) -> None:
+    """``Trainer(sync_batchnorm=True)`` (``requested``): the BatchNorm layers normalize with the statistics of the
+    batch split over ``group`` (dp x cp). Without it, a model with BatchNorm whose batch is split (``splits``: the
+    data-parallel and context-parallel sizes) says once (``warn``) that each rank keeps its own, as under DDP."""
+    layers = batchnorm_layers(module)
+    if not layers or all(size == 1 for size in splits.values()):
+        return
+    if requested:
+        sync_batchnorm(module, group)
+    elif warn:
+        from lightning.fabric.utilities import rank_zero_warn
+
+        rank_zero_warn(f"{len(layers)} BatchNorm layers ({layers[0][0]}, ...) normalize with the statistics of the"
+                       f" part of the batch each rank holds ({', '.join(f'{k}={v}' for k, v in splits.items())}), as"
+                       " under DDPStrategy, not the whole batch's as one process does: Trainer(sync_batchnorm=True)"
+                       " gives them the whole batch's.")
+
+
 def sync_batchnorm(module: nn.Module, group: dist.ProcessGroup) -> list[str]:
     """Give every BatchNorm layer of ``module`` the statistics of the batch split over ``group``; their names."""
     layers = batchnorm_layers(module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,3 +93,26 @@ def clip_grad_norm_(
     for grad in grads:
         grad.mul_(coef.to(grad.device))
     return total
+
+
+def install_clipping(plugin: Any, parallel: Any, whole_model: bool) -> None:
+    """Clipping on Lightning's precision ``plugin`` (``gradient_clip_val`` and ``self.clip_gradients``) that refuses
+    gradients a blocked manual backward left unsynchronized (``parallel.check_synchronized``) and, when the model is
+    split (``whole_model``: tp, pp, dp_shard or ep), clips by the norm over the whole model with
+    ``parallel.clip_grad_norm_``: Lightning's own sees this rank's shards and stage only."""
+    base = type(plugin)
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        parallel.check_synchronized("clip_gradients")
+        if whole_model:
+            parallel.clip_grad_norm_(list(plugin.main_params(optimizer)), float(clip_val))
+        else:
+            base.clip_grad_by_norm(plugin, optimizer, clip_val)
+
+    def clip_grad_by_value(optimizer: Any, clip_val: float) -> None:
+        # Elementwise, so each rank clamps what it holds; one tensor at a time: torch's foreach kernels refuse a
+        # list mixing tensor-parallel DTensors with plain tensors.
+        parallel.check_synchronized("clip_gradients")
+        torch.nn.utils.clip_grad_value_(list(plugin.main_params(optimizer)), float(clip_val), foreach=False)
+
+    plugin.clip_grad_by_norm, plugin.clip_grad_by_value = clip_grad_by_norm, clip_grad_by_value
