@@ -1,5 +1,5 @@
-"""Finding what to shard in an unchanged module: attention and MLP regions by child names and shapes, the
-vocabulary embedding and LM head, per-head norms, size attributes to divide, and tied weights.
+"""Finding what to shard in an unchanged module: attention and MLP regions by child names and shapes, per-head
+norms and size attributes to divide; the vocabulary embedding, LM head and tied weights in :mod:`.vocabulary`.
 
 :func:`plan_tensor_parallel` is pure: every refusal is a ``ValueError`` naming the module and the fix, raised
 before any collective.
@@ -7,7 +7,6 @@ before any collective.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,24 +17,23 @@ from lightning_4d.tensor_parallel.adapters import adapter_names, check_adapters
 from lightning_4d.tensor_parallel.experts import plan_experts
 from lightning_4d.tensor_parallel.plan import (
     _SEQUENCE_DIM,
-    Coverage,
     FusedGateUpLayout,
     FusedQKVLayout,
     GroupedQKVLayout,
     ModuleStyle,
-    SHARDED_STYLES,
     Region,
     TensorParallelPlan,
     _child,
     _int_attrs,
     _is_conv1d,
     _linear_shape,
-    _parameter_owners,
     _pattern,
     _under,
 )
 from lightning_4d.tensor_parallel.multihead import plan_multihead
+from lightning_4d.tensor_parallel.size_attributes import _HEAD_ATTRS, _HEAD_DIM_ATTRS, _KV_HEAD_ATTRS, divided, local_sizes
 from lightning_4d.tensor_parallel.user_plan import _matches, _parse_user_plan
+from lightning_4d.tensor_parallel.vocabulary import check_ties, coverage, plan_vocabulary
 
 # (column-wise children, row-wise child); checked by shapes after matching names.
 _ATTENTION_PRESETS = (
@@ -82,14 +80,6 @@ _SPLIT_MLP_PRESETS = ((("intermediate.dense",), "output.dense"),)
 # (query up-projection, or the full-rank query projection; key/value down-projection; its norm; key/value
 # up-projection; output projection)
 _LATENT_ATTENTION_PRESETS = ((("q_b_proj", "q_proj"), "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"),)
-_HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
-_KV_HEAD_ATTRS = ("n_kv_heads", "n_kv_head", "num_key_value_heads", "num_kv_heads", "n_query_groups",
-                  "kv_heads")  # kv_heads: GPTBigCode's attention (declared there even when its config says otherwise)
-_WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "all_head_size", "split_size", "d_model", "dim", "inner_dim")
-_MODEL_WIDTH_ATTRS = ("n_embd", "embed_dim", "hidden_size", "d_model", "dim")
-_HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
-_KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv", "heads_per_kv")  # q heads per kv head
-_GROUP_ROWS_ATTRS = ("r_dim",)  # heads per group of a grouped fused projection: its q heads, k and v (torchtitan)
 
 
 def _head_geometry(module: nn.Module, q_width: int) -> tuple[int, int] | None:
@@ -347,42 +337,6 @@ def _head_norms(fqn: str, module: nn.Module, projections: tuple[str, ...], head_
     return tuple(norms)
 
 
-def _size_attributes(source: Any, region: Region) -> dict[str, int]:
-    """Integer attributes holding this attention's global head counts or widths."""
-    attrs = {n: v for n, v in _int_attrs(source, _HEAD_ATTRS).items() if v == region.heads}
-    attrs.update({n: v for n, v in _int_attrs(source, _KV_HEAD_ATTRS).items() if v == region.kv_heads})
-    # An attention that sees the hidden state whole (narrow off: BERT-style, MLA) keeps the model's width whole;
-    # only its own width (all_head_size, inner_dim) is divided.
-    widths = [n for n in _WIDTH_ATTRS if region.narrow or n not in _MODEL_WIDTH_ATTRS]
-    attrs.update({n: v for n, v in _int_attrs(source, widths).items() if v in (region.width, region.inner)})
-    return attrs
-
-
-def _local_sizes(fqn: str, source: Any, region: Region, tp: int) -> dict[str, int]:
-    """This rank's values of the size attributes of an attention (or of its config): divided by tp, except
-    that with key/value heads replicated each rank uses one of them, read by all its query heads."""
-    attrs = _size_attributes(source, region)
-    if not region.kv_replicated:
-        return _divided(fqn, attrs, tp)
-    kv = {name: 1 for name, value in _int_attrs(source, _KV_HEAD_ATTRS).items() if value == region.kv_heads}
-    groups = {name: region.heads // tp for name, value in _int_attrs(source, _KV_GROUP_ATTRS).items()
-              if value == region.heads // region.kv_heads}
-    groups.update({name: region.heads // tp + 2 for name, value in _int_attrs(source, _GROUP_ROWS_ATTRS).items()
-                   if value == region.heads // region.kv_heads + 2})
-    return {**_divided(fqn, {n: v for n, v in attrs.items() if n not in kv}, tp), **kv, **groups}
-
-
-def _divided(fqn: str, attrs: dict[str, int], tp: int) -> dict[str, int]:
-    for name, value in attrs.items():
-        if value % tp:
-            raise ValueError(
-                f"{fqn}.{name} = {value} is not divisible by tp={tp}. Fix: choose a tensor-parallel size that "
-                f"divides it, or keep the module unsharded with tp_plan: "
-                f"{{'{_pattern(fqn.removesuffix('.config'))}': replicate}}."
-            )
-    return {name: value // tp for name, value in attrs.items()}
-
-
 def plan_tensor_parallel(
     module: nn.Module,
     tp_size: int,
@@ -444,15 +398,15 @@ def plan_tensor_parallel(
         for name in region.head_embeddings:  # [buckets, heads]: column-wise gives each rank its heads' biases
             plan.styles[_child(fqn, name)] = ModuleStyle("colwise", role=region.kind)
         if region.kind == "attention" and fqn not in divide:
-            attrs = _local_sizes(fqn, m, region, tp_size)
+            attrs = local_sizes(fqn, m, region, tp_size)
             config = getattr(m, "config", None)
-            config_attrs = _local_sizes(f"{fqn}.config", config, region, tp_size) if config is not None else {}
+            config_attrs = local_sizes(f"{fqn}.config", config, region, tp_size) if config is not None else {}
             if attrs:
                 plan.attributes[fqn] = attrs
             if config_attrs:
                 plan.config_attributes[fqn] = config_attrs
             for holder in region.holders:  # a module between the attention and its projection (qkv_linear)
-                held = _local_sizes(_child(fqn, holder), m.get_submodule(holder), region, tp_size)
+                held = local_sizes(_child(fqn, holder), m.get_submodule(holder), region, tp_size)
                 if held:
                     plan.attributes[_child(fqn, holder)] = held
     for fqn, names in divide.items():
@@ -462,10 +416,10 @@ def plan_tensor_parallel(
             raise ValueError(
                 f"tp_plan entry for {fqn}: 'divide' names {missing}, which are not integer attributes of it."
             )
-        plan.attributes[fqn] = _divided(fqn, attrs, tp_size)
+        plan.attributes[fqn] = divided(fqn, attrs, tp_size)
 
     plan_experts(plan, module, replicated, sequence_parallel)  # fused 3-D MoE experts (tensor_parallel/experts.py)
-    _plan_vocabulary(plan, modules, replicated, sequence_parallel, loss_parallel)
+    plan_vocabulary(plan, modules, replicated, sequence_parallel, loss_parallel)
     if sequence_parallel:
         for fqn, m in modules.items():
             if (
@@ -513,34 +467,12 @@ def plan_tensor_parallel(
         elif style.style in ("colwise", "rowwise") and adapter_names(modules[fqn]):
             check_adapters(fqn, modules[fqn], _pattern(fqn))
             plan.adapters[fqn] = adapter_names(modules[fqn])
-    _check_ties(plan, module)
-    plan.coverage = _coverage(plan, modules)
+    check_ties(plan, module)
+    plan.coverage = coverage(plan, modules)
     planned = {*plan.styles, *plan.regions, *plan.attributes, *plan.config_attributes}
     plan.classes = {fqn: type(modules[fqn]).__name__ for fqn in planned}
     plan.sources = {fqn: key for fqn, key in sources.items() if plan.styles[fqn].role == "user"}
     return plan
-
-
-def _coverage(plan: TensorParallelPlan, modules: dict[str, nn.Module]) -> Coverage:
-    """The share of the body's parameters in modules the plan shards (column- or row-wise), and the body's
-    largest modules left whole, grouped by FQN pattern (``model.layers.*.attn.qkv``)."""
-    outside = [fqn for fqn, style in plan.styles.items() if style.role in ("embedding", "head")]
-    sharded_modules = [fqn for fqn, style in plan.styles.items() if style.style in SHARDED_STYLES]
-    sharded = total = 0
-    whole: dict[str, list[int]] = {}
-    for fqn, m in modules.items():
-        if _under(fqn, outside):
-            continue
-        numel = sum(p.numel() for p in m.parameters(recurse=False))
-        total += numel
-        if _under(fqn, sharded_modules):
-            sharded += numel
-        elif numel:
-            group = whole.setdefault(_pattern(fqn), [0, 0])
-            group[0] += 1
-            group[1] += numel
-    largest = sorted(((pattern, count, numel) for pattern, (count, numel) in whole.items()), key=lambda r: -r[2])
-    return Coverage(sharded, total, tuple(largest))
 
 
 def _regions(
@@ -639,84 +571,3 @@ def _check_region(fqn: str, module: nn.Module, region: Region, tp: int) -> None:
             )
 
 
-def _plan_vocabulary(
-    plan: TensorParallelPlan, modules: dict[str, nn.Module], replicated: list[str], sp: bool, loss_parallel: bool
-) -> None:
-    """Token embedding row-wise and the LM head (a linear C->V outside regions) column-wise."""
-    embeddings = [f for f in modules if isinstance(modules[f], nn.Embedding)]
-    if not embeddings:
-        return
-    outside = [f for f in modules if not _under(f, replicated) and not _under(f, list(plan.regions))]
-
-    def heads_of(fqn: str) -> list[str]:
-        """Linears outside the blocks that map the embedding's width back to its rows, tied to it first."""
-        emb = modules[fqn]
-        found = [f for f in outside
-                 if _linear_shape(modules[f]) == (emb.embedding_dim, emb.num_embeddings) and f not in plan.styles
-                 and not any(part.isdigit() for part in f.split("."))]  # an LM head is not inside repeated blocks
-        return sorted(found, key=lambda f: getattr(modules[f], "weight", None) is not emb.weight)
-
-    emb_fqn = max(embeddings, key=lambda f: _vocabulary_rank(f, modules, heads_of(f)))
-    if _under(emb_fqn, replicated):
-        return
-    emb = modules[emb_fqn]
-    vocab = emb.num_embeddings
-    heads = heads_of(emb_fqn)
-    if vocab % plan.tp_size:
-        raise ValueError(
-            f"Vocabulary size {vocab} of {emb_fqn} is not divisible by tp={plan.tp_size}. Fix: pad the vocabulary "
-            f"to a multiple of {plan.tp_size} (e.g. {math.ceil(vocab / 64) * 64}), or keep it unsharded with "
-            f"tp_plan: {{'{emb_fqn}': replicate{''.join(f', {h!r}: replicate' for h in heads[:1])}}}."
-        )
-    # The same table under several names (T5's shared, encoder.embed_tokens and decoder.embed_tokens): each
-    # registration is called, so each is placed alike (and tied again to one parameter after sharding).
-    for fqn in (f for f in embeddings if modules[f].weight is emb.weight and not _under(f, replicated)):
-        plan.styles[fqn] = ModuleStyle(
-            "rowwise", input="replicate", output=f"shard({_SEQUENCE_DIM})" if sp else "replicate", role="embedding"
-        )
-    if heads:
-        plan.styles[heads[0]] = ModuleStyle("colwise", output=None if loss_parallel else "replicate", role="head")
-
-
-def _vocabulary_rank(fqn: str, modules: dict[str, nn.Module], heads: list[str]) -> tuple:
-    """Which embedding is the token embedding: the one an LM head reads back (tied to it, then any), then the one
-    whose rows are a config's ``vocab_size``, then one not named for positions; the most rows last. Learned
-    positions can have more rows than a small vocabulary (OPT's 2 offset rows, BERT's 512 positions)."""
-    emb = modules[fqn]
-    tied = bool(heads) and getattr(modules[heads[0]], "weight", None) is emb.weight
-    vocab_sizes = {getattr(getattr(m, "config", None), "vocab_size", None) for m in modules.values()}
-    positional = any(word in fqn.rsplit(".", 1)[-1] for word in ("position", "wpe", "pos_emb"))
-    return tied, bool(heads), emb.num_embeddings in vocab_sizes, not positional, emb.num_embeddings
-
-
-def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
-    if style is None or style.style in ("sequence_parallel",):
-        return "replicated"
-    if isinstance(module, nn.Embedding):
-        return f"shard({0 if style.style == 'rowwise' else 1})"
-    conv = _is_conv1d(module)
-    return f"shard({int(conv) if style.style == 'colwise' else int(not conv)})"
-
-
-def _check_ties(plan: TensorParallelPlan, module: nn.Module) -> None:
-    for owners in _parameter_owners(module).values():
-        tied = [(fqn, name) for fqn, _, name in owners]
-        # A registration in an unstyled module above a styled one is an alias that follows it (BERT's
-        # cls.predictions.bias is its decoder's bias; the module's own code does not read it).
-        tied = [(f, n) for f, n in tied
-                if f in plan.styles or not any(g in plan.styles and g != f and _under(g, [f]) for g, _ in tied)]
-        shardings = {
-            (
-                _weight_sharding(module.get_submodule(f), plan.styles.get(f))
-                if n == "weight"
-                else ("replicated" if f not in plan.styles else "sharded")
-            )
-            for f, n in tied
-        }
-        if len({f for f, _ in tied}) > 1 and len(shardings) > 1:
-            names = ", ".join(f"{f}.{n}" for f, n in tied)
-            raise ValueError(
-                f"Tied parameters {names} would be sharded differently ({', '.join(sorted(shardings))}); tied weights "
-                "must stay one parameter. Fix: give the tied modules matching tp_plan styles (embedding rowwise with "
-                "LM head colwise), or replicate all of them."
-            )
