@@ -245,7 +245,7 @@ def test_ep_refusals_name_the_fix():
     with pytest.raises(ValueError, match=r"ep=2: the routing of layers.0.moe \(SigmoidMoE\) cannot be reached.*Fix"):
         check_ep_model(HandMoELM(sigmoid=True), 2)
     check_ep_model(HandMoELM(), 2, tp=2)  # its experts keep tp's slices (tests hand_ep2_tp2)
-    from lightning_4d.composition.parallelize import make_plans
+    from lightning_4d.composition.plans import make_plans
     from lightning_4d.pipeline import PipelineConfig
     from lightning_4d.tensor_parallel import TensorParallelConfig
 

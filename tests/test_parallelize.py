@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from lightning_4d.context_parallel.config import ContextParallelConfig
 from lightning_4d.parallel_dims import ParallelDims
-from lightning_4d.composition.parallelize import make_plans, parallelize
+from lightning_4d.composition.parallelize import parallelize
+from lightning_4d.composition.plans import make_plans
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.tensor_parallel import TensorParallelConfig
 from tests.lm_models import NanoGPT, sgd, tiny_gpt, token_data

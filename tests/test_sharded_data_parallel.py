@@ -25,7 +25,8 @@ import torch
 from lightning_4d import ParallelDims
 from lightning_4d.data_parallel.fsdp import block_reshard, check_reshard_after_forward
 from lightning_4d.context_parallel.config import ContextParallelConfig
-from lightning_4d.composition.parallelize import make_plans, parallelize
+from lightning_4d.composition.parallelize import parallelize
+from lightning_4d.composition.plans import make_plans
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.tensor_parallel import TensorParallelConfig
 from tests.lm_models import tiny_gpt

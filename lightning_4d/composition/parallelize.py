@@ -16,12 +16,9 @@ and the per-dimension options, and applies, in this order:
 5. **Context parallelism**: hooks that give position modules global positions and turn attention into
    ring attention while a step runs on sequence shards.
 6. **Compile** (``torch.compile``) of each block this rank holds, as steps 3-5 left them.
-7. **Activation checkpointing** of those blocks (so a recomputed block is sharded, cut, context-parallel and
-   compiled like the original). With compile, torch traces the checkpoint into the compiled block, so step 6
-   comes after this one; except under context parallelism, whose recomputed attention needs its interception
-   (a function mode) that a traced checkpoint cannot enter: there ``full`` and ``every_n`` run eagerly around
-   the compiled block. Where the traced checkpoint cannot work (tensor parallelism's hooks keep state inside
-   a block; ``selective`` under context parallelism), the blocks stay eager, with a warning naming the fix.
+7. **Activation checkpointing** of those blocks (a recomputed block is laid out like the original). With compile
+   it comes before step 6 (torch traces the checkpoint), except under context parallelism, whose interception a
+   traced checkpoint cannot enter; where neither works the blocks stay eager, with a warning (docs/compile.md).
 8. **Sharded data parallelism** (``dp_shard > 1``): FSDP2 units per block and at the root (under pipelining,
    the modules around the blocks instead), over ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``),
    wrapping the blocks as steps 3-7 left them; then the pipeline's stage-boundary hooks, outermost.
@@ -44,93 +41,41 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_4d import _compat as compat
-from lightning_4d import checkpoint
-from lightning_4d.memory.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
-                                                   disable_kv_caches)
+from lightning_4d import _compat as compat, checkpoint
 from lightning_4d.composition.block_units import (blocks_to_compile, fsdp_blocks, gradient_hooked, held_blocks,
-                                      modules_around_blocks, shared_params, units_around_blocks)
-from lightning_4d.numerics.clipping import clip_grad_norm_
-from lightning_4d.composition.materialize import check_initializers, has_meta_tensors, initialize, materialize, move_real_tensors
-from lightning_4d.memory.compile import CompileConfig, Compiled, apply_compile, eager_reason
-from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig, check_attention_reachable
-from lightning_4d.context_parallel.step_check import StepCheck
-from lightning_4d.expert_parallel import apply_expert_parallel, check_ep_model, replaced_expert_lists
-from lightning_4d.modules.experts import find_expert_lists, global_balancing_loss
-from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, GradientBuckets, ReshardAfterForward, ShardedUnits,
-                                        apply_sharding, check_own_units, gathered, own_unit_params, own_units)
-from lightning_4d.modules.multihead_attention import MultiheadForwards
-from lightning_4d.parallel_dims import ParallelMesh
-from lightning_4d.pipeline import PipelineConfig, PipelinePlan, PipelineRunner
-from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
+                                                  modules_around_blocks, shared_params, units_around_blocks)
+from lightning_4d.composition.materialize import (check_initializers, has_meta_tensors, initialize, materialize,
+                                                  move_real_tensors)
+from lightning_4d.composition.plans import Plans, make_plans
 from lightning_4d.composition.weight_agreement import agreed_seed, broadcast_from_rank0
-from lightning_4d.tensor_parallel import (
-    TensorParallelConfig,
-    TensorParallelPlan,
-    TensorParallelSelfCheck,
-    apply_tensor_parallel,
-    plan_tensor_parallel,
-    tensor_parallel_context,
-    unmix_foreach,
-)
+from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig
+from lightning_4d.context_parallel.step_check import StepCheck
+from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, BucketSets, GradientBuckets, ReshardAfterForward,
+                                        ShardedUnits, apply_sharding, check_own_units, gathered, own_unit_params,
+                                        own_units)
+from lightning_4d.expert_parallel import apply_expert_parallel, replaced_expert_lists
+from lightning_4d.memory.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
+                                                          disable_kv_caches)
+from lightning_4d.memory.compile import CompileConfig, Compiled, apply_compile, eager_reason
+from lightning_4d.modules.experts import global_balancing_loss
+from lightning_4d.modules.multihead_attention import MultiheadForwards
+from lightning_4d.numerics.clipping import clip_grad_norm_
+from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
+from lightning_4d.parallel_dims import ParallelMesh
+from lightning_4d.pipeline import PipelineConfig, PipelineRunner
+from lightning_4d.tensor_parallel import (TensorParallelConfig, TensorParallelSelfCheck, apply_tensor_parallel,
+                                          armed_self_check, tensor_parallel_context, unmix_foreach)
 
 _ATTRIBUTE = "_lightning_4d_parallel"
 _MANUAL = None  # the key of the one set of gradient buckets under manual optimization
-
-
-@dataclass(frozen=True)
-class Plans:
-    """What :func:`parallelize` will do to a module, decided without communication."""
-
-    tensor: Optional[TensorParallelPlan]  # None: tp=1, or DTensor parameters made by the user already
-    pipeline: Optional[PipelinePlan]  # None: pp=1
-
-    def describe(self) -> str:
-        return "\n".join(plan.describe() for plan in (self.tensor, self.pipeline) if plan is not None)
-
-
-def make_plans(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, tensor: TensorParallelConfig) -> Plans:
-    """Both plans for ``module`` (pure: raises a ValueError naming the fix, the same on every rank).
-
-    ``mesh_dims``: the :class:`~lightning_4d.parallel_dims.ParallelDims` of the layout.
-    """
-    if mesh_dims.pp_enabled:
-        automatic = getattr(module, "automatic_optimization", True)
-        if not automatic:
-            raise ValueError(f"FourDStrategy(pp={mesh_dims.pp}) needs automatic optimization, but"
-                             f" {type(module).__name__}.automatic_optimization is False: the pipeline schedule runs"
-                             " forward and backward of every micro-batch itself, so manual_backward cannot. Use"
-                             " automatic optimization, or pp=1.")
-        routed = next((name for name, m in module.named_modules()
-                       if getattr(getattr(m, "config", None), "output_router_logits", False) is True), None)
-        if routed is not None:
-            raise ValueError(f"FourDStrategy(pp={mesh_dims.pp}) with {routed + '.' if routed else ''}config."
-                             "output_router_logits=True: the router's auxiliary loss combines every layer's router logits, which live on"
-                             " different pipeline stages. Use pp=1 (ep, dp, tp and cp keep the auxiliary loss exact),"
-                             " or set config.output_router_logits=False.")
-    if mesh_dims.cp_enabled:
-        check_attention_reachable(module, mesh_dims.cp)
-    if mesh_dims.ep_enabled:
-        check_ep_model(module, mesh_dims.ep, mesh_dims.tp)
-    pipeline_plan = PipelinePlan.build(module, pipeline) if mesh_dims.pp_enabled else None
-    tensor_plan = None
-    if mesh_dims.tp_enabled and not any(isinstance(p, DTensor) for p in module.parameters()):
-        tensor_plan = plan_tensor_parallel(module, mesh_dims.tp, **tensor.plan_kwargs())
-        if tensor_plan.enabled and tensor_plan.coverage is not None:
-            tensor_plan.coverage.check(mesh_dims.tp, tensor.strict)
-        if mesh_dims.ep_enabled:
-            _check_stackable_experts(module, tensor_plan, mesh_dims.ep, mesh_dims.tp)
-    return Plans(tensor_plan, pipeline_plan)
 
 
 def check_before_launch(module: nn.Module, mesh_dims: Any, *, pipeline: PipelineConfig, tensor: TensorParallelConfig,
@@ -141,21 +86,6 @@ def check_before_launch(module: nn.Module, mesh_dims: Any, *, pipeline: Pipeline
     if (mesh_dims.pp_enabled or mesh_dims.dp_shard_enabled or mesh_dims.ep_enabled) and parallelized(
             module) is None and not user_parallelized:
         make_plans(module, mesh_dims, pipeline=pipeline, tensor=tensor)
-
-
-def _check_stackable_experts(module: nn.Module, plan: TensorParallelPlan, ep: int, tp: int) -> None:
-    """Expert parallelism stacks a hand-written MoE's experts into one tensor per weight, with tensor parallelism's
-    slice of each; a fused gate|up projection whose rows tp permutes (and un-permutes in the state dict with hooks
-    on the expert's own module) would keep permuted rows in checkpoints once stacked: refused before any
-    collective."""
-    for moe in find_expert_lists(module).values():
-        fused = sorted(fqn for fqn, region in plan.regions.items()
-                       if fqn.startswith(f"{moe.fqn}.experts.") and region.fused is not None and region.fused.moves(tp))
-        if fused:
-            raise ValueError(f"ep={ep} with tp={tp}: the experts of {moe.fqn} ({moe.cls}) hold a fused projection"
-                             f" ({fused[0]}.{plan.regions[fused[0]].inputs[0]}) whose rows tensor parallelism"
-                             " reorders per rank, which stacked experts cannot keep. Fix: write the expert with separate"
-                             f" gate and up linears, or use tp=1 with ep={ep}, or ep=1 with tp={tp}.")
 
 
 def parallelized(module: nn.Module) -> Optional[ParallelModel]:
@@ -427,7 +357,7 @@ class ParallelModel:
         check, self._self_check = (self._self_check, None) if training else (None, self._self_check)
         with ExitStack() as stack:
             if check is not None:
-                stack.enter_context(_armed_check(check, self.unsharded))
+                stack.enter_context(armed_self_check(check, self.unsharded))
             stack.enter_context(self.step_context(predicting))
             window = self.window if training and accumulate_grad_batches > 1 else None
             token_losses = self._token_losses(self.pipeline is not None, window is not None) if not predicting else None
@@ -593,7 +523,7 @@ class ParallelModel:
             if expert_params:  # each ep rank holds other experts: averaged over the ranks holding the same ones
                 sets.append(GradientBuckets(expert_params, self.mesh.group("ep_replica"), self.options["bucket_mb"]))
             if sets:
-                self._buckets[key] = sets[0] if len(sets) == 1 else _BucketSets(sets)
+                self._buckets[key] = sets[0] if len(sets) == 1 else BucketSets(sets)
 
     def synchronizing(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (training step, zero_grad, backward) with its gradients averaged over the replicas.
@@ -668,38 +598,3 @@ class ParallelModel:
     def full_state(self) -> dict[str, Tensor]:
         """The whole model as plain tensors on every rank (collective; for export and tests of small models)."""
         return checkpoint.full_model_state(self.module, pp_group=self.pp_group)
-
-
-class _BucketSets:
-    """Several sets of gradient buckets (over different groups) armed and synchronized as one."""
-
-    def __init__(self, sets: list[GradientBuckets]) -> None:
-        self.sets = sets
-
-    def begin(self, overlap: bool = True) -> None:
-        for buckets in self.sets:
-            buckets.begin(overlap)
-
-    def synchronize(self) -> None:
-        for buckets in self.sets:
-            buckets.synchronize()
-
-    def remove(self) -> None:
-        for buckets in self.sets:
-            buckets.remove()
-
-
-@contextmanager
-def _armed_check(check: TensorParallelSelfCheck,
-                 unsharded: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
-    """Around the first training step after sharding: each sharded block type against an unsharded copy (with
-    FSDP's parameters gathered while the blocks run again)."""
-    check.arm()
-    try:
-        yield
-    except Exception:
-        with unsharded():
-            check.verify(failed=True)  # names a sharded block that could not run; otherwise the error stands
-        raise
-    with unsharded():
-        check.verify()

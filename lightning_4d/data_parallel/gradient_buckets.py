@@ -201,3 +201,22 @@ def _fill_buckets(params: Iterable[Tensor], cap_bytes: int) -> list[_Bucket]:
         bucket.params.append(p)
         open_buckets[key] = (bucket, used + size)
     return buckets
+
+
+class BucketSets:
+    """Several sets of gradient buckets (over different groups) armed and synchronized as one."""
+
+    def __init__(self, sets: list[GradientBuckets]) -> None:
+        self.sets = sets
+
+    def begin(self, overlap: bool = True) -> None:
+        for buckets in self.sets:
+            buckets.begin(overlap)
+
+    def synchronize(self) -> None:
+        for buckets in self.sets:
+            buckets.synchronize()
+
+    def remove(self) -> None:
+        for buckets in self.sets:
+            buckets.remove()

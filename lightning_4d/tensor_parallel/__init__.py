@@ -91,7 +91,7 @@ from lightning_4d.tensor_parallel.discovery import find_regions, plan_tensor_par
 from lightning_4d.tensor_parallel.loss_parallel import tensor_parallel_context
 from lightning_4d.tensor_parallel.plan import (STYLES, FusedGateUpLayout, FusedQKVLayout, GroupedQKVLayout,
                                               ModuleStyle, Region, TensorParallelPlan)
-from lightning_4d.tensor_parallel.self_check import TensorParallelCheckError, TensorParallelSelfCheck
+from lightning_4d.tensor_parallel.self_check import TensorParallelCheckError, TensorParallelSelfCheck, armed_self_check
 
 __all__ = [
     "STYLES",
@@ -105,6 +105,7 @@ __all__ = [
     "TensorParallelPlan",
     "TensorParallelSelfCheck",
     "apply_tensor_parallel",
+    "armed_self_check",
     "find_regions",
     "plan_tensor_parallel",
     "tensor_parallel_context",

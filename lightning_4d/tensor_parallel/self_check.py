@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -213,3 +214,19 @@ class TensorParallelSelfCheck:
         finally:
             for m, mode in modes:
                 m.training = mode
+
+
+@contextlib.contextmanager
+def armed_self_check(check: TensorParallelSelfCheck,
+                 unsharded: Callable[[], AbstractContextManager[None]]) -> Iterator[None]:
+    """Around the first training step after sharding: each sharded block type against an unsharded copy (with
+    FSDP's parameters gathered while the blocks run again)."""
+    check.arm()
+    try:
+        yield
+    except Exception:
+        with unsharded():
+            check.verify(failed=True)  # names a sharded block that could not run; otherwise the error stands
+        raise
+    with unsharded():
+        check.verify()
