@@ -164,8 +164,7 @@ class FourDStrategy(ModelParallelStrategy):
         module, dims = self.lightning_module, self.parallel_dims
         check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config,
                             user_parallelized=is_overridden("configure_model", module))
-        trainer = module.trainer
-        check_weight_averaging(trainer.callbacks, dims)
+        check_weight_averaging((trainer := module.trainer).callbacks, dims)
         compat.setup_distributed(self)
         destroy_process_groups_at_exit()
         self.mesh = self.parallel_dims.build(self.root_device.type)
@@ -282,9 +281,10 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Reduce over the data-parallel replicas: other ranks of a replica hold the same value already."""
-        if isinstance(tensor, Tensor):
-            return compat.sync_ddp_if_available(tensor, group or self._replicas(), reduce_op=reduce_op)
+        """Over the replicas (a replica's ranks hold one value); over one replica nothing to do, not even a barrier."""
+        group = group or self._replicas()
+        if isinstance(tensor, Tensor) and (group is None or dist.get_world_size(group) > 1):
+            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
@@ -330,7 +330,7 @@ class FourDStrategy(ModelParallelStrategy):
             checkpoint.remove(filepath)
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
+    def on_exception(self, exception: BaseException) -> None:  # the first failure, named on every rank
         report_failure(self.global_rank, exception, self.world_size)
 
     @override

@@ -75,3 +75,28 @@ def test_yaml_arguments_are_typed(tmp_path):
     assert strategy._sizes["tp"] == 2 and strategy.layout["bucket_mb"] == 4.5 and strategy.timeout == timedelta(minutes=1)
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy.tp=two"])
+
+
+def test_reduce_over_one_replica_issues_no_collective(monkeypatch):
+    """Lightning's reduce is a barrier and an all-reduce; over a group of one replica (dp=1: tp, pp or cp alone)
+    the value is already the replicas' mean or sum, so the strategy returns it without either."""
+    import torch
+    import torch.distributed as dist
+
+    class OneReplica:
+        def group(self, name):
+            assert name == "dp"
+            return "the group of one replica"
+
+    strategy = FourDStrategy(tp=2)
+    strategy.mesh = OneReplica()
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1 if group == "the group of one replica" else 2)
+    issued = []
+    monkeypatch.setattr(lightning_4d.strategy.compat, "sync_ddp_if_available",
+                        lambda *args, **kwargs: issued.append(args))
+    value = torch.tensor([3, 5])
+    assert strategy.reduce(value, reduce_op="mean") is value and strategy.reduce(value, reduce_op="sum") is value
+    assert issued == []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # two replicas: Lightning's reduce runs
+    strategy.reduce(value)
+    assert len(issued) == 1
