@@ -51,14 +51,13 @@ def plan_vocabulary(
 
 
 def _vocabulary_rank(fqn: str, modules: dict[str, nn.Module], heads: list[str]) -> tuple:
-    """Which embedding is the token embedding: the one an LM head reads back (tied to it, then any), then the one
-    whose rows are a config's ``vocab_size``, then one not named for positions; the most rows last. Learned
-    positions can have more rows than a small vocabulary (OPT's 2 offset rows, BERT's 512 positions)."""
+    """Which embedding is the token embedding: the one with the most rows, not counting tables named for positions
+    (learned positions can outnumber a small vocabulary: OPT's 2 offset rows, BERT's 512 positions); between equals,
+    the one an LM head reads back (tied to it first)."""
     emb = modules[fqn]
     tied = bool(heads) and getattr(modules[heads[0]], "weight", None) is emb.weight
-    vocab_sizes = {getattr(getattr(m, "config", None), "vocab_size", None) for m in modules.values()}
     positional = any(word in fqn.rsplit(".", 1)[-1] for word in ("position", "wpe", "pos_emb"))
-    return tied, bool(heads), emb.num_embeddings in vocab_sizes, not positional, emb.num_embeddings
+    return not positional, emb.num_embeddings, tied, bool(heads)
 
 
 def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
