@@ -326,3 +326,32 @@ def test_resuming_twice_at_epoch_ends_is_exact(tmp_path):
     third = chained["losses"][8:]  # C, steps 9-12
     assert_exact_resume(dict(chained, losses=first["losses"] + second["losses"][:4] + third,
                              extras={"uninterrupted": uninterrupted}))
+
+
+def test_only_changed_buffers_are_broadcast(monkeypatch):
+    """Every buffer on a fit's first step; after that only those changed in place since (BatchNorm's running
+    statistics after a training forward), nothing for a step that changed none. Broadcasts are counted in one
+    process standing for rank 0 of a replica group of two."""
+    import torch.distributed as dist
+
+    from lightning_4d.faults.callback import broadcast_buffers
+
+    sent = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src, group: sent.append(tensor.numel()))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("table", torch.arange(6.0))  # never changes, like a rotary table
+    versions: dict[int, int] = {}
+    broadcast_buffers(model, "replicas", versions)
+    assert sent == [4 + 4 + 6, 1]  # float buffers in one broadcast, num_batches_tracked (int64) in another
+    sent.clear()
+    broadcast_buffers(model, "replicas", versions)
+    assert sent == []  # nothing changed
+    model.train()(torch.randn(8, 4))  # updates the running statistics and the batch count
+    broadcast_buffers(model, "replicas", versions)
+    assert sent == [4 + 4, 1]
+    sent.clear()
+    model.eval()(torch.randn(8, 4))
+    broadcast_buffers(model, "replicas", versions)
+    assert sent == []

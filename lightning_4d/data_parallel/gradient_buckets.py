@@ -48,6 +48,7 @@ class _Bucket:
     flat: Optional[Tensor] = None  # every gradient, then one count per parameter; allocated once
     views: list[Tensor] = field(default_factory=list)  # each parameter's gradient inside ``flat``
     work: Optional[dist.Work] = None
+    missing: list[int] = field(default_factory=list)  # slots without a gradient on this rank at launch
 
     def allocate(self) -> None:
         if self.flat is not None:
@@ -127,17 +128,20 @@ class GradientBuckets:
         bucket.ready.add(slot)
 
     def _launch(self, bucket: _Bucket) -> None:
+        """The counts are written on the device (no tensor built from host data): one per parameter, 1 where this
+        rank has its gradient, 0 where it has none (then its slice is zeros)."""
         bucket.allocate()
-        counts = []
+        counts = bucket.flat[-len(bucket.params):]
+        counts.fill_(1.0)
+        bucket.missing = []
         for slot, p in enumerate(bucket.params):
             if slot not in bucket.ready:
                 if p.grad is None:
                     bucket.views[slot].zero_()
-                    counts.append(0.0)
+                    counts[slot].zero_()
+                    bucket.missing.append(slot)
                     continue
                 self._adopt(p, bucket, slot)
-            counts.append(1.0)
-        bucket.flat[-len(counts):].copy_(torch.tensor(counts, dtype=bucket.flat.dtype))
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
     def synchronize(self) -> None:
@@ -167,11 +171,17 @@ class GradientBuckets:
         self._arrivals = None
 
     def _finish(self, bucket: _Bucket) -> None:
-        """The sums become means in place; so do the gradients, which are views of the bucket."""
+        """The sums become means in place; so do the gradients, which are views of the bucket. Only a parameter
+        without a gradient on this rank needs the counts read on the host (a gradient elsewhere: it gets the mean
+        of the others; none anywhere: it keeps ``grad=None``, as one process would); when every gradient is here,
+        nothing is read back."""
         bucket.flat.div_(self.group_size)
-        counts = bucket.flat[-len(bucket.params):].tolist()
-        for slot, (p, count) in enumerate(zip(bucket.params, counts)):
-            if count and slot not in bucket.ready:  # no gradient here, one elsewhere: the mean of the others
+        if not bucket.missing:
+            return
+        counts = bucket.flat[-len(bucket.params):]
+        for slot, count in zip(bucket.missing, counts[bucket.missing].tolist()):
+            if count:
+                p = bucket.params[slot]
                 p.grad = _as_grad_of(p, bucket.views[slot])
 
     def _reset(self, keep_synchronized: bool = False) -> None:

@@ -21,7 +21,8 @@ buffers per replica group when the module has buffers.
   step has ended, its (shorter) ``timeout`` from then on.
 * **Buffers**: with ``FourDStrategy(broadcast_buffers=True)`` (the default, as DDP), the module's buffers
   (BatchNorm running statistics, ...) are broadcast from the first rank of each replica group (``dp_cp``)
-  before every training step, so replicas never drift apart and the checkpoint holds what every rank holds.
+  before a training step whenever they changed since the last one (all of them on a fit's first step), so
+  replicas never drift apart and the checkpoint holds what every rank holds.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d._compat import default_store
+from lightning_4d._compat import default_store, tensor_version
 from lightning_4d.faults.liveness import (DEFAULT_INTERVAL, DEFAULT_LOST_AFTER, DEFAULT_STALL_AFTER, Heartbeat,
                                           check_options)
 from lightning_4d.faults import recorder
@@ -81,6 +82,7 @@ class FaultTolerance(Callback):
         self._flag = SignalFlag(self.signals)
         self._beat: Optional[Heartbeat] = None
         self._first_step_done = False
+        self._buffer_versions: dict[int, int] = {}  # id(buffer) -> its version when last broadcast
 
     # ---------------------------------------------------------------------------- set up, tear down
 
@@ -89,6 +91,7 @@ class FaultTolerance(Callback):
         if timeouts is not None:
             timeouts.starting()
         self._first_step_done = False
+        self._buffer_versions = {}  # every buffer is broadcast on the first step of each fit
         if dist.is_initialized() and trainer.world_size > 1:
             recorder.install()
             recorder.RECORDER.name_groups(_named_groups(trainer))
@@ -160,7 +163,7 @@ class FaultTolerance(Callback):
             self._compare_batch_shapes(trainer, batch)
         if getattr(trainer.strategy, "broadcast_buffers", False):
             self._mark("broadcasting buffers", trainer)
-            broadcast_buffers(pl_module, _group(trainer, "dp_cp"))
+            broadcast_buffers(pl_module, _group(trainer, "dp_cp"), self._buffer_versions)
         self._mark("training_step", trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -268,16 +271,28 @@ def _group(trainer: pl.Trainer, name: str) -> Optional[dist.ProcessGroup]:
     return strategy.mesh.group(name)
 
 
-def broadcast_buffers(module: torch.nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-    """Every buffer from the group's first rank to the others, one broadcast per dtype and device (DTensor
-    buffers are skipped: their placements say how they are kept)."""
+def broadcast_buffers(module: torch.nn.Module, group: Optional[dist.ProcessGroup],
+                      versions: Optional[dict[int, int]] = None) -> None:
+    """The buffers from the group's first rank to the others, one broadcast per dtype and device (DTensor
+    buffers are skipped: their placements say how they are kept). With ``versions`` (kept by the caller across
+    steps), only the buffers of modules whose buffers changed in place since they were last broadcast, as their
+    version counters tell: every rank runs the same code on them, so every rank picks the same ones; a step that
+    changed none (a model without BatchNorm, every step) broadcasts nothing, where DDP broadcasts every buffer
+    every step."""
     if group is None or dist.get_world_size(group) < 2:
         return
     buffers: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for buffer in module.buffers():
+    seen: set[int] = set()
+    for owner in module.modules():
         # Skipped: DTensors, and stand-ins expanded from one value (a pipeline stage's parameters of others).
-        if not isinstance(buffer, DTensor) and buffer.numel() and not (buffer.numel() > 1 and 0 in buffer.stride()):
-            buffers.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        own = [b for b in owner.buffers(recurse=False) if id(b) not in seen and not isinstance(b, DTensor)
+               and b.numel() and not (b.numel() > 1 and 0 in b.stride())]
+        seen.update(id(b) for b in own)
+        # A module's buffers go together: batch_norm's kernel updates the running statistics without bumping
+        # their version, but BatchNorm counts the batch in num_batches_tracked, which it bumps.
+        if versions is None or any(versions.get(id(b)) != tensor_version(b) for b in own):
+            for buffer in own:
+                buffers.setdefault((buffer.dtype, buffer.device), []).append(buffer)
     source = dist.get_global_rank(group, 0)
     for same in buffers.values():
         flat = torch.cat([b.detach().reshape(-1) for b in same])
@@ -287,6 +302,8 @@ def broadcast_buffers(module: torch.nn.Module, group: Optional[dist.ProcessGroup
             for buffer in same:
                 buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
                 offset += buffer.numel()
+                if versions is not None:
+                    versions[id(buffer)] = tensor_version(buffer)
 
 
 def last_checkpoint_path(trainer: pl.Trainer) -> str:
