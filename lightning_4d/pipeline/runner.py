@@ -192,6 +192,7 @@ class PipelineRunner:
              accumulate_grad_batches: int, around: Callable[[bool], AbstractContextManager[None]],
              token_losses: Optional[TokenMeanLosses], forward_only: bool) -> Any:
         index = torch.arange(n, device=self.device)
+        on_host = torch.arange(n)  # each stage reads its micro-batch's index as an int: from host memory, no sync
         self._token_losses, self._token_counts, self._token_problem = token_losses if training else None, {}, None
         self._token_window = token_losses is not None and token_losses.window
         if training:
@@ -202,7 +203,7 @@ class PipelineRunner:
             try:
                 with around(True), token_losses if token_losses is not None else nullcontext():
                     schedule = self._schedule(training, shape_key(micro[0]))
-                    schedule.step(index, mb=index, target=index, return_outputs=False)
+                    schedule.step(index, mb=on_host, target=index, return_outputs=False)
             finally:
                 self._injected.clear()
                 self._pending = self._take_grads()
@@ -213,7 +214,7 @@ class PipelineRunner:
                 if forward_only:
                     self._forward_stage_by_stage(n)
                 else:
-                    self._schedule(training, shape_key(micro[0])).step(index, mb=index, return_outputs=False)
+                    self._schedule(training, shape_key(micro[0])).step(index, mb=on_host, return_outputs=False)
         return self._finish(n, counts)
 
     def _forward_stage_by_stage(self, n: int) -> None:
