@@ -43,6 +43,7 @@ def local_sizes(fqn: str, source: Any, region: Region, tp: int) -> dict[str, int
 
 
 def divided(fqn: str, attrs: dict[str, int], tp: int) -> dict[str, int]:
+    """``attrs`` divided by ``tp``; a value that does not divide is a ValueError naming the attribute and the fix."""
     for name, value in attrs.items():
         if value % tp:
             raise ValueError(

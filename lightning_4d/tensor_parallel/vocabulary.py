@@ -70,6 +70,8 @@ def _weight_sharding(module: nn.Module, style: ModuleStyle | None) -> str:
 
 
 def check_ties(plan: TensorParallelPlan, module: nn.Module) -> None:
+    """Parameters registered under several modules (a head tied to its embedding) must be placed alike, or the plan
+    is refused with the styles that would keep them one parameter."""
     for owners in _parameter_owners(module).values():
         tied = [(fqn, name) for fqn, _, name in owners]
         # A registration in an unstyled module above a styled one is an alias that follows it (BERT's
