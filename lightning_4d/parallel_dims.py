@@ -221,14 +221,16 @@ class ParallelDims:
     def _replica_index(self, rank: int) -> int:
         return self.coordinates(rank)["dp"] // self.dp_shard
 
-    def build(self, device_type: str) -> ParallelMesh:
-        """Every process group of the layout (a collective call: every rank builds every group in one order)."""
+    def build(self, device_type: str, lightning_names: bool = False) -> ParallelMesh:
+        """Every process group of the layout (a collective call: every rank builds every group in one order).
+        ``lightning_names``: the mesh also answers ModelParallelStrategy's ``data_parallel`` and ``tensor_parallel``
+        (for a module whose ``configure_model`` slices them); each is one more process group to create."""
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DEVICE_MESH_DIMS)
         flat = {"dp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp"),
                 "dp_cp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")}
         # Lightning's ModelParallelStrategy names: a module written for it slices them in configure_model.
-        for name, dims in LIGHTNING_MESH_DIMS.items():
+        for name, dims in LIGHTNING_MESH_DIMS.items() if lightning_names else ():
             flat[name] = compat.flatten_mesh(mesh, dims, name)
         if self.dp_shard_enabled:
             flat["dp_shard_cp"] = compat.flatten_mesh(mesh, ("dp_shard", "cp"), "dp_shard_cp")

@@ -162,12 +162,12 @@ class FourDStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         module, dims = self.lightning_module, self.parallel_dims
-        check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config,
-                            user_parallelized=is_overridden("configure_model", module))
+        own_layout = is_overridden("configure_model", module)
+        check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config, user_parallelized=own_layout)
         check_weight_averaging((trainer := module.trainer).callbacks, dims)
         compat.setup_distributed(self)
         destroy_process_groups_at_exit()
-        self.mesh = self.parallel_dims.build(self.root_device.type)
+        self.mesh = self.parallel_dims.build(self.root_device.type, lightning_names=own_layout)
         compat.set_device_mesh(self, self.mesh.mesh)
         if self.global_rank == 0:  # the table is O(world) lines: only the rank that prints it builds it
             rank_zero_info(self.layout_table())
