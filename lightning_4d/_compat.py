@@ -68,6 +68,13 @@ def functional_collectives() -> Any:
     return functional
 
 
+def all_reduce_in_stream(tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """``tensor`` reduced over ``group`` (``op``: "sum", "max", "min") as a new tensor, by torch's functional
+    collective: the result is waited for where it is first used, as a dependency between device streams (on
+    NCCL the host never waits), and torch.compile traces it."""
+    return functional_collectives().all_reduce(tensor, op, group)
+
+
 def in_flight(value: Any) -> bool:
     """Whether ``value`` is a collective's result not yet waited for (torch's ``AsyncCollectiveTensor``: what
     a row-wise style's ``to_local`` returns after its async all-reduce; no public name tells it apart)."""
@@ -197,6 +204,14 @@ def graph_breaks() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return dict(counters["graph_break"])
+
+
+def fetches_inside_step(trainer: Any) -> bool:
+    """Whether the training loop's data fetcher hands ``training_step`` the iterator (a step that takes
+    ``dataloader_iter``): then whether a batch is the epoch's last is known only after the step."""
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
+    return isinstance(getattr(trainer.fit_loop, "_data_fetcher", None), _DataLoaderIterDataFetcher)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

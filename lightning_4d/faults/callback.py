@@ -1,19 +1,21 @@
 """``FaultTolerance``: the Lightning side of fault handling, added by ``FourDStrategy`` to every Trainer.
 
 Pass your own instance in ``Trainer(callbacks=[FaultTolerance(...)])`` to change its settings. Per training
-step it costs one all-gather of four integers over the world (the step-boundary agreement below), plus one
-all-gather of two integers where tp/cp/pp peers must receive equal batch shapes, and one broadcast of the
-buffers per replica group when the module has buffers.
+step it costs one all-reduce of three integers over the world, launched as the step starts and read as it ends
+(:mod:`.agreement`: no host read of the device, no object collective), and a broadcast of the buffers per
+replica group only in steps that changed them.
 
-* **Preemption** (:mod:`.preemption`): SIGTERM / SIGUSR1 only set a flag. At the end of each training step
-  every rank tells the others whether it got one; if any did, all save ``last.ckpt`` (complete, then
-  renamed into place) and exit with :data:`EXIT_PREEMPTED`. Lightning's own SIGTERM handler, which
+* **Preemption** (:mod:`.preemption`): SIGTERM / SIGUSR1 only set a flag. Every rank puts its flag into the
+  step's agreement as the step starts; if any rank had one, all save ``last.ckpt`` at the step's end
+  (complete, then renamed into place) and exit with :data:`EXIT_PREEMPTED` (a signal that comes during a step
+  is acted on at the end of the next one). Lightning's own SIGTERM handler, which
   broadcasts inside the signal handler and dead-locks with a checkpoint save, is replaced during ``fit``.
 * **Uneven data**: the same agreement carries whether this batch was the rank's last of the epoch; when some
   replicas ran out and others did not, every rank raises :class:`UnevenDataError` naming the ranks and their
   batch counts.
-* **Batch shapes**: before each step, ranks that must receive the same batch (equal dp coordinate) compare a
-  hash of the batch's shapes; a difference raises :class:`BatchShapeMismatchError` on every rank, naming the
+* **Batch shapes**: before the first step of each fit (and every step of ``FourDStrategy(debug=True)``'s
+  debug steps), ranks that must receive the same batch (equal dp coordinate) compare a hash of the batch's
+  shapes; a difference raises :class:`BatchShapeMismatchError` on every rank, naming the
   ranks and shapes, instead of a collective aborting on a size mismatch mid-step.
 * **Liveness** (:mod:`.liveness`): a heartbeat thread names a lost or stalled rank and ends every rank.
 * **Collectives** (:mod:`.recorder`, :mod:`.timeouts`): every process-group call is recorded with the step and
@@ -39,7 +41,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d._compat import default_store, tensor_version
+from lightning_4d._compat import default_store, fetches_inside_step, tensor_version
+from lightning_4d.faults.agreement import StepAgreement
 from lightning_4d.faults.liveness import (DEFAULT_INTERVAL, DEFAULT_LOST_AFTER, DEFAULT_STALL_AFTER, Heartbeat,
                                           check_options)
 from lightning_4d.faults import recorder
@@ -83,6 +86,7 @@ class FaultTolerance(Callback):
         self._beat: Optional[Heartbeat] = None
         self._first_step_done = False
         self._buffer_versions: dict[int, int] = {}  # id(buffer) -> its version when last broadcast
+        self._agreement: Optional[StepAgreement] = None  # with more than one rank
 
     # ---------------------------------------------------------------------------- set up, tear down
 
@@ -92,7 +96,9 @@ class FaultTolerance(Callback):
             timeouts.starting()
         self._first_step_done = False
         self._buffer_versions = {}  # every buffer is broadcast on the first step of each fit
+        self._agreement = None
         if dist.is_initialized() and trainer.world_size > 1:
+            self._agreement = StepAgreement(None, trainer.strategy.root_device)
             recorder.install()
             recorder.RECORDER.name_groups(_named_groups(trainer))
         store = default_store()
@@ -159,12 +165,27 @@ class FaultTolerance(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._mark("comparing batch shapes", trainer)
-        if self.check_batch_shapes:
+        if self.check_batch_shapes and self._compare_now(trainer):
             self._compare_batch_shapes(trainer, batch)
         if getattr(trainer.strategy, "broadcast_buffers", False):
             self._mark("broadcasting buffers", trainer)
             broadcast_buffers(pl_module, _group(trainer, "dp_cp"), self._buffer_versions)
+        if self._agreement is not None and not fetches_inside_step(trainer):
+            self._agreement.start(self._flags(trainer))
         self._mark("training_step", trainer)
+
+    def _compare_now(self, trainer: pl.Trainer) -> bool:
+        """The first step of each fit, and every step of the strategy's debug steps (``debug=True``): a comparison
+        is a host read of every rank's shapes, which a GPU step must not wait for."""
+        strategy = trainer.strategy
+        debugging = getattr(strategy, "debug", False) and trainer.global_step < getattr(strategy, "debug_steps", 0)
+        return not self._first_step_done or debugging
+
+    def _flags(self, trainer: pl.Trainer) -> list[int]:
+        """This rank's part of the step's agreement: a preemption signal came; this batch is the epoch's last
+        (the fetcher looked ahead); it is not (the maximum of both tells whether all replicas ended together)."""
+        last = int(bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+        return [int(self._flag.requested), last, 1 - last]
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -175,35 +196,43 @@ class FaultTolerance(Callback):
             if timeouts is not None:
                 timeouts.training()
         epoch_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-        if not dist.is_initialized() or trainer.world_size < 2:
+        if self._agreement is None:
             if self._flag.requested and not epoch_end:
                 self._preempt(trainer, [0])
             return
-        is_last = epoch_end and self.check_uneven_data
+        if not self._agreement.started:  # a fetcher that fetches inside training_step: its last batch is known now
+            self._agreement.start(self._flags(trainer))
+        requested, some_ended, some_have_more = self._agreement.result()
+        # Not on the last batch of an epoch: a resume from a checkpoint taken there does not continue exactly
+        # (tests/test_fault_tolerance.py found the next epochs' data order off); the flag stays set and the
+        # first step of the next epoch saves instead.
+        if requested and not some_ended:
+            self._preempt(trainer, self._gather(trainer, self._flag.requested, batch_idx)[0])
+        done = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
+        if self.check_uneven_data and some_ended and some_have_more and not done:
+            self._uneven(trainer, *self._gather(trainer, self._flag.requested, batch_idx))
+
+    def _gather(self, trainer: pl.Trainer, requested: bool, batch_idx: int) -> tuple[list[int], list[list[int]]]:
+        """Every rank's flags and batch counts, to name ranks on a path that stops the run (never a plain step)."""
         total = trainer.num_training_batches
-        mine = torch.tensor([self._flag.requested, int(is_last), batch_idx + 1,
-                             -1 if total == float("inf") else int(total)], dtype=torch.int64,
+        mine = torch.tensor([int(requested), int(bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)),
+                             batch_idx + 1, -1 if total == float("inf") else int(total)], dtype=torch.int64,
                             device=trainer.strategy.root_device)
         everyone = [torch.empty_like(mine) for _ in range(trainer.world_size)]
         dist.all_gather(everyone, mine)
         rows = [row.tolist() for row in everyone]
-        requested = [rank for rank, row in enumerate(rows) if row[0]]
-        # Not on the last batch of an epoch: a resume from a checkpoint taken there does not continue exactly
-        # (tests/test_fault_tolerance.py found the next epochs' data order off); the flag stays set and the
-        # first step of the next epoch saves instead.
-        if requested and not any(row[1] or (epoch_end and not self.check_uneven_data) for row in rows):
-            self._preempt(trainer, requested)
+        return [rank for rank, row in enumerate(rows) if row[0]], rows
+
+    def _uneven(self, trainer: pl.Trainer, requested: list[int], rows: list[list[int]]) -> None:
         ended = [rank for rank, row in enumerate(rows) if row[1]]
-        done = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-        if ended and len(ended) < len(rows) and not done:
-            counts = ", ".join(f"rank {rank}: {'ran out after ' if row[1] else 'has more than '}{row[2]}"
-                               + (f" of {row[3]}" if row[3] >= 0 else "") for rank, row in enumerate(rows))
-            raise UnevenDataError(
-                f"Uneven data across replicas in epoch {trainer.current_epoch}: ranks {ended} have no batch after"
-                f" batch {rows[ended[0]][2]} while ranks {[r for r in range(len(rows)) if r not in ended]} have"
-                f" more (batches per rank: {counts}). Every replica must get the same number of batches: use the"
-                " DataLoader without a sampler of your own (the strategy adds a DistributedSampler that pads),"
-                " or make each rank's data the same length (drop_last, equal shards).")
+        counts = ", ".join(f"rank {rank}: {'ran out after ' if row[1] else 'has more than '}{row[2]}"
+                           + (f" of {row[3]}" if row[3] >= 0 else "") for rank, row in enumerate(rows))
+        raise UnevenDataError(
+            f"Uneven data across replicas in epoch {trainer.current_epoch}: ranks {ended} have no batch after"
+            f" batch {rows[ended[0]][2]} while ranks {[r for r in range(len(rows)) if r not in ended]} have"
+            f" more (batches per rank: {counts}). Every replica must get the same number of batches: use the"
+            " DataLoader without a sampler of your own (the strategy adds a DistributedSampler that pads),"
+            " or make each rank's data the same length (drop_last, equal shards).")
 
     def _preempt(self, trainer: pl.Trainer, requested: list[int]) -> None:
         path = last_checkpoint_path(trainer)
