@@ -377,8 +377,7 @@ class ContextParallel:
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             return output
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=self.group)
+        total = compat.all_reduce_in_stream(loss.detach(), "sum", self.group)
         loss = loss + (total / self.size - loss).detach()
         return {**output, "loss": loss} if isinstance(output, Mapping) else loss
 

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_4d import _compat as compat
 from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE
 
-_REDUCE_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = {"mean": "sum", "sum": "sum", "max": "max", "min": "min"}
 
 
 def _reduce_name(kwargs: dict[str, Any]) -> str:
@@ -112,7 +112,7 @@ class StepLogs:
                 batches.setdefault((_REDUCE_OPS[fx], value.dtype, value.device), []).append((name, fx))
         for (op, _, _), entries in batches.items():
             flat = torch.cat([values[name][0].reshape(-1) for name, _ in entries])
-            dist.all_reduce(flat, op=op, group=group)
+            flat = compat.all_reduce_in_stream(flat, op, group)  # waited for on the device where it is used
             for (name, fx), part in zip(entries, flat.split([values[name][0].numel() for name, _ in entries])):
                 value, kwargs = values[name]
                 part = part.view_as(value)

@@ -36,6 +36,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_4d import _compat as compat
+
 NORMALIZATIONS = ("tokens", "batch", "replica")
 TOKENS_ATTRIBUTE = "_lightning_4d_tokens"  # on a returned loss: the count of the batch it averages over
 _SIGNATURES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
@@ -102,8 +104,8 @@ class TokenMeanLosses(TorchFunctionMode):
         # Sum and count travel in fp32 whatever the loss's dtype: a bf16 count is exact only up to 256.
         count = valid_count(target, call["ignore_index"], call["weight"], torch.float32).to(total.device)
         both = torch.stack([total.detach().reshape(()).float(), count])
-        if self.group is not None and self.size > 1:
-            dist.all_reduce(both, group=self.group)
+        if self.group is not None and self.size > 1:  # on the device's streams: the host never waits for it
+            both = compat.all_reduce_in_stream(both, "sum", self.group)
         batch_total, batch_count = both.unbind()
         self.counts.append(batch_count)
         scale = self.size if self.deferred else self.size / batch_count
