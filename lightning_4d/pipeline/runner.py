@@ -21,8 +21,9 @@ accumulation window :meth:`~lightning_4d.composition.parallelize.ParallelModel.s
 clear before the schedule runs, so there are none to set aside.)
 
 Logs: ``self.log`` calls are recorded per micro-batch (:class:`~lightning_4d.numerics.step_logging.StepLogs`). Only the
-last stage ran the whole step; it merges its records, broadcasts them with the step's output over the
-pipeline group, and every stage replays identical ``log`` calls, so ``sync_dist``, ModelCheckpoint and
+last stage ran the whole step; it merges its records and sends them with the step's output to every stage
+(:mod:`.results`: device tensors by broadcast, their structure through the store), and every stage replays
+identical ``log`` calls, so ``sync_dist``, ModelCheckpoint and
 EarlyStopping see the same keys on every rank and rank 0 (a first stage) logs the real values.
 """
 
@@ -39,7 +40,6 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
@@ -48,6 +48,7 @@ from lightning_4d import _compat as compat
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline.microbatch import detached, merge, shape_key, split_batch
 from lightning_4d.pipeline.plan import PipelinePlan
+from lightning_4d.pipeline.results import ResultExchange
 from lightning_4d.pipeline.split import split_module
 from lightning_4d.numerics.step_logging import StepLogs
 from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
@@ -124,6 +125,7 @@ class PipelineRunner:
         self._metrics = {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
         self._schedules: OrderedDict[tuple, tuple[Any, tuple]] = OrderedDict()
         self._logs = StepLogs(module)
+        self._results = ResultExchange(self.group, self._last_rank, device)
         self._running: Optional[_Running] = None
         self._ready: dict[int, Tensor] = {}  # micro-batch 0's activation, when a new batch shape ran it early
         # What _inject swapped in during this training step, by the id of the tensor it replaced: a checkpointed
@@ -446,7 +448,6 @@ class PipelineRunner:
                 for out, f in zip(outputs, factors)]
 
     def _finish(self, n: int, counts: dict[str, int]) -> Any:
-        payload: list[Any] = [None]
         local = None  # the source keeps its own objects; the others get copies
         if self.holds_last:
             outputs = [self._outputs.pop(i) for i in range(n)]
@@ -458,10 +459,7 @@ class PipelineRunner:
                        for name, m in self._metrics.items() if compat.metric_update_count(m) != counts[name]}
             batch_count = self._token_losses.batch_count() if self._token_losses is not None else None
             local = (merge(outputs), logs, updates, batch_count, self._token_problem)
-            payload[0] = apply_to_collection(local, Tensor, Tensor.cpu)
-        dist.broadcast_object_list(payload, src=self._last_rank, group=self.group)
-        output, logs, updates, batch_count, problem = local if local is not None else apply_to_collection(
-            payload[0], Tensor, Tensor.to, self.device)
+        output, logs, updates, batch_count, problem = self._results.exchange(local)
         self._token_problem = None
         if problem is not None:
             raise ValueError(problem)
