@@ -1,0 +1,89 @@
+"""Run by tests/test_host_syncs.py under tests.parity.launch: one Trainer per layout in turn, each counting what its
+steady-state steps (3 to 8 of 10, none a logging step) make the host wait for (:mod:`tests.host_syncs`).
+
+    python tests/host_sync_script.py OUT_DIR NAME [NAME ...]      # in every rank of the launch
+
+NAMEs: the layouts below. Each rank writes ``OUT_DIR/NAME-rank<r>.json``: the counts per step by kind, package and
+site, and the last loss (so a run that trained nothing cannot pass).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_4d import FourDStrategy
+from tests.host_syncs import CountSteps
+from tests.lm_models import TinyGPT, token_data
+
+STEPS = 10
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read once: a finished fit may leave it changed
+GPT = dict(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64)
+
+
+class ShardedByHand(TinyGPT):
+    """The example GPT as ModelParallelStrategy wants it: FSDP2's ``fully_shard`` per block and at the root."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _gpt():
+    return TinyGPT(**GPT)
+
+
+def _moe():
+    from tests.moe_models import HFMoELM
+    return HFMoELM(kind="qwen2_moe")
+
+
+# name -> (model, strategy). The "lightning_*" runs are Lightning's own strategies, the baseline beside FourD's.
+LAYOUTS = {
+    "dp2": (_gpt, lambda: FourDStrategy(dp=2)),
+    "dp_shard2": (_gpt, lambda: FourDStrategy(dp_shard=2)),
+    "tp2": (_gpt, lambda: FourDStrategy(tp=2)),
+    "pp2": (_gpt, lambda: FourDStrategy(pp=2)),
+    "cp2": (_gpt, lambda: FourDStrategy(cp=2)),
+    "ep2": (_moe, lambda: FourDStrategy(ep=2)),
+    "dp2_pp2_cp2": (_gpt, lambda: FourDStrategy(dp=2, pp=2, cp=2)),
+    # debug mode compares batch shapes and fingerprints weights every step: the counter must see it
+    "tp2_debug": (_gpt, lambda: FourDStrategy(tp=2, debug=True, debug_steps=STEPS)),
+    "lightning_ddp": (_gpt, lambda: "ddp"),
+    "lightning_fsdp2": (lambda: ShardedByHand(**GPT), lambda: _model_parallel()),
+}
+
+
+def _model_parallel():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
+def run(name: str, out: Path) -> None:
+    build, strategy = LAYOUTS[name]
+    pl.seed_everything(0, verbose=False)
+    counter = CountSteps(first=3, last=8)
+    trainer = pl.Trainer(accelerator="cpu", devices=WORLD,
+                         strategy=strategy(), max_steps=STEPS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, log_every_n_steps=50, callbacks=[counter])
+    module = build()
+    trainer.fit(module, DataLoader(token_data(size=96), batch_size=4))
+    loss = trainer.callback_metrics.get("train_loss")
+    record = dict(name=name, rank=trainer.global_rank, counts=counter.per_step(),
+                  loss=None if loss is None else float(loss))
+    (out / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    target = Path(sys.argv[1])
+    for layout in sys.argv[2:]:
+        run(layout, target)
