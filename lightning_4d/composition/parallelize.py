@@ -258,6 +258,12 @@ class ParallelModel:
         # "tokens": over a whole accumulation window; "batch": each batch's mean, the window's averaged (Lightning's)
         self.window = TokenWindow() if options["loss_normalization"] == "tokens" else None
 
+    @property
+    def gradient_bucket_counts(self) -> list[int]:
+        """How many all-reduce buckets each optimizer's data-parallel gradients travel in (set up by the first
+        step; empty before it and without replicas)."""
+        return [len(buckets.buckets) for buckets in self._buckets.values()]
+
     def describe(self) -> str:
         """The plans, and under sharding the parameters this rank keeps replicated (printed by rank 0)."""
         lines = [self.plans.describe()] if self.plans.describe() else []

@@ -219,6 +219,11 @@ class BucketSets:
     def __init__(self, sets: list[GradientBuckets]) -> None:
         self.sets = sets
 
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """Every set's buckets, in order."""
+        return [bucket for buckets in self.sets for bucket in buckets.buckets]
+
     def begin(self, overlap: bool = True) -> None:
         for buckets in self.sets:
             buckets.begin(overlap)

@@ -35,6 +35,7 @@ class StepAgreement:
 
     @property
     def started(self) -> bool:
+        """Whether this step's agreement was launched and not yet read."""
         return self._work is not None
 
     def start(self, values: list[int]) -> None:
