@@ -71,6 +71,13 @@ class CollectiveRecorder:
                 names.append(name)
             self._labels.pop(id(group), None)
 
+    def forget_groups(self) -> None:
+        """Let go of the layout's process groups (before they are destroyed at exit): held here, they would
+        outlive their destruction until the interpreter finalizes."""
+        self._groups.clear()
+        self._names.clear()
+        self._labels.clear()
+
     def label(self, group: Any) -> str:
         key = id(group)
         label = self._labels.get(key)

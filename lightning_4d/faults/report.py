@@ -17,6 +17,7 @@ prints its own last few collectives.
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
 import time
 import traceback
@@ -52,8 +53,22 @@ def destroy_process_groups_at_exit() -> None:
 
 
 def _destroy_unless_raised() -> None:
-    if dist.is_initialized() and not _raised:
+    """The end of a process that trained, in one order, while Python is whole: no thread of ours left; every
+    object that holds a collective's work or tensors and is only kept by a reference cycle (a Trainer and its
+    strategy) freed; the process groups destroyed (gloo joins its worker threads), with nothing of ours still
+    holding them; what they held freed. Then the interpreter finalizes with no collective machinery running."""
+    if _raised:  # destroying would wait for collectives a failure may have left with no peer to finish them
+        return
+    heartbeat = liveness.current()
+    if heartbeat is not None:  # a fit that ended without its teardown hook
+        heartbeat.stop("finished")
+    gc.collect()
+    if dist.is_initialized():
+        RECORDER.forget_groups()
         dist.destroy_process_group()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
