@@ -13,9 +13,19 @@ def _rows(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _dp(payload: dict) -> str:
-    rows = [[name, f"{r['step_s']:.4f}", f"{r['tokens_per_s']:.0f}"] for name, r in payload["results"].items()]
-    return (_rows(["strategy", "step time (s)", "tokens/s"], rows)
+    def rounds(values):
+        return ", ".join(f"{v:.4f}" for v in values) if values else "-"
+
+    rows = [[name, f"{r['step_s']:.4f}", f"{r['tokens_per_s']:.0f}", rounds(r.get("step_s_rounds")),
+             rounds(r.get("cpu_s_rounds"))] for name, r in payload["results"].items()]
+    text = (_rows(["strategy", "step time, best round (s)", "tokens/s", "wall per round (s)",
+                   "CPU time per step per round, rank 0 (s)"], rows)
             + f"\n\nFourD / DDP step time: **{payload['fourd_over_ddp_step_time']:.3f}**")
+    if "fourd_over_ddp_cpu_time" in payload:
+        text += f", CPU time **{payload['fourd_over_ddp_cpu_time']:.3f}**"
+    if payload.get("fourd_gradient_buckets"):
+        text += f"; FourD's gradient buckets: {payload['fourd_gradient_buckets']} (bucket_mb={payload['bucket_mb']})"
+    return text
 
 
 def _tp(payload: dict) -> str:
