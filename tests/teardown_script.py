@@ -11,7 +11,7 @@ from tests.lm_models import TinyGPT, token_data
 
 if __name__ == "__main__":
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(cp=2), max_steps=2, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=FourDStrategy(cp=2), max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(TinyGPT(vocab_size=64, n_layer=2, n_head=4, n_embd=32, block_size=64),
                 DataLoader(token_data(size=16), batch_size=4))

@@ -1,4 +1,4 @@
-"""A finished run exits 0 on every rank, every time: 12 launches of a short fit at cp=2 (where an abort at exit,
+"""A finished run exits 0 on every rank, every time: 8 launches of a short fit at cp=2 (where an abort at exit,
 "terminate called without an active exception", was seen about once in 110 launches), each rank ending through a
 normal interpreter exit (the launcher's ranks are forked but leave through ``sys.exit``, as a process of their own
 would). Each launch must exit 0 on both ranks after both printed that they finished: a rank that aborts while
@@ -6,7 +6,7 @@ tearing down fails the test with its output."""
 
 from tests.parity import launch
 
-LAUNCHES = 12
+LAUNCHES = 8
 
 
 def test_many_short_runs_exit_zero_on_every_rank():
