@@ -102,6 +102,11 @@ def batchnorm(kind, out):
     trainer.fit(module, DataLoader(classification_data(size=128), batch_size=8, shuffle=True))
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     torch.save(state, Path(out) / f"bn-{kind}-rank{trainer.global_rank}.pt")
+    if kind == "ddp":
+        # Lightning's DDPStrategy leaves its gloo group to the interpreter's end, where torch sometimes aborts
+        # ("terminate called without an active exception", seen twice in this baseline); a DDP script destroys
+        # it, as torch documents. FourD's runs destroy theirs at exit themselves (faults/report.py).
+        torch.distributed.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------- preemption
