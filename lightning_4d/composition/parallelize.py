@@ -260,8 +260,7 @@ class ParallelModel:
 
     @property
     def gradient_bucket_counts(self) -> list[int]:
-        """How many all-reduce buckets each optimizer's data-parallel gradients travel in (set up by the first
-        step; empty before it and without replicas)."""
+        """Each optimizer's data-parallel all-reduce buckets, counted (empty before the first step)."""
         return [len(buckets.buckets) for buckets in self._buckets.values()]
 
     def describe(self) -> str:

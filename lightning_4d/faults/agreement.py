@@ -62,6 +62,6 @@ class StepAgreement:
             self._ready.synchronize()  # the copy behind this step's start, not the step
         else:
             self._work.wait()
-        work, host, self._work, self._host, self._ready = self._work, self._host, None, None, None
-        del work
+        host = self._host
+        self._work = self._host = self._ready = None
         return host.tolist()  # host memory (pinned on CUDA): no device read
