@@ -73,6 +73,9 @@ BENCHMARKS = {
                            ("--sizes", "0.6GB", "2GB", "--steps", "3"),
                            ("--sizes", "tiny", "--layouts", "single", "tp2", "tp2dp_shard2", "--steps", "2"), 4,
                            gpu=False),
+    "logits": Benchmark("The LM head fused with its cross entropy: peak memory and step time vs tokens and vocabulary",
+                        ("--seq", "1024", "4096", "16384", "--vocab", "32000", "128000", "--steps", "3"),
+                        ("--seq", "1024", "--vocab", "32000", "--steps", "2"), 2, gpu=False),
 }
 
 

@@ -292,3 +292,23 @@ def write(name: str, payload: dict) -> Path:
     loads = {"load_average_before": LOAD_AT_START, "load_average_after": os.getloadavg()}
     path.write_text(json.dumps({"machine": machine(), **loads, **payload}, indent=2))
     return path
+
+
+class StepTimes(Callback):
+    """Each training step's wall and CPU time and the peak memory growth (``memory``), every rank's, gathered on
+    every rank in ``ranks`` when training ends."""
+
+    def __init__(self, memory) -> None:
+        self.memory, self.wall, self.cpu, self.ranks = memory, [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = (time.perf_counter(), time.process_time())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.wall.append(time.perf_counter() - self._start[0])
+        self.cpu.append(time.process_time() - self._start[1])
+
+    def on_train_end(self, trainer, pl_module):
+        mine = {"wall": self.wall, "cpu": self.cpu, "peak": self.memory.growth()}
+        self.ranks = [None] * trainer.world_size
+        dist.all_gather_object(self.ranks, mine)

@@ -14,19 +14,16 @@ the largest rank's. Results go to ``bench/results/cp_step_check.json``.
 import gc
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (CPU_MALLOC_ENV, accelerator, command, layout_parser, llama_config, quiet_trainer,  # noqa: E402
-                          random_tokens, run_worker, write, write_rows)
+from bench.common import (CPU_MALLOC_ENV, StepTimes, accelerator, command, layout_parser, llama_config,  # noqa: E402
+                          quiet_trainer, random_tokens, run_worker, write, write_rows)
 from bench.report import table  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
 from lightning_4d.observability.telemetry import PeakMemory  # noqa: E402
@@ -52,31 +49,12 @@ class Llama(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-class _Steps(Callback):
-    """Wall and CPU time of each step and the peak memory, every rank's, gathered when training ends."""
-
-    def __init__(self, memory: PeakMemory) -> None:
-        self.memory, self.wall, self.cpu, self.ranks = memory, [], [], []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = (time.perf_counter(), time.process_time())
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.wall.append(time.perf_counter() - self._start[0])
-        self.cpu.append(time.process_time() - self._start[1])
-
-    def on_train_end(self, trainer, pl_module):
-        mine = {"wall": self.wall, "cpu": self.cpu, "peak": self.memory.growth()}
-        self.ranks = [None] * trainer.world_size
-        dist.all_gather_object(self.ranks, mine)
-
-
 def measure(seq: int, hidden: int, layers: int, check: bool, tokens: int) -> dict:
     memory = PeakMemory(torch.device("cpu"))
     gc.collect()
     pl.seed_everything(0, verbose=False)
     memory.start()
-    steps = _Steps(memory)
+    steps = StepTimes(memory)
     trainer = quiet_trainer(accelerator=accelerator(CP), devices=CP, max_steps=2, callbacks=[steps],
                             strategy=FourDStrategy(cp=CP, cp_check=check, cp_check_tokens=tokens))
     trainer.fit(Llama(hidden, layers), DataLoader(random_tokens(2 * BATCH, seq, VOCAB), batch_size=BATCH))

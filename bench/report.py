@@ -2,6 +2,7 @@
 the scripts write: each script prints its table, ``python -m bench`` also draws the plots. Matplotlib (the
 ``bench`` extra) is imported only to draw."""
 
+import statistics
 from pathlib import Path
 
 MIB = 2**20
@@ -112,6 +113,25 @@ def _cp_step_check(payload: dict) -> str:
                   for r in payload["results"]])
 
 
+def _logits(payload: dict) -> str:
+    rows = []
+    for r in payload["results"]:
+        head = [r["layout"], str(r["seq"]), str(r["vocab"]), "fused" if r["fused"] else "unfused", str(r["round"])]
+        if "skipped" in r:
+            rows.append(head + ["not run: " + r["skipped"], "", ""])
+        else:
+            rows.append(head + [f"{r['peak_mib']:.0f}", f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}"])
+    text = _rows(["layout", "tokens", "vocabulary", "LM-head loss", "round", "peak growth MiB per rank",
+                  "step s (wall)", "CPU s/step"], rows)
+    goals = [[spec, f"{g['peak_ratio']:.2f} (≤ {g['peak_goal']}: {'met' if g['peak_met'] else '**missed**'})",
+              f"{g['step_ratio']:.2f} (≤ {g['step_goal']}: {'met' if g['step_met'] else '**missed**'})"]
+             for spec, g in payload.get("goals", {}).items()]
+    if goals:
+        text += "\n\nAt 4,096 tokens and a vocabulary of 32,000 (medians over rounds):\n\n" + _rows(
+            ["layout", "fused peak / unfused one-device peak", "fused step / unfused step"], goals)
+    return text
+
+
 def _goal(ratio: float | None, goal: float | None, met: bool | None, excess_gb: float) -> str:
     if goal is None:
         return "" if ratio is None else f"{ratio:.2f}"
@@ -154,7 +174,7 @@ def _log2_x(ax, values) -> None:
 
 TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
           "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile,
-          "big_model": _big_model, "cp_step_check": _cp_step_check}
+          "big_model": _big_model, "cp_step_check": _cp_step_check, "logits": _logits}
 
 
 def table(name: str, payload: dict) -> str:
@@ -336,12 +356,32 @@ def _plot_big_model(payload: dict, figure):
             ax.legend(fontsize=7)
 
 
+def _plot_logits(payload: dict, figure):
+    rows = [r for r in payload["results"] if "skipped" not in r]
+    vocabs = sorted({r["vocab"] for r in rows})
+    for index, vocab in enumerate(vocabs):
+        for row_index, (key, label) in enumerate((("peak_mib", "peak growth per rank (MiB)"),
+                                                  ("step_s", "step time (s)"))):
+            ax = figure.add_subplot(2, len(vocabs), row_index * len(vocabs) + index + 1)
+            for spec in dict.fromkeys(r["layout"] for r in rows):
+                for fused in (True, False):
+                    mine = [r for r in rows if (r["layout"], r["vocab"], r["fused"]) == (spec, vocab, fused)]
+                    seqs = sorted({r["seq"] for r in mine})
+                    values = [statistics.median(r[key] for r in mine if r["seq"] == s) for s in seqs]
+                    if seqs:
+                        ax.plot(seqs, values, "o-" if fused else "x--",
+                                label=f"{spec}, {'fused' if fused else 'unfused'}")
+            ax.set(xlabel="tokens per sequence", ylabel=label, yscale="log", title=f"vocabulary {vocab}")
+            _log2_x(ax, [r["seq"] for r in rows])
+            ax.legend(fontsize=6)
+
+
 PLOTS = {"pp": (_plot_pp, (9, 4)), "cp": (_plot_cp, (9, 4)), "memory": (_plot_memory, (11, 4)),
          "scaling": (_plot_scaling, (6, 4)), "checkpoint": (_plot_checkpoint, (6, 4)),
          "activation_checkpointing": (_plot_activation_checkpointing, (9, 4)), "compile": (_plot_compile, (6, 4)),
          "sharded_memory": (_plot_sharded_memory, (7, 4)), "experts": (_plot_experts, (11, 4)),
          "data_parallel_vs_lightning": (_plot_data_parallel_vs_lightning, (9, 4)),
-         "big_model": (_plot_big_model, (10, 7))}
+         "big_model": (_plot_big_model, (10, 7)), "logits": (_plot_logits, (10, 7))}
 
 
 def plot(name: str, payload: dict, path: Path) -> bool:

@@ -128,6 +128,12 @@ def without_function_modes() -> Any:
     return torch._C.DisableTorchFunction()
 
 
+def without_subclass_functions() -> Any:
+    """Inside, a tensor subclass's ``__torch_function__`` is skipped: the fused LM head's deferred logits compute
+    their own metadata and views as plain tensors. torch offers this only as ``torch._C``'s context manager."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def default_store() -> Optional[dist.Store]:
     """The rendezvous store of the default process group (None without one): a side channel that works while
     collectives hang or fail (desync checks, first-failure reports, heartbeats). torch keeps it private."""

@@ -77,6 +77,9 @@ class FourDStrategy(ModelParallelStrategy):
         loss_normalization: ``"tokens"`` weighs every valid target of the accumulation window once, wherever it is
             held, as one process does; ``"batch"`` per batch (Lightning's accumulation); ``"replica"`` each rank's
             own mean (DDPStrategy's); see :mod:`lightning_4d.numerics.token_losses`.
+        fuse_lm_loss: compute the LM head's cross entropy from the head's input in chunks of tokens, so that its
+            logits never exist whole; any other use of the logits gets them whole; see
+            :mod:`lightning_4d.numerics.head_loss`.
         activation_checkpointing, activation_checkpointing_every, compile: ``"none"``/``"full"``/``"every_n"``/
             ``"selective"`` and its ``n``; ``torch.compile`` per block (``True`` or its options); see
             :mod:`lightning_4d.memory`.
@@ -104,7 +107,7 @@ class FourDStrategy(ModelParallelStrategy):
         pp_split_points: Optional[list[int]] = None, pp_virtual_stages: Optional[int] = None,
         tp_plan: Union[str, dict, None] = "auto", sequence_parallel: bool = False, tp_self_check: bool = True,
         tp_strict: bool = False, loss_parallel: bool = True,
-        loss_normalization: Literal["tokens", "batch", "replica"] = "tokens",
+        loss_normalization: Literal["tokens", "batch", "replica"] = "tokens", fuse_lm_loss: bool = True,
         activation_checkpointing: str = "none", activation_checkpointing_every: int = 2,
         compile: Union[bool, dict] = False, debug: bool = False, debug_steps: int = 2, telemetry: bool = False,
         broadcast_buffers: bool = True, start_method: Literal["popen", "fork"] = "popen", **unknown: Any,
@@ -117,6 +120,10 @@ class FourDStrategy(ModelParallelStrategy):
         self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard, "ep": ep}
         ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard), check_ep_size(ep)
         check_reshard_after_forward(reshard_after_forward), check_normalization(loss_normalization)
+        if not isinstance(fuse_lm_loss, bool):
+            raise ValueError(f"fuse_lm_loss={fuse_lm_loss!r}: use True (the LM head's cross entropy computed in chunks,"
+                             " its logits never whole) or False (the head's logits computed whole, as the module"
+                             " computes them).")
         self.init_from, self.init_from_prefix = init_from, init_from_prefix
         # Typed per-dimension options, each validated on construction (before any process starts).
         self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers,
@@ -132,6 +139,7 @@ class FourDStrategy(ModelParallelStrategy):
                            activation_checkpointing=checkpointing,
                            compile=compile_config, bucket_mb=float(bucket_mb), shard_units=shard_units,
                            reshard_after_forward=reshard_after_forward, loss_normalization=loss_normalization,
+                           fuse_lm_loss=fuse_lm_loss,
                            reduce_scatter_every_batch=bool(reduce_scatter_every_batch))
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None  # every process group by name: ``mesh.group("dp")``

@@ -442,3 +442,25 @@ def test_cli_ranks_expert_parallel_layouts(capsys):
     with pytest.raises(SystemExit):
         main(["--devices", "2", *sizes_args, "--ep", "2"])
     assert "--ep needs the experts: pass --experts N" in capsys.readouterr().err
+
+
+def test_the_logits_are_counted_with_and_without_the_fused_head_loss(capsys):
+    """Issue #39's configuration (vocabulary 32,000, 4,096 tokens per rank, fp32): unfused, the logits and their
+    log-softmax, tokens x vocab x 8 bytes (1,000 MiB); fused, a chunk the size of the head's input (2^22 logits
+    at least) three times over, the rows' gradient and the head's weight gradient; the chunk floor is the
+    strategy's."""
+    from lightning_4d.numerics.head_loss import MIN_CHUNK_ELEMENTS as STRATEGY_CHUNK
+    from lightning_4d.planner.estimate import MIN_CHUNK_ELEMENTS
+
+    assert MIN_CHUNK_ELEMENTS == STRATEGY_CHUNK
+    sizes = ["--devices", "2", "--layers", "2", "--hidden", "128", "--heads", "4", "--vocab", "32000", "--seq", "4096",
+             "--global-batch", "2", "--json"]
+    logits = {}
+    for fused in (True, False):
+        assert main([*sizes] + ([] if fused else ["--no-fuse-lm-loss"])) == 0
+        layouts = json.loads(capsys.readouterr().out)["layouts"]
+        logits[fused] = {str(tuple(r["layout"].values())): r["memory_bytes"]["logits"] for r in layouts}
+    dp2 = str((2, 1, 1, 1, 1))
+    assert logits[False][dp2] == 4096 * 32000 * 8
+    assert logits[True][dp2] == 2**22 * 12 + 4096 * 128 * 4 + 32000 * 128 * 4
+    assert all(logits[True][k] < logits[False][k] / 10 for k in logits[True]), logits

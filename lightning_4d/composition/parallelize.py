@@ -67,6 +67,7 @@ from lightning_4d.memory.activation_checkpointing import (ActivationCheckpointCo
 from lightning_4d.memory.compile import CompileConfig, Compiled, apply_compile, eager_reason
 from lightning_4d.modules.experts import global_balancing_loss
 from lightning_4d.modules.multihead_attention import MultiheadForwards
+from lightning_4d.numerics import head_loss
 from lightning_4d.numerics.clipping import clip_grad_norm_
 from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses, TokenWindow
 from lightning_4d.parallel_dims import ParallelMesh
@@ -99,12 +100,14 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                 compile: CompileConfig = CompileConfig(), bucket_mb: float = DEFAULT_BUCKET_MB,
                 reshard_after_forward: ReshardAfterForward = "auto", reduce_scatter_every_batch: bool = False,
                 param_dtype: Optional[torch.dtype] = None, loss_normalization: str = "tokens",
-                loading: bool = False, shard_units: str = "blocks") -> ParallelModel:
+                loading: bool = False, shard_units: str = "blocks", fuse_lm_loss: bool = True) -> ParallelModel:
     """Make ``module`` parallel in place over ``mesh`` (see the module docstring for the order); collective.
 
     ``reshard_after_forward``, ``reduce_scatter_every_batch``, ``param_dtype`` (compute dtype of FSDP's mixed
     precision) and ``shard_units`` only matter with ``dp_shard > 1`` (see :mod:`lightning_4d.data_parallel.fsdp`).
     ``loss_normalization``: how token-mean losses are weighted over the ranks (:mod:`lightning_4d.numerics.token_losses`).
+    ``fuse_lm_loss``: the LM head's cross entropy is computed in chunks from the head's input
+    (:mod:`lightning_4d.numerics.head_loss`).
     ``loading``: the caller loads every parameter and persistent buffer right after (``init_from``): rank 0's
     weights are not broadcast, and a meta-built module gets storage but only its non-persistent buffers are
     initialized (:mod:`lightning_4d.composition.materialize`).
@@ -116,7 +119,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                    activation_checkpointing=activation_checkpointing, compile=compile,
                    reshard_after_forward=reshard_after_forward,
                    reduce_scatter_every_batch=reduce_scatter_every_batch, param_dtype=param_dtype,
-                   loss_normalization=loss_normalization, shard_units=shard_units)
+                   loss_normalization=loss_normalization, shard_units=shard_units, fuse_lm_loss=fuse_lm_loss)
     existing = parallelized(module)
     if existing is not None:
         if existing.options != options:
@@ -131,6 +134,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                          " gather them again, and zero-bubble schedules need them between the two halves of a"
                          " backward). Use reshard_after_forward='auto' or False, which mean that under pp.")
     plans = make_plans(module, mesh.dims, pipeline=pipeline, tensor=tensor)
+    lm_head = head_loss.find_lm_head(module) if fuse_lm_loss else None  # on the whole module, before the cut
     units = own_units(module)  # fully_shard applied by the module's configure_model: left as it is
     if units:
         check_own_units(units, module, mesh.dims.pp, mesh.dims.cp, mesh.dims.ep)
@@ -151,6 +155,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tensor.self_check,
                                            held=held)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
+    if lm_head is not None:  # after tp (a sharded head keeps loss parallelism), before FSDP shards the weight
+        parallel.head_loss = head_loss.install(module, lm_head)
+        rank_zero_info(head_loss.describe(lm_head, plans.tensor is not None and plans.tensor.enabled))
     if mesh.dims.ep_enabled:  # after tp, before compile, checkpointing and FSDP: experts split over ep
         parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts)
         replaced = replaced_expert_lists(module)
@@ -257,6 +264,7 @@ class ParallelModel:
         self.token_losses = options["loss_normalization"] in ("tokens", "batch")
         # "tokens": over a whole accumulation window; "batch": each batch's mean, the window's averaged (Lightning's)
         self.window = TokenWindow() if options["loss_normalization"] == "tokens" else None
+        self.head_loss: Optional[head_loss.ChunkedHeadLoss] = None  # the LM head fused with its cross entropy
 
     @property
     def gradient_bucket_counts(self) -> list[int]:
@@ -351,6 +359,11 @@ class ParallelModel:
         backward (Lightning's automatic optimization, on the first batch of an accumulation window); they are
         freed before the step instead, which gives the same gradients without holding the previous ones through
         the forward (and, under pipelining, through the whole schedule)."""
+        with head_loss.step_scope(self.head_loss, deferred=not predicting):
+            return self._step(name, args, kwargs, predicting, accumulate_grad_batches, gradients_zeroed)
+
+    def _step(self, name: str, args: tuple, kwargs: dict, predicting: bool, accumulate_grad_batches: int,
+              gradients_zeroed: bool) -> Any:
         training = name == "training_step"
         if self.step_check is not None and not predicting and self.step_check.due(name):
             self.step_check.check(name, self._step_without_gradients(name, args, kwargs))
@@ -373,6 +386,7 @@ class ParallelModel:
                 if token_losses is not None:  # validation and test losses are logged like training's
                     stack.enter_context(token_losses)
                 output = getattr(self.module, name)(*args, **kwargs)
+            output = head_loss.materialized(output)  # logits returned from the step leave it computed
         loss = output.get("loss") if isinstance(output, dict) else output
         if window is not None:
             count = self.pipeline.token_count if self.pipeline is not None else None
@@ -408,6 +422,7 @@ class ParallelModel:
                 else:
                     stack.enter_context(token_losses)
                     output = getattr(self.module, name)(*call_args, **kwargs)
+                output = head_loss.materialized(output)
             loss = output.get("loss") if isinstance(output, dict) else output
             if sharded and name == "training_step" and getattr(loss, TOKENS_ATTRIBUTE, None) is None:
                 output = self.context.global_loss(output)

@@ -38,7 +38,8 @@ _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib":
 def format_table(estimates: Sequence[Estimate]) -> str:
     """The ranked layouts as an aligned text table: memory parts, the setup peak of the chosen build, bytes sent
     per dim, and whether it fits ("no: setup" when training would fit but building the model does not)."""
-    header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "state", "activations", "pp grads", "buckets", "gathered",
+    header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "state", "activations", "logits", "pp grads", "buckets",
+              "gathered",
               "memory", "setup", "comm/step", "dp", "dp_shard", "tp", "cp", "pp", "fits"]
     rows = []
     for rank, est in enumerate(estimates, 1):
@@ -48,7 +49,8 @@ def format_table(estimates: Sequence[Estimate]) -> str:
         if est.exceeds == ("setup",):
             fits = "no: setup"  # training would fit; building the model does not
         rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "dp_shard", "pp", "cp", "tp")),
-                     *(_format_bytes(value) for value in (state, mem["activations"], mem["pipeline_grads"],
+                     *(_format_bytes(value) for value in (state, mem["activations"], mem["logits"],
+                                                          mem["pipeline_grads"],
                                                           mem["grad_buckets"], mem["gathered"], mem["total"],
                                                           est.setup_peak, comm["total"])),
                      *(_format_bytes(comm[d]) for d in ("dp", "dp_shard", "tp", "cp", "pp")), fits])
@@ -132,6 +134,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--activation-checkpointing", default="none", choices=list(AC_MODES),
                        help="as FourDStrategy(activation_checkpointing=...): what each block keeps for backward")
     train.add_argument("--activation-checkpointing-every", type=int, default=2, help="the n of every_n")
+    train.add_argument("--no-fuse-lm-loss", dest="fuse_lm_loss", action="store_false",
+                       help="as FourDStrategy(fuse_lm_loss=False): the LM head's logits exist whole")
     train.add_argument("--build", default="whole", choices=list(BUILDS),
                        help="how the model is built, for the setup peak: whole on every rank (default), or on the"
                             " meta device (trainer.init_module(empty_init=True), init_from)")
@@ -208,7 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             pp_schedule=args.pp_schedule, sequence_parallel=args.sequence_parallel,
                             fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout,
                             activation_checkpointing=args.activation_checkpointing,
-                            activation_checkpointing_every=args.activation_checkpointing_every)
+                            activation_checkpointing_every=args.activation_checkpointing_every,
+                            fuse_lm_loss=args.fuse_lm_loss)
         estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build)
         moe = _moe_from_args(args, model)
         experts = None
@@ -236,7 +241,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"step: global batch {training.global_batch} x sequence {training.seq_len}, {training.precision},"
           f" {training.optimizer}{', sequence parallel' if training.sequence_parallel else ''}")
     print(f"{args.devices} devices" + (f", {_format_bytes(args.memory)} each" if args.memory else "")
-          + "; memory = state + gathered + max(activations + pp grads, buckets); setup = peak while the model is"
+          + "; memory = state + gathered + max(activations + logits + pp grads, buckets); setup = peak while the"
+            " model is"
             f" built ({args.build}); comm = bytes sent per device per step\n")
     print(format_table(estimates))
     if experts is not None:

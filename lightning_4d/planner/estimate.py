@@ -25,8 +25,12 @@ Memory per device, on the pipeline stage that needs most:
   dropout also its mask and dropped-out copy: the paper's ``5*a*s/h``), and dropout adds one-byte masks.
   Context parallelism divides ``s`` by cp. Stage ``i`` of ``pp`` holds ``min(pp - i, m)`` micro-batches
   under 1F1B (all ``m`` under GPipe), each of ``b = global_batch / dp / m`` samples (``m`` defaults to
-  ``2*pp``, as ``FourDStrategy(pp_microbatches=None)``). The last stage adds the final norm, the logits and
-  their fp32 log-softmax. With ``activation_checkpointing`` a checkpointed block keeps only its input
+  ``2*pp``, as ``FourDStrategy(pp_microbatches=None)``). The last stage adds the final norm and the LM
+  head's logits (``logits``): unfused, the logits and their fp32 log-softmax, tokens x vocab / tp each; fused
+  (``FourDStrategy(fuse_lm_loss=True)``, :mod:`lightning_4d.numerics.head_loss`), one chunk's logits, fp32
+  softmax and gradient (a chunk holds as many logits as the head's input has elements, at least 2^22), plus
+  the gradients formed in forward and kept for backward: the head's input rows' and its weight's (its share
+  under tp). With ``activation_checkpointing`` a checkpointed block keeps only its input
   (``"selective"``: its input and its matmuls' outputs), the stage's checkpointed blocks are all of them
   (``"full"``, ``"selective"``) or ``layers // n`` (``"every_n"``), and backward adds one block's full
   activations while it recomputes it.
@@ -64,6 +68,7 @@ from lightning_4d.planner.model_sizes import Model, PlanError, check_positive, d
 
 
 AC_MODES = ("none", "full", "every_n", "selective")  # lightning_4d.memory.activation_checkpointing.MODES
+MIN_CHUNK_ELEMENTS = 1 << 22  # lightning_4d.numerics.head_loss.MIN_CHUNK_ELEMENTS
 # Bytes per element: (parameters, gradients, activations).
 PRECISIONS = {
     "32-true": (4, 4, 4),
@@ -101,6 +106,7 @@ class Training:
     dropout: bool = False
     activation_checkpointing: str = "none"  # as FourDStrategy(activation_checkpointing=...)
     activation_checkpointing_every: int = 2
+    fuse_lm_loss: bool = True  # as FourDStrategy(fuse_lm_loss=...): the LM head's logits never whole
 
     def __post_init__(self) -> None:
         check_positive("seq_len", self.seq_len)
@@ -350,7 +356,7 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
         if stage == layout.pp - 1:
             final_norm = _norm_elements(training) * tokens * model.hidden * e
             activations += final_norm / (layout.tp if training.sequence_parallel else 1)
-            activations += tokens * model.vocab / layout.tp * (e + 4)  # logits and their fp32 log-softmax
+        logits = logits_bytes(model, training, layout, gbytes) if stage == layout.pp - 1 else 0.0
         shards = layout.dp_shard * layout.cp if layout.dp_shard > 1 else 1
         memory = {
             "params": params * pbytes / shards,
@@ -360,15 +366,30 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
             "grad_buckets": params * gbytes if layout.dp * layout.cp > 1 and shards == 1 else 0.0,
             "gathered": _gathered(model, layout, stage, layers, e) if shards > 1 else 0.0,
             "activations": activations,
+            "logits": logits,
         }
         memory["total"] = (memory["params"] + memory["grads"] + memory["optimizer"] + memory["gathered"]
-                           + max(memory["activations"] + memory["pipeline_grads"], memory["grad_buckets"]))
+                           + max(memory["activations"] + memory["logits"] + memory["pipeline_grads"],
+                                 memory["grad_buckets"]))
         largest_share = max(largest_share, memory["params"])
         if heaviest is None or memory["total"] > heaviest[0]["total"]:
             heaviest = (memory, params)
     memory, params = heaviest
     return Estimate(layout, memory, _communication(model, training, layout, params * gbytes, max(stage_layers)),
                     setup=_setup_bytes(model, training, largest_share))
+
+
+def logits_bytes(model: Model, training: Training, layout: Layout, gbytes: float,
+                 fused: Optional[bool] = None) -> float:
+    """What the LM head's logits need on the last stage, per device, for one micro-batch (see the module
+    docstring); ``fused``: as ``training.fuse_lm_loss`` unless given."""
+    e = PRECISIONS[training.precision][2]
+    tokens = _tokens(training, layout)
+    vocab = model.vocab / layout.tp
+    if not (training.fuse_lm_loss if fused is None else fused):
+        return tokens * vocab * (e + 4)  # the logits and their fp32 log-softmax
+    chunk = min(tokens * vocab, max(MIN_CHUNK_ELEMENTS, tokens * model.hidden))  # logits per chunk
+    return chunk * (e + 4 + 4) + tokens * model.hidden * e + model.vocab * model.hidden / layout.tp * gbytes
 
 
 def _setup_bytes(model: Model, training: Training, share: float) -> dict[str, float]:

@@ -197,5 +197,7 @@ def tensor_parallel_context(plan: Any) -> Iterator[None]:
 
 
 def _vocab_head_output(module: nn.Module, inputs: Any, output: DTensor) -> torch.Tensor:
+    if not isinstance(output, DTensor):  # deferred to its loss (lightning_4d.numerics.head_loss)
+        return output
     mode = getattr(_local, "logits_mode", None)
     return own_tensor(output.full_tensor()) if mode is None else mode.track(output)

@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
+from lightning_4d.numerics.head_loss import DeferredLogits
 from lightning_4d.tensor_parallel.adapters import adapter_names, adapter_placements
 from lightning_4d.tensor_parallel.plan import _SEQUENCE_DIM, ModuleStyle, _FusedRows, _is_conv1d
 from lightning_4d.tensor_parallel.user_plan import _parse_layout
@@ -130,8 +131,9 @@ def own_tensor(local: torch.Tensor) -> torch.Tensor:
 
 
 def own_output(module: nn.Module, args: tuple, output: object) -> object:
-    """Forward hook after a style's own: its plain (local) output as a tensor that may be modified in place."""
-    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+    """Forward hook after a style's own: its plain (local) output as a tensor that may be modified in place (an LM
+    head's logits deferred to its loss stay as they are: nothing is computed yet)."""
+    if isinstance(output, torch.Tensor) and not isinstance(output, (DTensor, DeferredLogits)):
         return own_tensor(output)
     return None
 
@@ -140,6 +142,12 @@ class _Colwise(_Conv1DAware, ColwiseParallel):
     name = "colwise"
     conv1d = {"weight": Shard(1), "bias": Shard(0)}
     linear = {"weight": Shard(0), "bias": Shard(0)}
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if isinstance(outputs, DeferredLogits):  # an LM head fused with its loss (lightning_4d.numerics.head_loss)
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 class _Rowwise(_Conv1DAware, RowwiseParallel):

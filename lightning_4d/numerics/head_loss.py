@@ -1,0 +1,592 @@
+"""The LM head's cross entropy computed from the head's input in chunks of tokens: logits that never exist whole.
+
+In a long-sequence step the largest tensors are the LM head's logits, their softmax and their gradient, each
+tokens x vocabulary. While a step runs, :class:`ChunkedHeadLoss` makes the head (an ``nn.Linear`` from the
+token embedding's width to its rows) return :class:`DeferredLogits`: a tensor with the logits' shape and dtype
+and no storage (every stride 0) that remembers the head's input and weights. The usual chain from there to the
+loss (``view`` / ``reshape`` / ``flatten`` / ``float`` / ``to`` / ``contiguous`` / slicing and boolean-mask
+selection of tokens / ``log_softmax`` over the vocabulary) only changes which rows and dtypes it stands for, and
+``F.cross_entropy`` or ``F.nll_loss`` on it runs :class:`_ChunkedCrossEntropy`: a chunk of tokens' logits at a
+time, each chunk's gradient with respect to the head's input and weights formed while its loss is (the step's
+matmuls stay three, as without fusion), backward only scaling them. Class weights, ``ignore_index``, label
+smoothing and every ``reduction`` hold, and :mod:`.token_losses` sees the call as it sees any other.
+
+Any other use of the logits (an argmax for accuracy, a metric, ``softmax``, returning them from the step) gets
+them computed whole, as without fusion: correct first, and the first such use says why once. Changing them in
+place is refused (a copy would lose the change). When the step ends, logits returned in its output are computed
+whole and any other deferred logits are closed: using one after the step raises instead of reading weights the
+optimizer has changed since.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.fabric.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from lightning_4d import _compat as compat
+from lightning_4d._compat import tree_flatten, tree_map
+from lightning_4d.numerics.token_losses import valid_count
+
+# Logits per chunk: as many as the head's input has elements (a chunk's logits then take about the memory its
+# input already does), and at least MIN_CHUNK_ELEMENTS (16 MiB in fp32), so that short sequences are few chunks.
+MIN_CHUNK_ELEMENTS = 1 << 22
+_local = threading.local()
+
+
+@contextmanager
+def deferring() -> Iterator[None]:
+    """Inside, fused heads return :class:`DeferredLogits` (a training, validation or test step; not predict)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def find_lm_head(module: nn.Module) -> Optional[str]:
+    """The LM head: an ``nn.Linear`` outside repeated blocks that maps the token embedding's width back to its
+    rows (the token embedding: the ``nn.Embedding`` with the most rows not named for positions), one tied to the
+    embedding first; None when there is none."""
+    modules = dict(module.named_modules())
+    embeddings = [(name, m) for name, m in modules.items() if isinstance(m, nn.Embedding)
+                  and not any(w in name.rsplit(".", 1)[-1] for w in ("position", "wpe", "pos_emb"))]
+    if not embeddings:
+        return None
+    _, embedding = max(embeddings, key=lambda e: e[1].num_embeddings)
+    heads = [(name, m) for name, m in modules.items() if type(m).forward is nn.Linear.forward
+             and isinstance(m, nn.Linear) and (m.in_features, m.out_features) == (embedding.embedding_dim,
+                                                                                  embedding.num_embeddings)
+             and not any(part.isdigit() for part in name.split("."))]
+    heads.sort(key=lambda h: h[1].weight is not embedding.weight)
+    return heads[0][0] if heads else None
+
+
+class ChunkedHeadLoss:
+    """Installed on one LM head (``name``): inside :func:`deferring` its forward returns :class:`DeferredLogits`
+    for plain-tensor inputs and weights (a tensor-parallel head's DTensors run its own forward)."""
+
+    def __init__(self, name: str, head: nn.Linear, chunk_elements: Optional[int] = None) -> None:
+        self.name, self.head = name, head
+        self.chunk_elements = chunk_elements  # None: see MIN_CHUNK_ELEMENTS
+        self.open: list[_Head] = []  # this step's deferred heads, closed by :meth:`close`
+        self.fused = 0  # cross entropies computed in chunks
+        self.fallbacks = 0  # uses that computed the logits whole
+        self._warned = False
+        head.forward = self._forward  # an instance attribute: the class's forward stays for everyone else
+
+    def remove(self) -> None:
+        """Back to the head's own forward."""
+        self.head.__dict__.pop("forward", None)
+
+    def _forward(self, input: Tensor) -> Tensor:
+        weight, bias = self.head.weight, self.head.bias
+        tensors = (input, weight) + ((bias,) if bias is not None else ())
+        plain = all(type(t) in (Tensor, nn.Parameter) for t in tensors)
+        # Outside a step, inside a torch.compile of the user's own (its graph cannot hold deferred logits), or a
+        # head whose weights are neither plain nor split by tensor parallelism's column-wise style: as written.
+        if (getattr(_local, "depth", 0) == 0 or torch.compiler.is_compiling() or input.dim() < 1
+                or not (plain or _vocabulary_sharded(input, weight, bias))):
+            return nn.Linear.forward(self.head, input)
+        deferred = _Head(self, input, weight, bias)
+        self.open.append(deferred)
+        index = torch.arange(input[..., 0].numel(), device=input.device).view(input.shape[:-1])
+        return DeferredLogits._make(deferred, index, (), deferred.dtype, identity=True)
+
+    def chunk_tokens(self, rows: Tensor, columns: int) -> int:
+        """Tokens per chunk for ``rows`` (tokens x hidden) against ``columns`` vocabulary entries on this rank."""
+        elements = self.chunk_elements or max(MIN_CHUNK_ELEMENTS, rows.numel())
+        return max(1, elements // columns)
+
+    def fell_back(self, reason: str) -> None:
+        """Count a use that computed the logits whole; say why the first time."""
+        self.fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(f"The LM head {self.name}'s logits were computed whole for {reason}: only a cross entropy"
+                           " (or nll_loss of log_softmax) of them, reached through view/reshape/float/to/contiguous/"
+                           "slicing, is computed in chunks. The result is the same; the memory is the unfused"
+                           " path's. (This is said once.)")
+
+    def close(self) -> None:
+        """The step ended: its deferred logits can no longer be computed (the weights will change)."""
+        for deferred in self.open:
+            deferred.close()
+        self.open.clear()
+
+
+class _Head:
+    """What one call of the head saw: its input, weights and autocast state."""
+
+    def __init__(self, owner: ChunkedHeadLoss, input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+        self.owner, self.input = owner, input
+        self.group, self.vocab_start, self.sharded = None, 0, None
+        if isinstance(weight, DTensor):  # tensor parallelism: this rank's rows of the vocabulary
+            mesh = weight.device_mesh
+            self.group, self.vocab_start = mesh.get_group(), mesh.get_local_rank() * weight.to_local().shape[0]
+            self.sharded = (weight, bias)
+            # the rows' gradient from this rank's vocabulary is a part of the whole one: DTensor sums the parts
+            input = input.to_local(grad_placements=[Partial()])
+            weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+        self.weight, self.bias = weight, bias
+        self.device_type = input.device.type
+        self.autocast = torch.is_autocast_enabled(self.device_type)
+        self.autocast_dtype = torch.get_autocast_dtype(self.device_type)
+        if self.autocast:
+            self.dtype = self.autocast_dtype
+        else:
+            self.dtype = torch.promote_types(input.dtype, weight.dtype)
+        self.vocab = weight.shape[0] * (dist.get_world_size(self.group) if self.group is not None else 1)
+        self.rows = input.reshape(-1, input.shape[-1]) if input.dim() > 1 else input.unsqueeze(0)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.input = self.weight = self.bias = self.rows = self.sharded = None
+
+    def autocast_context(self) -> Any:
+        """The autocast state the head ran under (the loss may run under another)."""
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast)
+
+    def linear(self, rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        with self.autocast_context():
+            return F.linear(rows, weight, bias)
+
+    def whole_rows(self) -> Tensor:
+        """The head's output rows, every one, as the unfused path computes them (gathered under tp)."""
+        if self.group is None:
+            return self.linear(self.rows, self.weight, self.bias)
+        with self.autocast_context():
+            out = F.linear(self.input, *self.sharded).full_tensor()
+        return out.reshape(-1, self.vocab)
+
+
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__init__", "__iter__",
+                                                                             "__invert__")) \
+        or (name.endswith("_") and not name.startswith("_")) or name == "__setitem__"
+
+
+_METADATA = {Tensor.size, Tensor.dim, Tensor.numel, Tensor.nelement, Tensor.__len__, Tensor.element_size,
+             Tensor.get_device, Tensor.is_floating_point, Tensor.ndimension, Tensor.is_complex}
+_DTYPE = {Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.type_as, Tensor.type}
+_SHAPE = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flatten, Tensor.view_as,
+          Tensor.reshape_as}
+_LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, Tensor.log_softmax}
+_UNCHANGED = {Tensor.contiguous}
+
+
+class DeferredLogits(Tensor):
+    """LM-head logits not computed yet: the rows of the head's output they stand for (``_index``, the shape
+    without the vocabulary), what was applied to each row (``_row_ops``: dtype changes, ``log_softmax``), and
+    storage-free metadata (every stride 0) for code that asks their shape, dtype or device."""
+
+    _head: _Head
+    _index: Tensor
+    _row_ops: tuple
+    _identity: bool  # the head's output rows in order, whole
+
+    @staticmethod
+    def _make(head: _Head, index: Tensor, row_ops: tuple, dtype: torch.dtype, identity: bool = False
+              ) -> "DeferredLogits":
+        with compat.without_subclass_functions():
+            empty = torch.empty((), dtype=dtype, device=index.device).expand(*index.shape, head.vocab)
+        out = empty.as_subclass(DeferredLogits)
+        out._head, out._index, out._row_ops, out._identity = head, index, row_ops, identity
+        return out
+
+    def _with(self, index: Tensor, row_ops: tuple, dtype: torch.dtype, identity: bool) -> "DeferredLogits":
+        return DeferredLogits._make(self._head, index, row_ops, dtype, identity)
+
+    # ----------------------------------------------------------------------------- computing them whole
+
+    def _whole(self) -> Tensor:
+        """The logits as the unfused path computes them (through autograd, to the head's input and weights)."""
+        head = self._head
+        if head.closed:
+            raise RuntimeError(
+                f"The LM head {head.owner.name}'s logits were used after the step that computed them ended. They"
+                " are computed on use (FourDStrategy fuses the head with its cross entropy), and the weights may"
+                " have changed since. Fix: use them inside the step, return them from the step (they are computed"
+                " then), or FourDStrategy(fuse_lm_loss=False).")
+        if head.group is not None:
+            logits = head.whole_rows()
+            logits = logits if self._identity else logits.index_select(0, self._index.reshape(-1))
+        else:
+            rows = head.rows if self._identity else head.rows.index_select(0, self._index.reshape(-1))
+            logits = head.linear(rows, head.weight, head.bias)
+        for op in self._row_ops:
+            logits = op(logits)
+        return logits.view(*self._index.shape, logits.shape[-1])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA or getattr(func, "__name__", "") == "__get__":
+            with compat.without_subclass_functions():
+                out = func(*args, **kwargs)
+            if not isinstance(out, Tensor):
+                return out
+        deferred = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DeferredLogits)]
+        self = args[0] if args and isinstance(args[0], DeferredLogits) else None
+        if _in_place(func) and (self is not None or isinstance(kwargs.get("out"), DeferredLogits)):
+            owner = deferred[0]._head.owner.name
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} changes the LM head {owner}'s logits in place, but FourDStrategy"
+                " computes them in chunks inside the cross entropy and whole for any other use, so a change in place"
+                " would reach neither. Fix: use the out-of-place form (logits = logits / t, logits.masked_fill(...)),"
+                " or FourDStrategy(fuse_lm_loss=False).")
+        if len(deferred) == 1 and not deferred[0]._head.closed:
+            if self is not None and len(args) >= 1:
+                out = self._follow(func, args[1:], kwargs)
+                if out is not None:
+                    return out
+            if func in (F.cross_entropy, F.nll_loss):
+                out = _fused_loss(func, args, kwargs)
+                if out is not None:
+                    return out
+        if deferred and not deferred[0]._head.closed:
+            deferred[0]._head.owner.fell_back(f"{getattr(func, '__qualname__', func)}")
+        args, kwargs = tree_map(lambda a: a._whole() if isinstance(a, DeferredLogits) else a, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _follow(self, func: Any, rest: tuple, kwargs: dict) -> Optional["DeferredLogits"]:
+        """The chain from the head to the loss: a new :class:`DeferredLogits`, or None for any other use."""
+        vocab = self._head.vocab
+        if func in _UNCHANGED:
+            return self
+        if func in _DTYPE:
+            probe = torch.empty((), dtype=self.dtype, device=self.device)
+            with compat.without_subclass_functions():
+                rest = tuple(a.as_subclass(Tensor) if isinstance(a, Tensor) else a for a in rest)
+                converted = func(probe, *rest, **kwargs)
+            if not isinstance(converted, Tensor) or converted.device != self.device or converted.dim() != 0:
+                return None
+            if converted.dtype == self.dtype:
+                return self
+            dtype = converted.dtype
+            return self._with(self._index, self._row_ops + (lambda x, d=dtype: x.to(d),), dtype, self._identity)
+        if func in _LOG_SOFTMAX:
+            dim = kwargs.get("dim", rest[0] if rest else None)
+            dtype = kwargs.get("dtype", rest[2] if len(rest) > 2 else None)
+            if dim not in (-1, self.dim() - 1) or len(rest) > 3 or set(kwargs) - {"dim", "dtype", "_stacklevel"}:
+                return None
+
+            def log_softmax(x: Tensor, d: Optional[torch.dtype] = dtype) -> Tensor:
+                return F.log_softmax(x, -1, dtype=d)
+
+            log_softmax.dtype_only = lambda x, d=dtype: x.to(d) if d is not None else x  # cross entropy's input
+
+            out_dtype = dtype or self.dtype
+            return self._with(self._index, self._row_ops + (log_softmax,), out_dtype, self._identity)
+        if func in _SHAPE:
+            if any(isinstance(a, torch.dtype) for a in (*rest, *kwargs.values())):
+                return None  # view(dtype) reinterprets the bits
+            rest = tuple(a.shape if isinstance(a, Tensor) else a for a in rest)  # view_as / reshape_as
+            meta = torch.empty(self.shape, device="meta")
+            shape_func = {Tensor.view_as: Tensor.view, Tensor.reshape_as: Tensor.reshape}.get(func, func)
+            try:
+                shape = shape_func(meta, *rest, **kwargs).shape
+            except (RuntimeError, TypeError):
+                return None
+            if len(shape) == 0 or shape[-1] != vocab:
+                return None
+            return self._with(self._index.reshape(shape[:-1]), self._row_ops, self.dtype, self._identity)
+        if func is Tensor.__getitem__ and len(rest) == 1:
+            index = _select_rows(self, rest[0])
+            if index is None:
+                return None
+            return self._with(index, self._row_ops, self.dtype, False)
+        return None
+
+
+def _select_rows(logits: DeferredLogits, key: Any) -> Optional[Tensor]:
+    """The token positions ``logits[key]`` keeps, when ``key`` leaves the vocabulary whole and in order."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if any(isinstance(p, (list, range)) for p in parts):
+        return None
+    tokens = logits.dim() - 1
+    if any(isinstance(p, Tensor) for p in parts):  # advanced indexing: only over the token dims
+        if Ellipsis in parts or any(p is None for p in parts):
+            return None
+        if len(parts) == tokens + 1 and parts[-1] == slice(None):
+            parts = parts[:-1]
+        dims = sum(p.dim() if isinstance(p, Tensor) and p.dtype == torch.bool else 1 for p in parts)
+        if dims > tokens:
+            return None
+        parts = tuple(p.as_subclass(Tensor) if isinstance(p, Tensor) else p for p in parts)
+        with compat.without_subclass_functions():
+            return logits._index[parts]
+    # Basic indexing: the vocabulary stays whole and in order when a probe numbered along it is unchanged.
+    vocab = logits.shape[-1]
+    probe = torch.arange(vocab).expand(*logits.shape)
+    try:
+        picked = probe[key]
+    except (IndexError, TypeError, RuntimeError):
+        return None
+    if picked.dim() == 0 or picked.shape[-1] != vocab or picked.stride(-1) != 1 or picked.storage_offset() != 0:
+        return None
+    with compat.without_subclass_functions():
+        rows = logits._index.unsqueeze(-1)[key]
+    return rows.squeeze(-1) if rows.shape[:-1] == picked.shape[:-1] and rows.shape[-1] == 1 else None
+
+
+_LOSS_ARGUMENTS = {F.cross_entropy: ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+                                     "reduction", "label_smoothing"),
+                   F.nll_loss: ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")}
+_DEFAULTS = dict(weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean", label_smoothing=0.0)
+
+
+def _fused_loss(func: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
+    """``func`` (cross entropy or NLL) of deferred logits, in chunks; None when the call is not one it computes
+    alike (the caller computes the logits whole then)."""
+    names = _LOSS_ARGUMENTS[func]
+    if len(args) > len(names) or set(kwargs) - set(names):
+        return None
+    call = dict(_DEFAULTS, **dict(zip(names, args)), **kwargs)
+    logits, target = call["input"], call["target"]
+    if (not isinstance(logits, DeferredLogits) or logits.dim() != 2 or call["size_average"] is not None
+            or call["reduce"] is not None or call["reduction"] not in ("mean", "sum", "none")
+            or not isinstance(target, Tensor) or isinstance(target, DeferredLogits) or target.is_floating_point()
+            or target.shape != logits.shape[:1]):
+        return None
+    log_probs = any(getattr(op, "__name__", "") == "log_softmax" for op in logits._row_ops)
+    if func is F.nll_loss and not log_probs:
+        return None  # nll of anything but log-probabilities is not a cross entropy
+    head = logits._head
+    rows = head.rows if logits._identity else head.rows.index_select(0, logits._index.reshape(-1))
+    smoothing = call.get("label_smoothing", 0.0)
+    weight = call["weight"]
+    options = (head, logits._row_ops, call["ignore_index"], smoothing, call["reduction"])
+    head.owner.fused += 1
+    return _ChunkedCrossEntropy.apply(rows, head.weight, head.bias, target, weight, options)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross entropy of ``linear(rows, weight, bias)`` (then ``row_ops``) against ``target``, a chunk of rows at a
+    time. With ``reduction`` ``"sum"`` or ``"mean"`` each chunk's gradients are formed with its loss and backward
+    scales them; with ``"none"`` (a gradient per token) backward computes each chunk's logits again."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, target, class_weight, options):
+        head, row_ops, ignore_index, smoothing, reduction = options
+        ctx.options = options
+        per_token = reduction == "none"
+        chunks = _Chunks(head, rows, weight, bias, ctx.needs_input_grad[:3], row_ops, class_weight, ignore_index,
+                         smoothing)
+        losses = []
+        for part in chunks.parts():
+            with torch.enable_grad():
+                loss = chunks.loss(part, target[part], "none" if per_token else "sum")
+                if not per_token:
+                    chunks.add_gradients(part, loss)
+            losses.append(loss.detach())
+        if per_token:
+            ctx.save_for_backward(rows, weight, bias, target, class_weight)
+            return torch.cat(losses) if losses else rows.new_zeros(0)
+        total = torch.stack([t.float() for t in losses]).sum() if losses else rows.new_zeros((), dtype=torch.float32)
+        dtype = losses[0].dtype if losses else rows.dtype
+        grads = chunks.gradients()
+        if reduction == "mean":
+            count = valid_count(target, ignore_index, class_weight, torch.float32)
+            total = total / count
+            grads = [g / count.to(g.dtype) if g is not None else None for g in grads]
+        ctx.grads = grads
+        return total.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        head, row_ops, ignore_index, smoothing, reduction = ctx.options
+        if reduction != "none":
+            grads, ctx.grads = ctx.grads, None
+            return (*(g * grad.to(g.dtype) if g is not None else None for g in grads), None, None, None)
+        rows, weight, bias, target, class_weight = ctx.saved_tensors
+        chunks = _Chunks(head, rows, weight, bias, ctx.needs_input_grad[:3], row_ops, class_weight, ignore_index,
+                         smoothing)
+        for part in chunks.parts():
+            with torch.enable_grad():
+                chunks.add_gradients(part, chunks.loss(part, target[part], "none"), grad[part])
+        return (*chunks.gradients(), None, None, None)
+
+
+class _Chunks:
+    """One cross entropy's chunks of rows and the gradients gathered from them.
+
+    When the head runs without autocast in one dtype and nothing but the loss follows its logits (the usual fp32
+    step), each chunk's gradients are formed directly: autograd gives the logits' gradient, two matmuls the
+    rows' (into their slice) and the weight's (accumulated in place), so no chunk allocates a weight-sized
+    tensor. Otherwise autograd computes them through the chunk's own ops (autocast's casts included): the
+    weights are made leaves once (autocast keeps one low-precision copy of a weight leaf for all chunks), the
+    rows a leaf per chunk."""
+
+    def __init__(self, head: _Head, rows: Tensor, weight: Tensor, bias: Optional[Tensor], wants: tuple,
+                 row_ops: tuple, class_weight: Optional[Tensor], ignore_index: int, smoothing: float) -> None:
+        self.head, self.rows, self.wants, self.row_ops = head, rows, wants, row_ops
+        self.class_weight, self.ignore_index, self.smoothing = class_weight, ignore_index, smoothing
+        self.direct = (not head.autocast and not row_ops and rows.dtype == weight.dtype
+                       and (bias is None or bias.dtype == weight.dtype))
+        if self.direct:
+            self.weight, self.bias = weight.detach(), bias.detach() if bias is not None else None
+        else:
+            self.weight = weight.detach().requires_grad_(wants[1])
+            self.bias = bias.detach().requires_grad_(wants[2]) if bias is not None else None
+        self.grads: list[Optional[Tensor]] = [None, None, None]
+        self.chunk: Optional[Tensor] = None
+        self.logits: Optional[Tensor] = None  # the direct path's leaf
+
+    def parts(self) -> Iterator[slice]:
+        size = self.head.owner.chunk_tokens(self.rows, self.weight.shape[0])
+        return (slice(start, start + size) for start in range(0, self.rows.shape[0], size))
+
+    def loss(self, part: slice, target: Tensor, reduction: str) -> Tensor:
+        if self.direct:
+            self.chunk = self.rows.detach()[part]
+            with torch.no_grad():
+                logits = F.linear(self.chunk, self.weight, self.bias)
+            logits = self.logits = logits.requires_grad_(any(self.wants))
+        else:
+            self.chunk = self.rows.detach()[part].requires_grad_(self.wants[0])
+            logits = self.head.linear(self.chunk, self.weight, self.bias)
+        if self.head.group is not None:  # log_softmax over a shard is not the vocabulary's: its dtype only
+            for op in self.row_ops:
+                logits = op.dtype_only(logits) if hasattr(op, "dtype_only") else op(logits)
+            return _vocabulary_parallel_cross_entropy(logits, target, self.class_weight, self.ignore_index,
+                                                      self.smoothing, reduction, self.head)
+        for op in self.row_ops:
+            logits = op(logits)
+        return F.cross_entropy(logits, target, weight=self.class_weight, ignore_index=self.ignore_index,
+                               reduction=reduction, label_smoothing=self.smoothing)
+
+    def add_gradients(self, part: slice, loss: Tensor, grad: Optional[Tensor] = None) -> None:
+        """Add the chunk's gradients: the rows' into their slice, the weights' summed (bf16/fp16 ones in fp32)."""
+        if not any(self.wants):
+            return
+        if self.direct:
+            (d_logits,) = torch.autograd.grad(loss, [self.logits], grad)
+            with torch.no_grad():
+                if self.wants[0]:
+                    if self.grads[0] is None:
+                        self.grads[0] = torch.zeros_like(self.rows)
+                    torch.mm(d_logits, self.weight, out=self.grads[0][part])
+                if self.wants[1]:
+                    if self.grads[1] is None:
+                        self.grads[1] = torch.zeros_like(self.weight)
+                    self.grads[1].addmm_(d_logits.t(), self.chunk)
+                if self.wants[2]:
+                    if self.grads[2] is None:
+                        self.grads[2] = torch.zeros_like(self.bias)
+                    self.grads[2].add_(d_logits.sum(0))
+            return
+        inputs = [t for t, want in zip((self.chunk, self.weight, self.bias), self.wants) if want]
+        found = iter(torch.autograd.grad(loss, inputs, grad))
+        for i, want in enumerate(self.wants):
+            if not want:
+                continue
+            g = next(found)
+            if i == 0:
+                if self.grads[0] is None:
+                    self.grads[0] = torch.zeros_like(self.rows)
+                self.grads[0][part] = g
+            else:
+                g = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+                self.grads[i] = g if self.grads[i] is None else self.grads[i].add_(g)
+
+    def gradients(self) -> list[Optional[Tensor]]:
+        """The gradients in the inputs' dtypes."""
+        return [g.to(t.dtype) if g is not None else None for g, t in zip(self.grads, (self.rows, self.weight,
+                                                                                     self.bias))]
+
+
+def _vocabulary_sharded(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """A tensor-parallel head: the whole input on every rank, the weight's (and bias's) rows split over one mesh
+    dim (a column-wise style)."""
+    return (isinstance(input, DTensor) and isinstance(weight, DTensor) and weight.device_mesh.ndim == 1
+            and input.device_mesh == weight.device_mesh and input.placements == (Replicate(),)
+            and weight.placements == (Shard(0),) and weight.shape[0] % weight.device_mesh.size() == 0
+            and (bias is None or (isinstance(bias, DTensor) and bias.placements == (Shard(0),))))
+
+
+def _summed(part: Tensor, group: Any) -> Tensor:
+    """``part`` summed over ``group``; the gradient reaches each rank's part as it is (every rank computes the same
+    loss from the sum, so each part's gradient is the sum's)."""
+    detached = part.detach()
+    return part + (compat.all_reduce_in_stream(detached, "sum", group) - detached)
+
+
+def _vocabulary_parallel_cross_entropy(logits: Tensor, target: Tensor, class_weight: Optional[Tensor],
+                                       ignore_index: int, smoothing: float, reduction: str, head: _Head) -> Tensor:
+    """``F.cross_entropy`` of logits whose vocabulary is split over ``head.group`` (this rank's columns from
+    ``head.vocab_start``), as torch defines it with class weights, ``ignore_index`` and label smoothing: two
+    all-reduces per chunk (the rows' maxima, then the sums of exponentials, target logits and smoothing terms)."""
+    local = logits.shape[-1]
+    peak = compat.all_reduce_in_stream(logits.detach().float().amax(-1), "max", head.group)
+    shifted = logits.float() - peak.unsqueeze(-1)
+    valid = target != ignore_index
+    mine = valid & (target >= head.vocab_start) & (target < head.vocab_start + local)
+    column = (target - head.vocab_start).clamp(0, local - 1)
+    picked = shifted.gather(-1, column.unsqueeze(-1)).squeeze(-1) * mine
+    if class_weight is not None:
+        weights = class_weight.float()
+        own_weights = weights[head.vocab_start:head.vocab_start + local]
+        smooth = (shifted * own_weights).sum(-1)
+        target_weight = weights[target.masked_fill(~valid, 0)] * valid
+    else:
+        smooth = shifted.sum(-1)
+        target_weight = valid.float()
+    parts = _summed(torch.stack([shifted.exp().sum(-1), picked, smooth]), head.group)
+    log_sum = parts[0].log()
+    nll = (log_sum - parts[1]) * target_weight
+    if smoothing:
+        total_weight = class_weight.float().sum() if class_weight is not None else float(head.vocab)
+        smooth_loss = (total_weight * log_sum - parts[2]) * valid
+        nll = (1 - smoothing) * nll + smoothing / head.vocab * smooth_loss
+    out = nll.to(logits.dtype) if reduction == "none" else nll.sum().to(logits.dtype)
+    return out
+
+
+def materialized(output: Any) -> Any:
+    """``output`` with any deferred logits in it computed whole (what a step returns leaves the step)."""
+    if not any(isinstance(t, DeferredLogits) for t in tree_flatten(output)[0]):
+        return output
+    return tree_map(lambda t: t._whole() if isinstance(t, DeferredLogits) else t, output)
+
+
+def install(module: nn.Module, name: str, chunk_elements: Optional[int] = None) -> Optional[ChunkedHeadLoss]:
+    """Fuse the LM head ``name`` of ``module`` with its cross entropy (see the module docstring); None when this
+    rank does not hold it (a pipeline stage before the last) or it is not a plain ``nn.Linear`` any more (a
+    tensor-parallel head: loss parallelism keeps its logits sharded over the vocabulary instead)."""
+    try:
+        head = module.get_submodule(name)
+    except AttributeError:
+        return None
+    if not isinstance(head, nn.Linear) or not (type(head.weight) is nn.Parameter or isinstance(head.weight, DTensor)):
+        return None
+    return ChunkedHeadLoss(name, head, chunk_elements)
+
+
+def describe(name: str, tensor_parallel: bool) -> str:
+    """The start-up line: which head is fused."""
+    sharded = ", each rank over its share of the vocabulary" if tensor_parallel else ""
+    return (f"fuse_lm_loss: the LM head {name} is fused with its cross entropy{sharded}: its logits are computed"
+            " in chunks about the size of its input, never whole, when they only reach a token loss"
+            " (FourDStrategy(fuse_lm_loss=False) turns it off).")
+
+
+@contextmanager
+def step_scope(fused: Optional[ChunkedHeadLoss], deferred: bool = True) -> Iterator[Callable[[Any], Any]]:
+    """Around one step: the head defers (``deferred``), and on exit the step's deferred logits are closed; yields
+    :func:`materialized` for the step's output."""
+    with deferring() if fused is not None and deferred else nullcontext():
+        try:
+            yield materialized
+        finally:
+            if fused is not None:
+                fused.close()
