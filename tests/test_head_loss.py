@@ -61,7 +61,7 @@ def _run(fused: bool, chain, *, tied=False, bias=False, chunk_tokens=7, autocast
     model = _Toy(tied, bias)
     x, y = torch.randint(0, V, (3, 11)), torch.randint(0, V, (3, 11))
     y[0, :4] = -100
-    owner = head_loss.install(model, "lm_head", chunk_elements=chunk_tokens * V) if fused else None
+    owner = head_loss.ChunkedHeadLoss("lm_head", model.lm_head, chunk_tokens * V) if fused else None
     with head_loss.step_scope(owner), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         loss = chain(model(x), y)
         loss.backward()

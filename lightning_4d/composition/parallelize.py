@@ -155,9 +155,10 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         self_check = apply_tensor_parallel(module, mesh.mesh["tp"], plans.tensor, self_check=tensor.self_check,
                                            held=held)
     parallel = ParallelModel(module, mesh, device, plans, runner, self_check, options)
-    if lm_head is not None:  # after tp (a sharded head keeps loss parallelism), before FSDP shards the weight
-        parallel.head_loss = head_loss.install(module, lm_head)
-        rank_zero_info(head_loss.describe(lm_head, plans.tensor is not None and plans.tensor.enabled))
+    if lm_head is not None:  # after tp (its column-wise style passes deferred logits), before FSDP shards the weight
+        styled = plans.tensor is not None and plans.tensor.enabled and lm_head in plans.tensor.styles
+        parallel.head_loss = head_loss.install(module, lm_head, styled)
+        rank_zero_info(head_loss.describe(lm_head, module, styled))
     if mesh.dims.ep_enabled:  # after tp, before compile, checkpointing and FSDP: experts split over ep
         parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts)
         replaced = replaced_expert_lists(module)

@@ -559,22 +559,32 @@ def materialized(output: Any) -> Any:
     return tree_map(lambda t: t._whole() if isinstance(t, DeferredLogits) else t, output)
 
 
-def install(module: nn.Module, name: str, chunk_elements: Optional[int] = None) -> Optional[ChunkedHeadLoss]:
+def install(module: nn.Module, name: str, styled: bool = False) -> Optional[ChunkedHeadLoss]:
     """Fuse the LM head ``name`` of ``module`` with its cross entropy (see the module docstring); None when this
-    rank does not hold it (a pipeline stage before the last) or it is not a plain ``nn.Linear`` any more (a
-    tensor-parallel head: loss parallelism keeps its logits sharded over the vocabulary instead)."""
+    rank does not hold it (a pipeline stage before the last) or it is no plain ``nn.Linear``: a head whose
+    weight is a DTensor is fused only when lightning_4d's tensor-parallel plan split it (``styled``), whose
+    column-wise style passes deferred logits through; one the module's ``configure_model`` laid out keeps its
+    own forward."""
     try:
         head = module.get_submodule(name)
     except AttributeError:
         return None
-    if not isinstance(head, nn.Linear) or not (type(head.weight) is nn.Parameter or isinstance(head.weight, DTensor)):
+    if not isinstance(head, nn.Linear) or not (type(head.weight) is nn.Parameter
+                                               or (styled and isinstance(head.weight, DTensor))):
         return None
-    return ChunkedHeadLoss(name, head, chunk_elements)
+    return ChunkedHeadLoss(name, head)
 
 
-def describe(name: str, tensor_parallel: bool) -> str:
-    """The start-up line: which head is fused."""
-    sharded = ", each rank over its share of the vocabulary" if tensor_parallel else ""
+def describe(name: str, module: nn.Module, styled: bool) -> str:
+    """The start-up line: which head is fused, or why not."""
+    try:
+        weight = getattr(module.get_submodule(name), "weight", None)
+    except AttributeError:  # a pipeline stage before the last: the line says what the last stage does
+        weight = None
+    if isinstance(weight, DTensor) and not styled:
+        return (f"fuse_lm_loss: the LM head {name} is not fused: its tensor-parallel layout is the module's own"
+                " (configure_model), which keeps its logits as that layout makes them.")
+    sharded = ", each rank over its share of the vocabulary" if styled else ""
     return (f"fuse_lm_loss: the LM head {name} is fused with its cross entropy{sharded}: its logits are computed"
             " in chunks about the size of its input, never whole, when they only reach a token loss"
             " (FourDStrategy(fuse_lm_loss=False) turns it off).")
