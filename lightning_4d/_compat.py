@@ -226,6 +226,18 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def passing_output(style: type, keep: Callable[[Any], bool]) -> type:
+    """``style`` (a torch ``ParallelStyle`` class) whose output hook hands back the outputs ``keep`` accepts as they
+    are: an LM head's logits deferred to its loss are no DTensor to lay out. torch's output hook, the static
+    ``_prepare_output_fn``, is private."""
+    original = style._prepare_output_fn
+
+    def prepare(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+        return outputs if keep(outputs) else original(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    return type(style.__name__, (style,), {"_prepare_output_fn": staticmethod(prepare)})
+
+
 class OwnPlacementsStyle:
     """Mixin for torch's ColwiseParallel / RowwiseParallel: a module for which ``own_placements(module)`` gives
     parameter placements (transformers' Conv1D stores its weight [in, out]; a peft-wrapped layer's name its

@@ -197,6 +197,12 @@ TWO = [
     Case("qwen2_ce_pp2", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2}, **SFT),
     Case("nanogpt_tied_cp2", module="tests.lm_models:NanoGPT", strategy={"cp": 2}, **SFT),
     Case("nanogpt_tied_dp_shard2", module="tests.lm_models:NanoGPT", strategy={"dp_shard": 2}, **SFT),
+    # the head an FSDP unit of its own, kept gathered from its forward to its backward
+    Case("qwen2_labels_dp_shard2_modules", module=LABELS, module_kwargs=QWEN,
+         strategy={"dp_shard": 2, "shard_units": "modules"}, **SFT),
+    # a root unit that frees the head's gathered weight after the forward: not fused, said at start-up
+    Case("llama_labels_dp_shard2_reshard", module=LABELS, module_kwargs=LLAMA,
+         strategy={"dp_shard": 2, "reshard_after_forward": True}, **SFT),
     Case("litgpt_pp2", module="tests.head_loss_models:library_lm", module_kwargs={"family": "litgpt_llama"},
          strategy={"pp": 2}, **SFT),
     Case("torchtitan_dp2", module="tests.head_loss_models:library_lm", module_kwargs={"family": "torchtitan_llama3"},
@@ -219,7 +225,7 @@ TWO = [
 EIGHT = [Case("llama_labels_dp2_pp2_cp2", module=LABELS, module_kwargs=LLAMA, strategy={"dp": 2, "pp": 2, "cp": 2},
               **SFT)]
 CASES = {c.name: c for c in ONE + TWO + EIGHT}
-NOT_FUSED = {"llama_unfused_dp2"}  # fuse_lm_loss=False: no chunked cross entropy
+NOT_FUSED = {"llama_unfused_dp2", "llama_labels_dp_shard2_reshard"}  # no chunked cross entropy expected
 
 
 @pytest.fixture(scope="module")

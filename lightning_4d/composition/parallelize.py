@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from lightning_4d import _compat as compat, checkpoint
@@ -204,6 +205,8 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                                           ignored_params={*parallel.replicated_params, *parallel.expert_params},
                                           outside=outside, every_batch=reduce_scatter_every_batch, around=around,
                                           skip=shared_params(module))
+    if parallel.head_loss is not None and parallel.sharded is not None:
+        _keep_head_gathered(parallel, reshard_after_forward, runner is not None)
     if meta:  # every placement is decided: allocate what this rank holds, then fill it
         owners = materialize(module, device)
         initialize(module, owners, device, agreed_seed(device), loading=loading)
@@ -221,6 +224,25 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
                            f" {type(module).__name__}: a bug, please report it with this message.")
     module.__dict__[_ATTRIBUTE] = parallel
     return parallel
+
+
+def _keep_head_gathered(parallel: ParallelModel, reshard_after_forward: ReshardAfterForward,
+                        pipelined: bool) -> None:
+    """The fused LM-head loss computes the head's logits after the head's forward returns, from its gathered
+    weight: an FSDP unit of its own keeps it gathered until its backward (which follows at once: the head is the
+    forward's last module and the backward's first); a root unit that frees it after every forward
+    (``reshard_after_forward=True``) leaves the head unfused, and says so."""
+    head = parallel.head_loss.head
+    if isinstance(head, FSDPModule):
+        head.set_reshard_after_forward(False)
+    elif reshard_after_forward is True and not pipelined:
+        name = parallel.head_loss.name
+        parallel.head_loss.remove()
+        parallel.head_loss = None
+        rank_zero_info(f"fuse_lm_loss: the LM head {name} is not fused: reshard_after_forward=True"
+                       " frees the root FSDP unit's gathered weights, the head's among them, when the forward"
+                       " returns, before the loss computes the logits. reshard_after_forward='auto' (the default)"
+                       " keeps the root gathered and fuses the head.")
 
 
 class ParallelModel:

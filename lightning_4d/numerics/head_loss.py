@@ -420,8 +420,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 class _Chunks:
     """One cross entropy's chunks of rows and the gradients gathered from them.
 
-    When the head runs without autocast in one dtype and nothing but the loss follows its logits (the usual fp32
-    step), each chunk's gradients are formed directly: autograd gives the logits' gradient, two matmuls the
+    When the head runs without autocast in one 32- or 64-bit dtype and nothing but the loss follows its logits
+    (the usual fp32 step), each chunk's gradients are formed directly: autograd gives the logits' gradient, two matmuls the
     rows' (into their slice) and the weight's (accumulated in place), so no chunk allocates a weight-sized
     tensor. Otherwise autograd computes them through the chunk's own ops (autocast's casts included): the
     weights are made leaves once (autocast keeps one low-precision copy of a weight leaf for all chunks), the
@@ -432,6 +432,7 @@ class _Chunks:
         self.head, self.rows, self.wants, self.row_ops = head, rows, wants, row_ops
         self.class_weight, self.ignore_index, self.smoothing = class_weight, ignore_index, smoothing
         self.direct = (not head.autocast and not row_ops and rows.dtype == weight.dtype
+                       and rows.dtype not in (torch.float16, torch.bfloat16)  # low precision: fp32 sums below
                        and (bias is None or bias.dtype == weight.dtype))
         if self.direct:
             self.weight, self.bias = weight.detach(), bias.detach() if bias is not None else None

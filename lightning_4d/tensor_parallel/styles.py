@@ -138,16 +138,11 @@ def own_output(module: nn.Module, args: tuple, output: object) -> object:
     return None
 
 
-class _Colwise(_Conv1DAware, ColwiseParallel):
+# An LM head fused with its loss returns deferred logits (lightning_4d.numerics.head_loss): they pass as they are.
+class _Colwise(_Conv1DAware, compat.passing_output(ColwiseParallel, lambda out: isinstance(out, DeferredLogits))):
     name = "colwise"
     conv1d = {"weight": Shard(1), "bias": Shard(0)}
     linear = {"weight": Shard(0), "bias": Shard(0)}
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if isinstance(outputs, DeferredLogits):  # an LM head fused with its loss (lightning_4d.numerics.head_loss)
-            return outputs
-        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 class _Rowwise(_Conv1DAware, RowwiseParallel):
