@@ -153,8 +153,8 @@ class LayerNormQKGPT(_BlockLM):
 
 
 class LogitsAssignGPT(BroadcastKVGPT):
-    """Assigns into its logits (``logits[..., 0] = -1``): refused under tensor parallelism, whose loss reads them
-    sharded over the vocabulary."""
+    """Assigns into its logits (``logits[..., 0] = -1``): the fused LM-head loss applies it to each chunk; an
+    unfused head's loss under tensor parallelism reads them sharded over the vocabulary, and refuses it."""
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         logits = super()._blocks(x)

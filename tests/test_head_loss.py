@@ -53,7 +53,20 @@ CHAINS = {
     "boolean_mask": lambda l, y: F.cross_entropy(l[y != -100], y[y != -100]),
     "last_token": lambda l, y: F.cross_entropy(l[:, -1], y[:, -1]),
     "to_dtype": lambda l, y: F.cross_entropy(l.to(torch.float32).view(-1, V), y.view(-1)),
+    "temperature_softcap": lambda l, y: F.cross_entropy((torch.tanh(l / 3.0) * 3.0 + torch.linspace(0, 1, V))
+                                                        .view(-1, V), y.view(-1)),
+    "in_place": lambda l, y: F.cross_entropy(_changed_in_place(l).view(-1, V), y.view(-1)),
 }
+
+
+def _changed_in_place(logits):
+    """What library code does to its logits in place: scale, bias, suppress tokens, assign a column."""
+    logits *= 2.0
+    logits.add_(torch.linspace(-1.0, 1.0, V))
+    logits.masked_fill_(torch.arange(V) % 7 == 0, -2.0)
+    logits[..., 3] = -1.0
+    logits.clamp_(max=4.0)
+    return logits
 
 
 def _run(fused: bool, chain, *, tied=False, bias=False, chunk_tokens=7, autocast=False, seed=0):
@@ -146,15 +159,20 @@ def test_other_uses_get_the_logits_whole_and_say_so_once():
     assert owner.fallbacks == 3
 
 
-def test_in_place_changes_and_use_after_the_step_are_refused():
+def test_in_place_changes_per_token_and_use_after_the_step_are_refused():
     model = _Toy()
     owner = head_loss.install(model, "lm_head")
     with head_loss.step_scope(owner):
         logits = model(torch.randint(0, V, (2, 5)))
-        with pytest.raises(RuntimeError, match=r"div_ changes the LM head lm_head's logits in place.*out-of-place"):
-            logits.div_(2.0)
-        with pytest.raises(RuntimeError, match="in place"):
-            logits[0, 0] = 1.0
+        with pytest.raises(RuntimeError, match=r"masked_fill_ changes the LM head lm_head's logits in place.*"
+                                               r"out-of-place form"):
+            logits.masked_fill_(torch.rand(2, 5, 1) > 0.5, 0.0)  # a mask that varies by token
+        with pytest.raises(RuntimeError, match="__setitem__ changes .* in place"):
+            logits[0, 0] = 1.0  # one token's row
+        shifted = logits[:, :-1]
+        with pytest.raises(RuntimeError, match="before anything else is derived"):
+            logits.div_(2.0)  # shifted, derived before, would miss it
+        assert shifted.shape == (2, 4, V)
     with pytest.raises(RuntimeError, match=r"used after the step.*return them from the step"):
         logits.sum()
     outside = model(torch.randint(0, V, (2, 5)))  # outside a step the head is the plain nn.Linear

@@ -74,6 +74,8 @@ TWO = [
     Case("olmo2_tp2", strategy={"tp": 2, **STRICT}, **OLMO2),
     Case("olmo2_tp2_sp", strategy={"tp": 2, **SP, **STRICT}, **OLMO2),
     Case("layernorm_qk_tp2", module=M + "LayerNormQKGPT", strategy={"tp": 2, **STRICT}, callbacks=[SHARDING], **LM),
+    # logits[..., 0] = -1 on the fused LM head: applied to each chunk of tokens, each rank's share of the vocabulary
+    Case("logits_assignment_tp2", module=M + "LogitsAssignGPT", strategy={"tp": 2}, callbacks=[SHARDING], **LM),
 ]
 FOUR = [
     Case("inplace_tp2_cp2", strategy={"tp": 2, "cp": 2}, **INPLACE),
@@ -93,10 +95,11 @@ FAILING_TWO = {
              strategy={"cp": 2}, max_steps=1),
         "RuntimeError", [TORCH_MISMATCH, "torch's scaled_dot_product_attention rejects these shapes too",
                          "key (8, 2, 8, 8)", "enable_gqa=False"]),
-    # Assignment into the vocabulary-sharded logits: DTensor cannot, and a gathered copy would not reach the loss.
-    "logits_assignment_tp2": (
-        Case("logits_assignment_tp2", module=M + "LogitsAssignGPT", data=LM["data"], strategy={"tp": 2},
-             max_steps=1),
+    # Assignment into the vocabulary-sharded logits of an unfused head: DTensor cannot, and a gathered copy would
+    # not reach the loss (fused, each chunk of tokens applies it: logits_assignment_tp2 trains).
+    "logits_assignment_tp2_unfused": (
+        Case("logits_assignment_tp2_unfused", module=M + "LogitsAssignGPT", data=LM["data"],
+             strategy={"tp": 2, "fuse_lm_loss": False}, max_steps=1),
         "ValueError", ["Assignment into the LM head's logits (logits[...] = value)",
                        "Fix: logits = logits.masked_fill(mask, value)", "loss_parallel=False"]),
 }

@@ -175,6 +175,36 @@ def _in_place(func: Any) -> bool:
         or (name.endswith("_") and not name.startswith("_")) or name == "__setitem__"
 
 
+class _RowOp:
+    """What was applied to every row of the logits, the same for each token: a dtype change (``kind="dtype"``),
+    ``log_softmax`` over the vocabulary, or an elementwise op whose other operands vary at most along the
+    vocabulary (``logits / t``, ``logits.masked_fill_(bad_tokens, -inf)``, ``logits[..., 0] = -1``, a
+    softcap's ``tanh``). ``apply(x, columns)``: on a chunk ``x`` holding the vocabulary's ``columns``."""
+
+    def __init__(self, kind: str, func: Callable[[Tensor, slice], Tensor], dtype: Optional[torch.dtype] = None):
+        self.kind, self.func, self.dtype = kind, func, dtype
+
+    def apply(self, x: Tensor, columns: slice) -> Tensor:
+        return self.func(x, columns)
+
+
+def _per_vocabulary(value: Any, vocab: int) -> bool:
+    """An operand that is the same for every token: a number, or a tensor whose dims before the last are 1 and
+    whose last is 1 or the vocabulary."""
+    if isinstance(value, (int, float, bool)):
+        return True
+    if not isinstance(value, Tensor) or isinstance(value, DeferredLogits):
+        return False
+    return value.dim() == 0 or (all(size == 1 for size in value.shape[:-1]) and value.shape[-1] in (1, vocab))
+
+
+def _columns_of(value: Any, columns: slice) -> Any:
+    """A per-vocabulary operand's entries for ``columns`` (all of it when it does not vary)."""
+    if isinstance(value, Tensor) and value.dim() and value.shape[-1] > 1:
+        return value.reshape(-1)[columns]
+    return value.reshape(()) if isinstance(value, Tensor) and value.dim() else value
+
+
 _METADATA = {Tensor.size, Tensor.dim, Tensor.numel, Tensor.nelement, Tensor.__len__, Tensor.element_size,
              Tensor.get_device, Tensor.is_floating_point, Tensor.ndimension, Tensor.is_complex}
 _DTYPE = {Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16, Tensor.to, Tensor.type_as, Tensor.type}
@@ -182,11 +212,20 @@ _SHAPE = {Tensor.view, Tensor.reshape, torch.reshape, Tensor.flatten, torch.flat
           Tensor.reshape_as}
 _LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, Tensor.log_softmax}
 _UNCHANGED = {Tensor.contiguous}
+_ELEMENTWISE = {Tensor.mul, Tensor.__mul__, Tensor.__rmul__, torch.mul, Tensor.div, Tensor.__truediv__, torch.div,
+                Tensor.add, Tensor.__add__, Tensor.__radd__, torch.add, Tensor.sub, Tensor.__sub__, torch.sub,
+                Tensor.masked_fill, Tensor.clamp, torch.clamp, Tensor.tanh, torch.tanh}
+_OUT_OF_PLACE = {Tensor.mul_: Tensor.mul, Tensor.__imul__: Tensor.mul, Tensor.div_: Tensor.div,
+                 Tensor.__itruediv__: Tensor.div, Tensor.add_: Tensor.add, Tensor.__iadd__: Tensor.add,
+                 Tensor.sub_: Tensor.sub, Tensor.__isub__: Tensor.sub, Tensor.masked_fill_: Tensor.masked_fill,
+                 Tensor.clamp_: Tensor.clamp, Tensor.tanh_: Tensor.tanh}
+_ELEMENTWISE_IN_PLACE = {Tensor.mul_, Tensor.__imul__, Tensor.div_, Tensor.__itruediv__, Tensor.add_, Tensor.__iadd__,
+                         Tensor.sub_, Tensor.__isub__, Tensor.masked_fill_, Tensor.clamp_, Tensor.tanh_}
 
 
 class DeferredLogits(Tensor):
     """LM-head logits not computed yet: the rows of the head's output they stand for (``_index``, the shape
-    without the vocabulary), what was applied to each row (``_row_ops``: dtype changes, ``log_softmax``), and
+    without the vocabulary), what was applied to each row (``_row_ops``, :class:`_RowOp`), and
     storage-free metadata (every stride 0) for code that asks their shape, dtype or device."""
 
     _head: _Head
@@ -201,9 +240,11 @@ class DeferredLogits(Tensor):
             empty = torch.empty((), dtype=dtype, device=index.device).expand(*index.shape, head.vocab)
         out = empty.as_subclass(DeferredLogits)
         out._head, out._index, out._row_ops, out._identity = head, index, row_ops, identity
+        out._derived = False
         return out
 
     def _with(self, index: Tensor, row_ops: tuple, dtype: torch.dtype, identity: bool) -> "DeferredLogits":
+        self._derived = True  # a later change in place of these logits could not reach what is derived now
         return DeferredLogits._make(self._head, index, row_ops, dtype, identity)
 
     # ----------------------------------------------------------------------------- computing them whole
@@ -224,7 +265,7 @@ class DeferredLogits(Tensor):
             rows = head.rows if self._identity else head.rows.index_select(0, self._index.reshape(-1))
             logits = head.linear(rows, head.weight, head.bias)
         for op in self._row_ops:
-            logits = op(logits)
+            logits = op.apply(logits, slice(0, head.vocab))
         return logits.view(*self._index.shape, logits.shape[-1])
 
     @classmethod
@@ -237,18 +278,22 @@ class DeferredLogits(Tensor):
                 return out
         deferred = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DeferredLogits)]
         self = args[0] if args and isinstance(args[0], DeferredLogits) else None
-        if _in_place(func) and (self is not None or isinstance(kwargs.get("out"), DeferredLogits)):
-            owner = deferred[0]._head.owner.name
-            raise RuntimeError(
-                f"{getattr(func, '__name__', func)} changes the LM head {owner}'s logits in place, but FourDStrategy"
-                " computes them in chunks inside the cross entropy and whole for any other use, so a change in place"
-                " would reach neither. Fix: use the out-of-place form (logits = logits / t, logits.masked_fill(...)),"
-                " or FourDStrategy(fuse_lm_loss=False).")
+        in_place = _in_place(func) and (self is not None or isinstance(kwargs.get("out"), DeferredLogits))
         if len(deferred) == 1 and not deferred[0]._head.closed:
             if self is not None and len(args) >= 1:
                 out = self._follow(func, args[1:], kwargs)
                 if out is not None:
                     return out
+        if in_place:
+            owner = deferred[0]._head.owner.name
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} changes the LM head {owner}'s logits in place in a way"
+                " FourDStrategy cannot apply to each chunk of tokens (it computes them in chunks inside the cross"
+                " entropy, and whole for any other use): only elementwise changes the same for every token are (a"
+                " number, or a tensor along the vocabulary: *=, /=, +=, -=, masked_fill_, clamp_, tanh_, logits[...,"
+                " ids] = value), made before anything else is derived from the logits. Fix: the out-of-place form"
+                " (logits = logits.masked_fill(mask, value)), or FourDStrategy(fuse_lm_loss=False).")
+        if len(deferred) == 1 and not deferred[0]._head.closed:
             if func in (F.cross_entropy, F.nll_loss):
                 out = _fused_loss(func, args, kwargs)
                 if out is not None:
@@ -257,6 +302,39 @@ class DeferredLogits(Tensor):
             deferred[0]._head.owner.fell_back(f"{getattr(func, '__qualname__', func)}")
         args, kwargs = tree_map(lambda a: a._whole() if isinstance(a, DeferredLogits) else a, (args, kwargs))
         return func(*args, **kwargs)
+
+    def _elementwise(self, func: Any, rest: tuple, kwargs: dict) -> Optional["DeferredLogits"]:
+        """An elementwise op the same for every token, kept as a row op: a new :class:`DeferredLogits`, or these
+        logits themselves changed in place; None for one that varies by token."""
+        in_place = func in _ELEMENTWISE_IN_PLACE or func is Tensor.__setitem__
+        vocab = self._head.vocab
+        if func is Tensor.__setitem__:
+            mask = _vocabulary_mask(self, rest[0]) if len(rest) == 2 else None
+            value = rest[1] if len(rest) == 2 else None
+            if mask is None or not (isinstance(value, (int, float, bool)) or (
+                    isinstance(value, Tensor) and value.dim() == 0 and not isinstance(value, DeferredLogits))):
+                return None
+            op = _RowOp("elementwise", lambda x, columns: x.masked_fill(mask[columns], value))
+        else:
+            if not all(_per_vocabulary(a, vocab) or a is None or isinstance(a, str) for a in (*rest, *kwargs.values())):
+                return None
+            base = _OUT_OF_PLACE.get(func, func)
+
+            def run(x: Tensor, columns: slice) -> Tensor:
+                out = base(x, *(_columns_of(a, columns) for a in rest),
+                           **{k: _columns_of(v, columns) for k, v in kwargs.items()})
+                return out.to(x.dtype) if in_place else out
+
+            op = _RowOp("elementwise", run)
+        if not in_place:
+            probe = torch.zeros((), dtype=self.dtype, device=self.device)
+            with compat.without_subclass_functions():
+                dtype = op.apply(probe, slice(0, 1)).dtype
+            return self._with(self._index, self._row_ops + (op,), dtype, self._identity)
+        if self._derived:
+            return None  # refused by the caller: what was derived before would miss the change
+        self._row_ops = self._row_ops + (op,)
+        return self
 
     def _follow(self, func: Any, rest: tuple, kwargs: dict) -> Optional["DeferredLogits"]:
         """The chain from the head to the loss: a new :class:`DeferredLogits`, or None for any other use."""
@@ -273,20 +351,18 @@ class DeferredLogits(Tensor):
             if converted.dtype == self.dtype:
                 return self
             dtype = converted.dtype
-            return self._with(self._index, self._row_ops + (lambda x, d=dtype: x.to(d),), dtype, self._identity)
+            op = _RowOp("dtype", lambda x, columns, d=dtype: x.to(d), dtype)
+            return self._with(self._index, self._row_ops + (op,), dtype, self._identity)
         if func in _LOG_SOFTMAX:
             dim = kwargs.get("dim", rest[0] if rest else None)
             dtype = kwargs.get("dtype", rest[2] if len(rest) > 2 else None)
             if dim not in (-1, self.dim() - 1) or len(rest) > 3 or set(kwargs) - {"dim", "dtype", "_stacklevel"}:
                 return None
 
-            def log_softmax(x: Tensor, d: Optional[torch.dtype] = dtype) -> Tensor:
-                return F.log_softmax(x, -1, dtype=d)
-
-            log_softmax.dtype_only = lambda x, d=dtype: x.to(d) if d is not None else x  # cross entropy's input
-
-            out_dtype = dtype or self.dtype
-            return self._with(self._index, self._row_ops + (log_softmax,), out_dtype, self._identity)
+            op = _RowOp("log_softmax", lambda x, columns, d=dtype: F.log_softmax(x, -1, dtype=d), dtype)
+            return self._with(self._index, self._row_ops + (op,), dtype or self.dtype, self._identity)
+        if func in _ELEMENTWISE or func in _ELEMENTWISE_IN_PLACE or func is Tensor.__setitem__:
+            return self._elementwise(func, rest, kwargs)
         if func in _SHAPE:
             if any(isinstance(a, torch.dtype) for a in (*rest, *kwargs.values())):
                 return None  # view(dtype) reinterprets the bits
@@ -339,6 +415,28 @@ def _select_rows(logits: DeferredLogits, key: Any) -> Optional[Tensor]:
     return rows.squeeze(-1) if rows.shape[:-1] == picked.shape[:-1] and rows.shape[-1] == 1 else None
 
 
+def _vocabulary_mask(logits: DeferredLogits, key: Any) -> Optional[Tensor]:
+    """For ``logits[key] = value``: the vocabulary entries ``key`` picks for every token (``[..., ids]``, or every
+    token dim whole then ``ids``), as a boolean mask over the vocabulary; None for a key that picks tokens."""
+    parts = key if isinstance(key, tuple) else (key,)
+    if len(parts) == 2 and parts[0] is Ellipsis:
+        ids = parts[1]
+    elif len(parts) == logits.dim() and all(p == slice(None) for p in parts[:-1] if not isinstance(p, Tensor)) \
+            and not any(isinstance(p, Tensor) for p in parts[:-1]):
+        ids = parts[-1]
+    else:
+        return None
+    if isinstance(ids, Tensor):
+        if isinstance(ids, DeferredLogits) or ids.dim() != 1:
+            return None
+        ids = ids.as_subclass(Tensor)
+    elif not isinstance(ids, (int, slice, list)):
+        return None
+    mask = torch.zeros(logits._head.vocab, dtype=torch.bool, device=logits._index.device)
+    mask[ids] = True
+    return mask
+
+
 _LOSS_ARGUMENTS = {F.cross_entropy: ("input", "target", "weight", "size_average", "ignore_index", "reduce",
                                      "reduction", "label_smoothing"),
                    F.nll_loss: ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")}
@@ -358,9 +456,11 @@ def _fused_loss(func: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
             or not isinstance(target, Tensor) or isinstance(target, DeferredLogits) or target.is_floating_point()
             or target.shape != logits.shape[:1]):
         return None
-    log_probs = any(getattr(op, "__name__", "") == "log_softmax" for op in logits._row_ops)
-    if func is F.nll_loss and not log_probs:
+    kinds = [op.kind for op in logits._row_ops]
+    if func is F.nll_loss and "log_softmax" not in kinds:
         return None  # nll of anything but log-probabilities is not a cross entropy
+    if logits._head.group is not None and "log_softmax" in kinds and "elementwise" in kinds[kinds.index("log_softmax"):]:
+        return None  # an op of log-probabilities computed over a share of the vocabulary would not be the same  # nll of anything but log-probabilities is not a cross entropy
     head = logits._head
     rows = head.rows if logits._identity else head.rows.index_select(0, logits._index.reshape(-1))
     smoothing = call.get("label_smoothing", 0.0)
@@ -405,9 +505,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         head, row_ops, ignore_index, smoothing, reduction = ctx.options
-        if reduction != "none":
-            grads, ctx.grads = ctx.grads, None
-            return (*(g * grad.to(g.dtype) if g is not None else None for g in grads), None, None, None)
+        if reduction != "none":  # (a zero-bubble schedule runs backward twice: for the input, then the weights)
+            return (*(g * grad.to(g.dtype) if g is not None else None for g in ctx.grads), None, None, None)
         rows, weight, bias, target, class_weight = ctx.saved_tensors
         chunks = _Chunks(head, rows, weight, bias, ctx.needs_input_grad[:3], row_ops, class_weight, ignore_index,
                          smoothing)
@@ -456,13 +555,15 @@ class _Chunks:
         else:
             self.chunk = self.rows.detach()[part].requires_grad_(self.wants[0])
             logits = self.head.linear(self.chunk, self.weight, self.bias)
-        if self.head.group is not None:  # log_softmax over a shard is not the vocabulary's: its dtype only
+        columns = slice(self.head.vocab_start, self.head.vocab_start + logits.shape[-1])
+        if self.head.group is not None:  # log_softmax over a share is not the vocabulary's: cross entropy is the same
             for op in self.row_ops:
-                logits = op.dtype_only(logits) if hasattr(op, "dtype_only") else op(logits)
+                logits = logits.to(op.dtype) if op.kind == "log_softmax" and op.dtype else \
+                    logits if op.kind == "log_softmax" else op.apply(logits, columns)
             return _vocabulary_parallel_cross_entropy(logits, target, self.class_weight, self.ignore_index,
                                                       self.smoothing, reduction, self.head)
         for op in self.row_ops:
-            logits = op(logits)
+            logits = op.apply(logits, columns)
         return F.cross_entropy(logits, target, weight=self.class_weight, ignore_index=self.ignore_index,
                                reduction=reduction, label_smoothing=self.smoothing)
 
