@@ -2,7 +2,7 @@
 
     python -m bench all [--quick]          # every benchmark
     python -m bench dp cp [--quick]        # some of them: dp tp pp cp memory scaling checkpoint activation_checkpointing
-                                           # compile big_model experts cp_step_check
+                                           # compile big_model experts cp_step_check logits
 
 Each benchmark runs as its own script (``python bench/NAME.py ...``, which launches its own ranks), on CPU
 with gloo and, when CUDA is available, a second time on the GPUs with NCCL (those that need no more processes
