@@ -10,8 +10,8 @@ sequences of 64 tokens (AdamW, fp32) under each layout; layouts with the same pr
   gradients and AdamW state (exact byte counts of live tensors, not the resident set); the largest rank's.
 * step time: the median wall time of the steps after the first two, on rank 0 (CPU, gloo: the ranks share the
   machine's cores, so this says how the layouts compare here, not on a cluster).
-* traffic per rank per step: what expert parallelism's all-to-all sent to the other ranks of its group (counts and
-  tokens, forward and backward; rank 0's counter) and the gradient all-reduce payload (the bytes of the gradient
+* traffic per rank per step: what expert parallelism's dispatch sent to the other ranks of its group (tokens,
+  routing and results, forward and backward; rank 0's counter) and the gradient all-reduce payload (the bytes of the gradient
   buckets whose group has more than one rank: dense parameters over dp, experts over the ep replicas).
 """
 
@@ -73,7 +73,7 @@ class _Probe(_StateBytes):
             sets = [s for b in parallel._buckets.values() for s in getattr(b, "sets", [b])]
             allreduce = sum(_bytes(p) for s in sets if s.group_size > 1 for p in s.params)
             sent = sum(d.sent_bytes for d in parallel.expert_dispatch)
-            self.traffic = {"all_to_all_bytes": sent / trainer.global_step, "allreduce_bytes": allreduce}
+            self.traffic = {"ep_bytes": sent / trainer.global_step, "allreduce_bytes": allreduce}
         super().on_train_end(trainer, pl_module)
 
 
@@ -106,14 +106,14 @@ def main() -> None:
     print(f"MixtralForCausalLM, {rows[0]['params']:,} parameters ({rows[0]['expert_params']:,} in 8 experts per"
           " layer), AdamW fp32")
     print("| layout | processes | params MiB | grads MiB | AdamW MiB | total MiB per rank | vs one process |"
-          " step s | all-to-all KiB/step | grad all-reduce KiB/step |")
+          " step s | ep KiB/step | grad all-reduce KiB/step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = f"{row['total_mib'] / single:.3f}" if single else "-"
         part = row["per_rank_mib"]
         print(f"| {row['layout']} | {row['processes']} | {part['params']:.2f} | {part['grads']:.2f} |"
               f" {part['optimizer']:.2f} | {row['total_mib']:.2f} | {ratio} | {row['step_s']:.3f} |"
-              f" {row.get('all_to_all_bytes', 0) / 1024:.0f} | {row.get('allreduce_bytes', 0) / 1024:.0f} |")
+              f" {row.get('ep_bytes', 0) / 1024:.0f} | {row.get('allreduce_bytes', 0) / 1024:.0f} |")
     payload = {"command": command("experts.py"), "model": {"kind": "mixtral", "hidden": args.hidden,
                                                            "experts": EXPERTS, "top_k": TOP_K, "layers": LAYERS,
                                                            "vocab": VOCAB},

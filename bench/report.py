@@ -309,7 +309,7 @@ def _plot_experts(payload: dict, figure):
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
     ax = figure.add_subplot(1, 2, 2)
-    ax.bar([i - 0.2 for i in at], [r.get("all_to_all_bytes", 0) / 1024 for r in rows], 0.4, label="all-to-all (ep)")
+    ax.bar([i - 0.2 for i in at], [r.get("ep_bytes", 0) / 1024 for r in rows], 0.4, label="expert parallelism (ep)")
     ax.bar([i + 0.2 for i in at], [r.get("allreduce_bytes", 0) / 1024 for r in rows], 0.4, label="grad all-reduce")
     ax.set(xticks=at, xticklabels=[r["layout"] for r in rows], ylabel="KiB per rank per step",
            title="traffic per rank per step")

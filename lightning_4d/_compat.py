@@ -75,6 +75,20 @@ def all_reduce_in_stream(tensor: torch.Tensor, op: str, group: Any) -> torch.Ten
     return functional_collectives().all_reduce(tensor, op, group)
 
 
+def all_gather_in_stream(tensor: torch.Tensor, group: Any, differentiable: bool = False) -> torch.Tensor:
+    """``tensor`` gathered over ``group`` along dim 0 (rank order) by torch's functional collective, waited for
+    where first used; ``differentiable``: its backward is the reduce-scatter (sum) of the gradient."""
+    functional = functional_collectives()
+    gather = functional.all_gather_tensor_autograd if differentiable else functional.all_gather_tensor
+    return gather(tensor, 0, group)
+
+
+def reduce_scatter_in_stream(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """``tensor`` summed over ``group``, each rank keeping its block of dim 0, by torch's functional collective
+    (waited for where first used); its backward is the all-gather of the gradient."""
+    return functional_collectives().reduce_scatter_tensor_autograd(tensor, "sum", 0, group)
+
+
 def in_flight(value: Any) -> bool:
     """Whether ``value`` is a collective's result not yet waited for (torch's ``AsyncCollectiveTensor``: what
     a row-wise style's ``to_local`` returns after its async all-reduce; no public name tells it apart)."""

@@ -137,7 +137,8 @@ class SyncCounter:
         for name in ASYNC_POINT_TO_POINT:
             self._wrap(dist, name, lambda a, k: "async_collective")
         import torch.distributed._functional_collectives as functional
-        for name in ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast"):
+        for name in ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+                     "all_gather_tensor_autograd", "reduce_scatter_tensor_autograd", "all_to_all_single_autograd"):
             self._wrap(functional, name, lambda a, k: "functional_collective")
 
     def uninstall(self) -> None:

@@ -13,6 +13,8 @@ tokens reaches every expert (tests/test_expert_parallel.py checks it): each expe
 placement of any one shows in the weights.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,7 +114,7 @@ class HandMoELM(_CausalLM):
 
 def hf_moe_config(kind: str = "qwen2_moe", vocab_size: int = VOCAB, hidden: int = 16, layers: int = 2,
                   experts: int = 4, top_k: int = 2, router_aux: bool = False,
-                  experts_implementation: str = "eager"):
+                  experts_implementation: str = "eager", inner: Optional[int] = None):
     import transformers
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
@@ -124,7 +126,7 @@ def hf_moe_config(kind: str = "qwen2_moe", vocab_size: int = VOCAB, hidden: int 
                                            shared_expert_intermediate_size=2 * hidden, intermediate_size=2 * hidden,
                                            norm_topk_prob=True, **common)
     if kind == "mixtral":
-        return transformers.MixtralConfig(num_local_experts=experts, intermediate_size=2 * hidden,
+        return transformers.MixtralConfig(num_local_experts=experts, intermediate_size=inner or 2 * hidden,
                                           router_jitter_noise=0.0, **common)
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=2 * hidden, head_dim=4,

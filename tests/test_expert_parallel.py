@@ -10,7 +10,9 @@ momentum):
   (also HSDP), ep2 x tp2, ep2 x pp2, ep2 x cp2, ep2 with activation checkpointing, and with
   ``output_router_logits=True`` (the load-balancing loss over the global batch; dp=2 too).
 - a checkpoint at ep=2 (momentum included) resumed at ep=1, ep=4 and in one process; a hand-written one at ep=4.
-- the planner's expert parameters per rank (exact) and all-to-all bytes (balanced routing) against the runs;
+- which dispatch each model gets: fused experts grouped_mm reproduces are gathered (no host read), the others
+  (hand-written experts, an intermediate size grouped_mm does not take) exchanged all-to-all;
+- the planner's expert parameters per rank (exact) and expert-parallel bytes (balanced routing) against the runs;
   telemetry's ``comm_s/ep`` and ``comm_bytes/ep``.
 
 One 2-process and one 4-process launch hold every case; plans, refusals and routing checks run in this process.
@@ -24,7 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 
@@ -69,6 +73,9 @@ TWO = [
     Case("hand_fused_tp2", strategy={"tp": 2, **STRICT}, **{**HAND, "module_kwargs": {"fused": True}}),
     Case("qwen_ep2", strategy={"ep": 2}, callbacks=PROBE, **QWEN),
     Case("mixtral_ep2", strategy={"ep": 2}, callbacks=PROBE, **{**MIXTRAL, "trainer": CLIP}),
+    # an intermediate size grouped_mm does not take (36): its experts' own forward, exchanged all-to-all
+    Case("mixtral_ep2_unaligned", strategy={"ep": 2}, callbacks=PROBE,
+         **{**MIXTRAL, "module_kwargs": {"kind": "mixtral", "inner": 36}}),
     Case("mixtral_ep2_batched_mm", strategy={"ep": 2}, callbacks=PROBE,
          **{**MIXTRAL, "module_kwargs": {"kind": "mixtral", "experts_implementation": "batched_mm"}}),
     Case("qwen_ep2_dp_shard2", strategy={"ep": 2, "dp_shard": 2}, callbacks=PROBE, **QWEN),
@@ -112,7 +119,8 @@ ALL = {case.name: case for case in TWO + FOUR}
 
 
 class ExpertProbe(Callback):
-    """Per expert parameter: this rank's elements against the whole's; expert parallelism's all-to-all bytes."""
+    """Per expert parameter: this rank's elements against the whole's; expert parallelism's bytes sent and
+    dispatchers."""
 
     def parity_extras(self, trainer):
         experts = {n: p for n, p in trainer.lightning_module.named_parameters() if ".experts." in n}
@@ -122,7 +130,7 @@ class ExpertProbe(Callback):
         groups = {name: dist.get_process_group_ranks(strategy.mesh.group(name)) for name in ("ep", "ep_replica")
                   if strategy.parallel_dims.ep_enabled}
         return {"expert_local": local, "expert_numel": {n: p.numel() for n, p in experts.items()}, "ep_bytes": sent,
-                "groups": groups}
+                "groups": groups, "dispatch": sorted({type(d).__name__ for d in strategy.parallel.expert_dispatch})}
 
 
 class TelemetryProbe(Callback):
@@ -220,6 +228,71 @@ def test_each_rank_holds_its_share_of_the_experts(two, four, name, share):
     assert (extras["ep_bytes"] > 0) == ("ep" in name), (name, extras["ep_bytes"])
 
 
+@pytest.mark.parametrize("name,dispatch", [("qwen_ep2", "GatheredDispatch"), ("mixtral_ep2", "GatheredDispatch"),
+                                           ("mixtral_ep2_batched_mm", "GatheredDispatch"),
+                                           ("qwen3_ep2", "GatheredDispatch"), ("deepseek_v3_ep2", "GatheredDispatch"),
+                                           ("qwen_ep2_tp2", "GatheredDispatch"),
+                                           ("mixtral_ep2_unaligned", "AllToAllDispatch"),
+                                           ("hand_ep2", "AllToAllDispatch"), ("hand_ep2_tp2", "AllToAllDispatch")])
+def test_each_model_gets_its_dispatch(two, four, name, dispatch):
+    assert {**two[0], **four[0]}[name]["extras"]["dispatch"] == [dispatch]
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3"])
+def test_grouped_experts_reproduce_the_fused_forward(kind):
+    """The gathered dispatch's arithmetic against the module's own forward: in fp32 and under bf16 autocast (as
+    its linear layers would be cast), on a probe of the module's own sizes."""
+    from lightning_4d.modules.experts import find_fused_experts, grouped_experts, grouped_reproduces
+
+    model = HFMoELM(kind)
+    fqn, found = next(iter(find_fused_experts(model).items()))
+    experts = model.get_submodule(fqn)
+    assert grouped_reproduces(experts, found)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randn(10, found.hidden, generator=generator)
+    index = torch.stack([torch.randperm(found.experts, generator=generator)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=generator)
+    order = torch.argsort(index.reshape(-1), stable=True)
+    offsets = torch.bincount(index.reshape(-1), minlength=found.experts).cumsum(0).to(torch.int32)
+    padded = torch.cat([tokens[order // 2], torch.full((4, found.hidden), float("nan"))])  # padding: ignored
+    valid = (torch.arange(len(padded)) < len(order)).unsqueeze(1)
+    for autocast in (False, True):
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            expected = type(experts).forward(experts, tokens, index, weights)
+            out = grouped_experts(experts, experts.gate_up_proj, experts.down_proj,
+                                  torch.where(valid, padded, 0), offsets, valid)[:len(order)]
+        assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+        got = torch.zeros_like(tokens).index_add(0, order // 2, out.float() * weights.reshape(-1)[order, None])
+        torch.testing.assert_close(got, expected.float(), rtol=2e-2 if autocast else 1e-5,
+                                   atol=2e-2 if autocast else 1e-6)
+
+
+def test_grouped_experts_refuse_what_they_do_not_reproduce():
+    """Sizes grouped_mm does not take, and a forward of another arithmetic (up and gate swapped), fall back to the
+    all-to-all of the module's own forward."""
+    from lightning_4d.modules.experts import find_fused_experts, grouped_reproduces
+
+    unaligned = HFMoELM("mixtral", inner=36)
+    assert not all(grouped_reproduces(unaligned.get_submodule(f), s) for f, s in find_fused_experts(unaligned).items())
+    model = HFMoELM("mixtral")
+    fqn, found = next(iter(find_fused_experts(model).items()))
+    experts = model.get_submodule(fqn)
+
+    class Swapped(type(experts)):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for slot in range(top_k_index.shape[1]):
+                for e in range(self.num_experts):
+                    rows = top_k_index[:, slot] == e
+                    up, gate = F.linear(hidden_states[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+                    inner = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+                    out[rows] += inner * top_k_weights[rows, slot, None]
+            return out
+
+    experts.__class__ = Swapped
+    assert not grouped_reproduces(experts, found)
+
+
 def test_the_tiny_configs_route_to_every_expert():
     """A wrong placement of any expert must show in the weights: every expert gets tokens from a global batch."""
     from tests.lm_models import token_data
@@ -290,7 +363,7 @@ def test_the_planner_counts_what_each_rank_holds_and_sends(two, four, name, ep):
     planned = expert_estimate(sizes, ep, tokens)
     assert planned["expert_params"] == sum(record["extras"]["expert_local"].values())
     sent = record["extras"]["ep_bytes"] / case.max_steps
-    assert abs(sent - planned["all_to_all_bytes"]) <= 0.25 * planned["all_to_all_bytes"], (sent, planned)
+    assert abs(sent - planned["ep_bytes"]) <= 0.25 * planned["ep_bytes"], (sent, planned)
 
 
 def test_expert_groups_are_consecutive_data_parallel_ranks(two, four):

@@ -427,14 +427,14 @@ def test_cli_ranks_expert_parallel_layouts(capsys):
     assert states == sorted(states)
     ep2_dp2 = next(r for r in rows if r["ep"] == 2 and r["layout"]["dp"] == 2)
     assert ep2_dp2["expert_params"] == sizes.expert_params / 2
-    assert ep2_dp2["all_to_all_bytes"] == expert_estimate(sizes, 2, 8 // 2 * 16)["all_to_all_bytes"] > 0
-    assert all(r["all_to_all_bytes"] == 0 for r in rows if r["ep"] == 1)
+    assert ep2_dp2["ep_bytes"] == expert_estimate(sizes, 2, 8 // 2 * 16)["ep_bytes"] > 0
+    assert all(r["ep_bytes"] == 0 for r in rows if r["ep"] == 1)
 
     sizes_args = ["--layers", "2", "--hidden", "512", "--heads", "8", "--vocab", "256", *common]
     assert main(["--devices", "4", *sizes_args, "--experts", "8", "--expert-ffn", "1024", "--ep", "4"]) == 0
     table = capsys.readouterr().out
     assert "2 MoE layers of 8 experts (hidden 512, inner 1024, top-2), 25.2M expert parameters" in table
-    assert "all-to-all/step" in table and "6.29M" in table  # 25.2M experts over ep=4
+    assert "ep traffic/step" in table and "6.29M" in table  # 25.2M experts over ep=4
     with pytest.raises(SystemExit):
         main(["--devices", "2", *sizes_args, "--experts", "8", "--ep", "3"])
     assert "no layout takes ep in [3]: ep must divide the 8 experts per layer and the layout's dp x cp" in \

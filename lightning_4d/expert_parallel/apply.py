@@ -3,6 +3,7 @@ its forward set to dispatch tokens to them (:class:`~lightning_4d.modules.expert
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -13,12 +14,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.func import functional_call
 
 from lightning_4d.modules.experts import (FUSED_NAMES, ExpertList, ExpertsForward, ScaleGrad, check_expert_list,
-                                  find_expert_lists, find_fused_experts, local, route)
-from lightning_4d.expert_parallel.dispatch import AllToAllDispatch
+                                  find_expert_lists, find_fused_experts, grouped_reproduces, local, route)
+from lightning_4d.expert_parallel.dispatch import AllToAllDispatch, GatheredDispatch
 
 
 def apply_expert_parallel(module: nn.Module,
-                          experts_mesh: DeviceMesh) -> tuple[list[nn.Parameter], list[AllToAllDispatch]]:
+                          experts_mesh: DeviceMesh) -> tuple[list[nn.Parameter], list[Any]]:
     """Split every fused-experts module of ``module`` over the ``ep`` dim of ``experts_mesh`` (the layout's
     ``(ep_pp, ep_replica, ep, ep_tp)`` mesh); returns the expert parameters (their gradients are reduced over the
     ep replicas only) and the dispatchers (their traffic counters).
@@ -47,8 +48,12 @@ def apply_expert_parallel(module: nn.Module,
         forward = ExpertsForward.of(experts)
         forward.local_experts = local
         forward.grad_scale = 1.0 / ep
-        forward.dispatch = AllToAllDispatch(ep_mesh.get_group(), ep, local)
-        dispatchers.append(forward.dispatch)
+        if grouped_reproduces(experts, found):  # the host never waits
+            dispatch, compute = GatheredDispatch(ep_mesh.get_group(), ep, local), forward.grouped
+        else:  # its own arithmetic, on host-sized rows
+            dispatch, compute = AllToAllDispatch(ep_mesh.get_group(), ep, local), forward.compute
+        forward.dispatch = functools.partial(dispatch, compute=compute)
+        dispatchers.append(dispatch)
     for fqn, found in find_expert_lists(module).items():
         moe = module.get_submodule(fqn)
         routed = check_expert_list(moe, found)

@@ -1,7 +1,16 @@
-"""Tokens to the rank holding their expert and back: an all-to-all of counts, then of tokens (autograd: the
-backward is the reverse all-to-all), the experts run on what arrived, and the results return in the order sent.
-Dropless: every (token, expert) pair is computed, so each token's output does not depend on where its experts
-live, and the layout matches one process."""
+"""Tokens to the ranks holding their experts and back, two ways. Both are dropless: every (token, expert) pair is
+computed, so each token's output does not depend on where its experts live, and the layout matches one process.
+
+* :class:`GatheredDispatch` (fused 3-D experts): every rank of the group gathers the group's tokens and their
+  routing, runs its own experts on the pairs routed to them as one grouped matmul over a buffer sized for the
+  worst case (the groups' bounds stay on the device), and the weighted sums go back by reduce-scatter. Every
+  size is known before the step, so the host never waits for the device. The price: each rank receives all
+  ``ep x T`` tokens where an all-to-all would carry about ``T x top_k`` pairs (``ep / top_k`` times the traffic),
+  and the pair buffer holds ``ep x T x min(top_k, E/ep)`` rows.
+* :class:`AllToAllDispatch` (hand-written experts, which run one expert at a time on the rows each received, as
+  their own forward does): an all-to-all of counts, then of tokens (the backward is the reverse all-to-all).
+  c10d takes its split sizes as Python integers, so each layer reads its counts on the host.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_4d import _compat as compat
 
 
 class _AllToAll(torch.autograd.Function):
@@ -62,3 +73,51 @@ class AllToAllDispatch:
         back = _AllToAll.apply(out, receive, send, self)
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
         return torch.zeros_like(hidden).index_add(0, token_of, weighted.to(hidden.dtype))
+
+
+# (rows [N, H] sorted by local expert, offsets [E/ep] int32: each expert's end row, valid [N, 1]) -> [N, H]:
+# this rank's experts on their rows, unweighted; rows at or past offsets[-1] are padding (their values ignored).
+GroupedCompute = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class GatheredDispatch:
+    """Dispatch and combine over one expert group of ``ep`` ranks, each holding ``local`` consecutive experts,
+    with sizes fixed before the step (see the module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int, local: int) -> None:
+        self.group, self.ep, self.local = group, ep, local
+        self.first = dist.get_rank(group) * local  # this rank's first expert
+        self.sent_bytes = 0  # what this rank sent to the others of its group, forward and backward, since creation
+
+    def __call__(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, compute: GroupedCompute) -> Tensor:
+        tokens, k = top_k_index.shape
+        everyone = compat.all_gather_in_stream(hidden.contiguous(), self.group, differentiable=True)
+        chosen = compat.all_gather_in_stream(top_k_index.contiguous(), self.group).reshape(-1)
+        weights = compat.all_gather_in_stream(top_k_weights.contiguous(), self.group, differentiable=True)
+        self._count(hidden, top_k_index, top_k_weights)
+        mine = chosen - self.first
+        # each pair's local expert, or ``local`` (sorted last) for a pair another rank computes
+        expert = torch.where((mine >= 0) & (mine < self.local), mine, self.local)
+        capacity = self.ep * tokens * min(k, self.local)  # the most pairs this rank can be sent
+        order = torch.argsort(expert, stable=True)[:capacity]
+        per_expert = torch.zeros(self.local + 1, dtype=torch.int64, device=expert.device)
+        per_expert.scatter_add_(0, expert, torch.ones_like(expert))
+        offsets = per_expert[:self.local].cumsum(0).to(torch.int32)
+        valid = (torch.arange(capacity, device=expert.device) < offsets[-1]).unsqueeze(1)
+        token = order // k
+        rows = torch.where(valid, everyone[token], 0)  # padding rows are zeros, and pass no gradient back
+        out = torch.where(valid, compute(rows, offsets, valid), 0)
+        weighted = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
+        summed = torch.zeros_like(everyone).index_add(0, token, weighted.to(everyone.dtype))
+        return compat.reduce_scatter_in_stream(summed, self.group)
+
+    def _count(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> None:
+        """Forward: the tokens, routing and weights to each peer, the partial sums back; backward (when it will
+        run): the partial sums' and the weights' gradients."""
+        peers = self.ep - 1
+        states = hidden.numel() * hidden.element_size()
+        routing = top_k_index.numel() * top_k_index.element_size()
+        scores = top_k_weights.numel() * top_k_weights.element_size()
+        self.sent_bytes += peers * (2 * states + routing + scores)
+        if torch.is_grad_enabled() and (hidden.requires_grad or top_k_weights.requires_grad):
+            self.sent_bytes += peers * (2 * states + scores)

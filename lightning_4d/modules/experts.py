@@ -10,7 +10,9 @@ top_k_index [T, k], top_k_weights [T, k])`` after the router chose; the module's
 tensor parallelism (``tp_group``: each rank holds every expert's slice of the intermediate dimension, the
 output is summed over tp once, after the combine), expert parallelism (``dispatch``: each rank holds E/ep whole
 experts; tokens travel to them and back). The experts' arithmetic stays the module's own: its original forward
-runs on a view of the module whose weights are this rank's local tensors.
+runs on a view of the module whose weights are this rank's local tensors, or, where expert parallelism gathers
+the tokens, :func:`grouped_experts` runs it as grouped matmuls once :func:`grouped_reproduces` showed on a probe
+that it computes the same.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.distributed.tensor import DTensor
 
 FUSED_NAMES = ("gate_up_proj", "down_proj")
@@ -123,9 +126,9 @@ def local(param: Tensor) -> Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-# (hidden [T, H], top_k_index [T, k], top_k_weights [T, k], compute) -> [T, H], where compute(tokens [S, H],
-# local_expert [S]) runs this rank's experts on the tokens it received.
-Dispatch = Callable[[Tensor, Tensor, Tensor, Callable[[Tensor, Tensor], Tensor]], Tensor]
+# (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]: the weighted sum of each token's experts,
+# wherever they live (expert parallelism's dispatch, bound to this module's ``compute`` or ``grouped``).
+Dispatch = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 class ExpertsForward:
@@ -169,6 +172,11 @@ class ExpertsForward:
         ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
         return self.original(view, tokens, expert.unsqueeze(1), ones)
 
+    def grouped(self, rows: Tensor, offsets: Tensor, valid: Tensor) -> Tensor:
+        """This rank's experts on ``rows`` sorted by expert (see :func:`grouped_experts`), unweighted."""
+        weights = self.weights()
+        return grouped_experts(self.module, weights["gate_up_proj"], weights["down_proj"], rows, offsets, valid)
+
     def __call__(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args: Any,
                  **kwargs: Any) -> Tensor:
         if args or kwargs:
@@ -178,13 +186,62 @@ class ExpertsForward:
             hidden_states = _SumGradOver.apply(hidden_states, self.tp_group)
             top_k_weights = _SumGradOver.apply(top_k_weights, self.tp_group)
         if self.dispatch is not None:
-            out = self.dispatch(hidden_states, top_k_index, top_k_weights, self.compute)
+            out = self.dispatch(hidden_states, top_k_index, top_k_weights)
         else:
             view = _View(self.module, **self.weights())
             out = self.original(view, hidden_states, top_k_index, top_k_weights)
         if self.tp_group is not None:
             out = _SumOver.apply(out, self.tp_group)
         return out
+
+
+def grouped_experts(module: nn.Module, gate_up: Tensor, down: Tensor, rows: Tensor, offsets: Tensor,
+                    valid: Tensor) -> Tensor:
+    """Experts ``gate_up`` [L, 2I, H] / ``down`` [L, H, I] on ``rows`` [N, H] sorted by expert (``offsets``: each
+    expert's end row, on the device, so the host never reads them), unweighted: two grouped matmuls around the
+    module's gate, its own arithmetic where :func:`grouped_reproduces` says so. Rows where ``valid`` is False
+    (past ``offsets[-1]``) are padding: the gate sees zeros there, and their outputs are to be ignored."""
+    if torch.is_autocast_enabled(rows.device.type):  # grouped_mm is on no autocast list: cast as linear would
+        dtype = torch.get_autocast_dtype(rows.device.type)
+        rows, gate_up, down = rows.to(dtype), gate_up.to(dtype), down.to(dtype)
+    up = torch.where(valid, F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets), 0)
+    if hasattr(module, "_apply_gate"):  # transformers' experts: their gate
+        inner = module._apply_gate(up)
+    else:
+        gate, up = up.chunk(2, dim=-1)
+        inner = module.act_fn(gate) * up
+    return F.grouped_mm(inner, down.transpose(-2, -1), offs=offsets)
+
+
+GROUPED_ALIGNMENT = 8  # grouped_mm wants row strides of 16 bytes: hidden and inner sizes in multiples of 8
+
+
+def grouped_reproduces(module: nn.Module, found: FusedExperts) -> bool:
+    """Whether :func:`grouped_experts` computes what the module's own forward does: sizes grouped_mm accepts,
+    and the same outputs on a probe (random weights of 2 experts at a small size, 6 tokens, top-2; pure, no
+    collective, whatever device or size the module's weights have)."""
+    if found.hidden % GROUPED_ALIGNMENT or found.inner % GROUPED_ALIGNMENT or not hasattr(module, "act_fn"):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    size, experts = 8, 2
+    gate_up = torch.randn(experts, 2 * size, size, generator=generator)
+    down = torch.randn(experts, size, size, generator=generator)
+    tokens = torch.randn(6, size, generator=generator)
+    top_k_index = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [1, 0], [0, 1]])
+    top_k_weights = torch.rand(6, 2, generator=generator)
+    pairs = top_k_index.reshape(-1)
+    order = torch.argsort(pairs, stable=True)
+    offsets = torch.bincount(pairs, minlength=experts).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        try:
+            view = _View(module, num_experts=experts, gate_up_proj=gate_up, down_proj=down)
+            expected = type(module).forward(view, tokens, top_k_index, top_k_weights)
+            out = grouped_experts(module, gate_up, down, tokens[order // 2], offsets,
+                                  torch.ones(len(order), 1, dtype=torch.bool))
+        except Exception:  # noqa: BLE001  a forward of another form: not what grouped_experts computes
+            return False
+    got = torch.zeros_like(tokens).index_add(0, order // 2, out * top_k_weights.reshape(-1)[order, None])
+    return isinstance(expected, Tensor) and expected.shape == got.shape and torch.allclose(got, expected, 1e-5, 1e-6)
 
 
 class _SumOverScaled(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """The layout planner: what a model's sizes are (:mod:`.model_sizes`, read from sizes or a meta-device
 module), what a layout costs in memory and communication (:mod:`.estimate`; expert parallelism's share and
-all-to-all: :mod:`.experts`), and ``python -m
+traffic: :mod:`.experts`), and ``python -m
 lightning_4d.plan`` (:mod:`.cli`). Arithmetic only: importing it imports no torch."""
 
 from lightning_4d.planner.estimate import (AC_MODES, BUILDS, CP_COMMS, OPTIMIZER_STATES, PP_SCHEDULES, PRECISIONS,

@@ -178,15 +178,15 @@ def _moe_from_args(args: argparse.Namespace, model: Model) -> Any:
 
 
 def format_expert_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The ranked (layout, ep) pairs: expert and other parameters per rank, model state, all-to-all per step."""
+    """The ranked (layout, ep) pairs: expert and other parameters per rank, model state, expert-parallel traffic per step."""
     header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "ep", "expert params", "other params", "state",
-              "all-to-all/step"]
+              "ep traffic/step"]
     lines = []
     for rank, row in enumerate(rows, 1):
         layout = row["layout"]
         lines.append([str(rank), *(str(getattr(layout, d)) for d in ("dp", "dp_shard", "pp", "cp", "tp")),
                       str(row["ep"]), f"{row['expert_params'] / 1e6:,.2f}M", f"{row['dense_params'] / 1e6:,.2f}M",
-                      _format_bytes(row["model_state_bytes"]), _format_bytes(row["all_to_all_bytes"])])
+                      _format_bytes(row["model_state_bytes"]), _format_bytes(row["ep_bytes"])])
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *lines]]
     out.insert(1, "  ".join("-" * w for w in widths))
@@ -248,8 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if experts is not None:
         print(f"\nexpert parallelism: {moe.layers} MoE layers of {moe.experts} experts (hidden {moe.hidden}, inner"
               f" {moe.inner}, top-{moe.top_k}), {moe.expert_params / 1e6:,.1f}M expert parameters; per rank, ranked"
-              " by model state (experts over ep x tp, the rest over tp x dp_shard), then all-to-all bytes sent per"
-              " step (balanced routing):")
+              " by model state (experts over ep x tp, the rest over tp x dp_shard), then expert-parallel bytes sent"
+              " per step (balanced routing where the experts are exchanged all-to-all):")
         print(format_expert_table(experts[:args.top or None]))
     with_cp = [est for est in estimates if est.layout.cp > 1]
     if with_cp:

@@ -1,5 +1,5 @@
 """Expert parallelism in the planner: a mixture-of-experts model's routed-expert parameters, what each rank holds
-under ``ep`` (and ``tp``, ``dp_shard``), its model state per rank, and the all-to-all volume per step.
+under ``ep`` (and ``tp``, ``dp_shard``), its model state per rank, and the expert-parallel traffic per step.
 
 Arithmetic only. Reading a module's sizes (:meth:`MoESizes.from_module`, which works on the meta device) imports
 torch; the estimate does not.
@@ -8,12 +8,15 @@ torch; the estimate does not.
   size over tp); the rest of the model split over ``tp x dp_shard`` (an upper bound where tp leaves norms
   whole), times the bytes per parameter of the precision and optimizer (:data:`~.estimate.PRECISIONS`,
   :data:`~.estimate.OPTIMIZER_STATES`), as :mod:`lightning_4d.expert_parallel` holds them.
-* all-to-all per rank per step: each of the rank's tokens goes to ``top_k`` experts, of which ``(ep - 1) / ep``
-  live on other ranks when routing is balanced. It sends the token's hidden state there and receives its
-  result (forward), and the two gradients go the other way (backward): ``4 x (ep - 1) / ep x top_k x hidden``
-  activation elements per token and MoE layer, counted on the sender's side (what
-  :class:`~lightning_4d.expert_parallel.AllToAllDispatch` counts), plus the counts exchange. Unbalanced routing
-  sends more to the busiest experts, so treat this as the balanced-routing figure.
+* expert-parallel traffic per rank per step (``ep_bytes``), counted on the sender's side as the dispatchers
+  of :mod:`lightning_4d.expert_parallel.dispatch` count it, per MoE layer for ``T`` tokens on the rank:
+
+  - gathered (fused experts, the default): the rank's tokens to each of the ``ep - 1`` others and their partial
+    sums back, and both gradients the other way: ``4 x (ep - 1) x T x hidden`` activation elements, plus the
+    routing (``top_k`` int64 ids and weights per token) and its weights' gradients;
+  - all-to-all (hand-written experts): each token goes to ``top_k`` experts, of which ``(ep - 1) / ep`` live on
+    other ranks when routing is balanced: ``4 x (ep - 1) / ep x top_k x T x hidden`` elements plus the counts
+    exchange. Unbalanced routing sends more to the busiest experts: the balanced-routing figure.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Optional
 from lightning_4d.planner.estimate import OPTIMIZER_STATES, PRECISIONS
 from lightning_4d.planner.model_sizes import PlanError, check_positive
 
-COUNT_BYTES = 8  # the counts exchanged per expert (int64)
+COUNT_BYTES = 8  # an int64: a routing id (gathered) or a count (all-to-all)
 
 
 @dataclass(frozen=True)
@@ -39,13 +42,14 @@ class MoESizes:
     top_k: int
     expert_params: int
     dense_params: int
+    gathered: bool = True  # dispatched by gathering (fused experts grouped_mm computes), else by all-to-all
 
     @classmethod
     def from_module(cls, module: Any, top_k: Optional[int] = None) -> MoESizes:
         """Sizes read from a module (whole-built or on the meta device) by the runtime's own discovery; ``top_k``
         when the module does not say (a hand-written MoE's ``top_k``, a transformers config's
         ``num_experts_per_tok``)."""
-        from lightning_4d.modules.experts import find_expert_lists, find_fused_experts
+        from lightning_4d.modules.experts import find_expert_lists, find_fused_experts, grouped_reproduces
 
         fused, lists = find_fused_experts(module), find_expert_lists(module)
         if not fused and not lists:
@@ -73,12 +77,13 @@ class MoESizes:
         if top_k is None:
             raise PlanError("top_k: the module does not say how many experts each token goes to; pass top_k=.")
         total = sum(p.numel() for p in module.parameters())
-        return cls(len(found), experts, hidden, inner, top_k, expert_params, total - expert_params)
+        gathered = not lists and all(grouped_reproduces(module.get_submodule(fqn), sizes) for fqn, sizes in fused.items())
+        return cls(len(found), experts, hidden, inner, top_k, expert_params, total - expert_params, gathered)
 
 
 def expert_estimate(sizes: MoESizes, ep: int, tokens_per_rank: int, tp: int = 1, dp_shard: int = 1,
                     precision: str = "32-true", optimizer: str = "adamw", pp: int = 1) -> dict[str, float]:
-    """Per rank: parameters (experts, the rest), model-state bytes, and all-to-all bytes sent per step for
+    """Per rank: parameters (experts, the rest), model-state bytes, and expert-parallel bytes sent per step for
     ``tokens_per_rank`` tokens per step (the rank's samples x sequence length / cp); ``pp`` stages each hold
     (about) 1/pp of the layers and of the rest."""
     for name, value in (("ep", ep), ("tp", tp), ("dp_shard", dp_shard), ("tokens_per_rank", tokens_per_rank),
@@ -93,11 +98,14 @@ def expert_estimate(sizes: MoESizes, ep: int, tokens_per_rank: int, tp: int = 1,
     per_param = pbytes + gbytes + OPTIMIZER_STATES[optimizer] * pbytes
     experts = sizes.expert_params / (ep * tp * pp)
     dense = sizes.dense_params / (tp * dp_shard * pp)
-    remote = (ep - 1) / ep
-    tokens = 4 * remote * sizes.top_k * tokens_per_rank * sizes.hidden * e
-    counts = (ep - 1) * (sizes.experts // ep) * COUNT_BYTES  # forward only: the backward reuses them
+    if sizes.gathered:
+        states = 4 * (ep - 1) * tokens_per_rank * sizes.hidden * e
+        routing = (ep - 1) * tokens_per_rank * sizes.top_k * (COUNT_BYTES + 2 * e)  # ids, weights, their gradients
+    else:
+        states = 4 * (ep - 1) / ep * sizes.top_k * tokens_per_rank * sizes.hidden * e
+        routing = (ep - 1) * (sizes.experts // ep) * COUNT_BYTES  # the counts, forward only: the backward reuses them
     return {"expert_params": experts, "dense_params": dense, "model_state_bytes": (experts + dense) * per_param,
-            "all_to_all_bytes": sizes.layers / pp * (tokens + counts)}
+            "ep_bytes": sizes.layers / pp * (states + routing)}
 
 
 def sizes_from_args(layers: int, hidden: int, experts: int, inner: int, top_k: int, dense_params: int) -> MoESizes:
@@ -115,7 +123,7 @@ def rank_expert_layouts(sizes: MoESizes, layouts: list[Any], seq_len: int, globa
                         eps: Optional[list[int]] = None) -> list[dict[str, Any]]:
     """Every (layout, ep) pair ``FourDStrategy`` accepts (ep divides the experts and the layout's ``dp x cp``,
     from which it borrows its ranks), with :func:`expert_estimate`'s figures per rank, ranked by model state per
-    rank, then all-to-all bytes per step. ``eps``: only these ep sizes (default: every one that fits)."""
+    rank, then expert-parallel bytes per step. ``eps``: only these ep sizes (default: every one that fits)."""
     ranked = []
     for layout in layouts:
         borrowed = layout.data_parallel * layout.cp
@@ -130,4 +138,4 @@ def rank_expert_layouts(sizes: MoESizes, layouts: list[Any], seq_len: int, globa
         asked = f"ep in {eps}" if eps else "an ep"
         raise PlanError(f"no layout takes {asked}: ep must divide the {sizes.experts} experts per layer and the"
                         " layout's dp x cp (it borrows those ranks, never tp or pp).")
-    return sorted(ranked, key=lambda row: (row["model_state_bytes"], row["all_to_all_bytes"], str(row["layout"])))
+    return sorted(ranked, key=lambda row: (row["model_state_bytes"], row["ep_bytes"], str(row["layout"])))
