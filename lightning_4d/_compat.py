@@ -341,6 +341,24 @@ sync_ddp_if_available = _sync_ddp_if_available
 all_gather_ddp_if_available = _all_gather_ddp_if_available
 
 
+def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
+    """Lightning 2.6's training loop broadcasts rank 0's ``trainer.received_sigterm`` over the world before every
+    batch and reads it on the host (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective and a
+    device read per step, which also lines every rank up at each step's start (a pipeline's stages can no longer
+    overlap one step's end with the next one's start). Only Lightning's own SIGTERM handler sets that flag; the
+    caller has replaced it with one whose signal travels in its own step agreement, so the broadcast would only
+    ever carry 0. No public switch turns it off. Returns what puts it back."""
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
+        raise RuntimeError("lightning's training loop has no _broadcast_sigterm_tensor: update lightning_4d/_compat.py")
+    loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
+    return lambda: loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
+def _no_sigterm_broadcast() -> None:
+    """In place of Lightning's per-step SIGTERM broadcast while FaultTolerance's handler holds SIGTERM."""
+
+
 def setup_distributed(strategy: Any) -> None:
     """ModelParallelStrategy's process-group set-up (environment, backend, timeout), which the strategy reuses."""
     strategy._setup_distributed()

@@ -247,6 +247,17 @@ def _nested_loss_parallel():
     assert log_softmax not in handlers
 
 
+def _sigterm_broadcast():
+    import lightning.pytorch as pl
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    loop = trainer.fit_loop.epoch_loop
+    undo = compat.skip_sigterm_broadcast(trainer)
+    assert loop._broadcast_sigterm_tensor() is None and "_broadcast_sigterm_tensor" in loop.__dict__
+    undo()
+    assert "_broadcast_sigterm_tensor" not in loop.__dict__ and callable(loop._broadcast_sigterm_tensor)
+
+
 CHECKS = {
     "nn.Module._non_persistent_buffers_set, Tensor._backward_hooks/_post_accumulate_grad_hooks,"
     " torch.utils._python_dispatch.TorchDispatchMode, FSDPParam.reset_sharded_param": _meta_materialization,
@@ -284,6 +295,8 @@ CHECKS = {
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),
+    "lightning _TrainingEpochLoop._broadcast_sigterm_tensor (skipped while FaultTolerance holds SIGTERM)":
+        _sigterm_broadcast,
     "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (
         # called as FourDStrategy.reduce calls it (torch 2.14 refuses op=None once a process group exists)
         compat.sync_ddp_if_available(torch.tensor(1.0), reduce_op="mean"),

@@ -72,6 +72,20 @@ def test_lightning_strategies_are_counted_too(counts):
             assert any(c["kind"] == "read" for c in _waits(record, "lightning")), record["counts"]
 
 
+def test_lightning_sigterm_broadcast_is_left_out_under_fourd(counts):
+    """Lightning broadcasts its SIGTERM flag over the world before every batch and reads it (a blocking collective
+    and a host read per step); FourD's fault tolerance holds SIGTERM and agrees on it in its own step agreement, so
+    it leaves that broadcast out. Lightning's DDPStrategy keeps it: the counter sees it there."""
+    def sigterm(record):
+        return [c for c in record["counts"] if c["site"].endswith("training_epoch_loop.py:_broadcast_sigterm_tensor")]
+
+    for layout in FOURD:
+        for record in _ranks(counts, layout):
+            assert sigterm(record) == [], (layout, record["rank"], sigterm(record))
+    for record in _ranks(counts, "lightning_ddp"):
+        assert {c["what"] for c in sigterm(record)} >= {"broadcast", "item"}, sigterm(record)
+
+
 def table(counts: dict) -> str:
     """The table for docs/performance.md: rank 0's counts per step (stage 0 under pp)."""
     def total(record, package, kinds):

@@ -331,7 +331,9 @@ class ParallelModel:
     def remove(self) -> None:
         """Take off the hooks that only serve training: gradient buckets, context-parallel hooks and the forward
         of torch's nn.MultiheadAttention that context parallelism set. (The cut and the shards stay: they are
-        the module now.)"""
+        the module now.) The pipeline's last results finish sending."""
+        if self.pipeline is not None:
+            self.pipeline.finish_sending()
         for buckets in self._buckets.values():
             buckets.remove()
         self._buckets.clear()

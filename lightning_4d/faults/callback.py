@@ -9,7 +9,9 @@ replica group only in steps that changed them.
   step's agreement as the step starts; if any rank had one, all save ``last.ckpt`` at the step's end
   (complete, then renamed into place) and exit with :data:`EXIT_PREEMPTED` (a signal that comes during a step
   is acted on at the end of the next one). Lightning's own SIGTERM handler, which
-  broadcasts inside the signal handler and dead-locks with a checkpoint save, is replaced during ``fit``.
+  broadcasts inside the signal handler and dead-locks with a checkpoint save, is replaced during ``fit``; so
+  is the broadcast of Lightning's SIGTERM flag before every batch (a blocking world collective and a host read
+  per step), which would only ever carry 0 while ours holds SIGTERM.
 * **Uneven data**: the same agreement carries whether this batch was the rank's last of the epoch; when some
   replicas ran out and others did not, every rank raises :class:`UnevenDataError` naming the ranks and their
   batch counts.
@@ -30,8 +32,10 @@ replica group only in steps that changed them.
 from __future__ import annotations
 
 import hashlib
+import signal
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -41,7 +45,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_4d._compat import default_store, fetches_inside_step, tensor_version
+from lightning_4d._compat import default_store, fetches_inside_step, skip_sigterm_broadcast, tensor_version
 from lightning_4d.faults.agreement import StepAgreement
 from lightning_4d.faults.liveness import (DEFAULT_INTERVAL, DEFAULT_LOST_AFTER, DEFAULT_STALL_AFTER, Heartbeat,
                                           check_options)
@@ -87,6 +91,7 @@ class FaultTolerance(Callback):
         self._first_step_done = False
         self._buffer_versions: dict[int, int] = {}  # id(buffer) -> its version when last broadcast
         self._agreement: Optional[StepAgreement] = None  # with more than one rank
+        self._restore_sigterm_broadcast: Callable[[], None] = _nothing  # Lightning's per-step SIGTERM broadcast
 
     # ---------------------------------------------------------------------------- set up, tear down
 
@@ -115,6 +120,8 @@ class FaultTolerance(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flag.install()
+        if signal.SIGTERM in self.signals and self._agreement is not None:  # our agreement carries it instead
+            self._restore_sigterm_broadcast = skip_sigterm_broadcast(trainer)
         self._mark("on_train_start", trainer)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -123,8 +130,12 @@ class FaultTolerance(Callback):
             self._beat = None
         if stage == "fit":
             self._flag.uninstall()  # a signal that came after the last step is delivered as if we were not here
+            self._restore_sigterm_broadcast()
+            self._restore_sigterm_broadcast = _nothing
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_sigterm_broadcast()
+        self._restore_sigterm_broadcast = _nothing
         if isinstance(exception, Preempted):
             self._flag.received.clear()  # acted on: not delivered again when the handler is uninstalled
             if self._beat is not None:
@@ -350,3 +361,7 @@ def attach(strategy: Any) -> None:
     trainer = strategy.lightning_module.trainer
     if not any(isinstance(callback, FaultTolerance) for callback in trainer.callbacks):
         trainer.callbacks.insert(0, FaultTolerance())
+
+
+def _nothing() -> None:
+    """Nothing to put back."""

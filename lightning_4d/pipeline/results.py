@@ -48,6 +48,7 @@ class ResultExchange:
         self._prefix = f"lightning_4d/pipeline_results/{ResultExchange._created}/{source}/"
         self._step = 0
         self._structure: Any = None  # the last structure sent (as bytes on the source, as objects elsewhere)
+        self._sending: list[tuple[Any, Tensor]] = []  # the source's broadcasts in flight, and their buffers
 
     def exchange(self, local: Any) -> Any:
         """``local`` (the step's results) on the source, anything elsewhere; every rank gets the source's."""
@@ -63,9 +64,10 @@ class ResultExchange:
             self._structure = blob
             if self._step > _KEPT_STEPS:
                 self.store.delete_key(f"{self._prefix}{self._step - _KEPT_STEPS}")
+            self.finish_sending()
             for dtype in dict.fromkeys(t.dtype for t in tensors):  # one broadcast per dtype, in first-seen order
                 flat = torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype])
-                dist.broadcast(flat, src=self.source, group=self.group, async_op=True).wait()  # NCCL: a stream wait
+                self._sending.append((dist.broadcast(flat, src=self.source, group=self.group, async_op=True), flat))
             return local
         blob = self.store.get(key)
         if blob:
@@ -82,6 +84,14 @@ class ResultExchange:
             for slot, part in zip(same, flat.split(sizes)):
                 received[slot.index] = part.view(slot.shape)
         return apply_to_collection(self._structure, _Slot, lambda slot: received[slot.index])
+
+    def finish_sending(self) -> None:
+        """Wait for the source's broadcasts of the step before. The source already holds its results, so it does
+        not wait for the others to receive them when it sends (that would hold it until the last of them
+        reached the end of its schedule); it waits here, a step later, or before the process group goes."""
+        while self._sending:
+            work, _ = self._sending.pop(0)
+            work.wait()
 
     def _slot(self, tensor: Tensor, tensors: list[Tensor]) -> _Slot:
         tensors.append(tensor.detach().to(self.device))  # a value logged on the host travels from the device too

@@ -146,6 +146,7 @@ class PipelineRunner:
         self._training = False
         self._loss_scale = 1.0
         self._token_losses: Optional[TokenMeanLosses] = None  # this training step's token-mean losses
+        self._loss_mode: Optional[TokenMeanLosses] = None  # this step's, training or not: entered on the last stage
         self._token_window = False  # the step's gradients are divided by its accumulation window's count
         self.token_count: Optional[Tensor] = None  # the valid targets of the last training batch, over dp x cp
         # Called with (micro-batch index, micro-batches) before each micro-batch's forward, by whoever needs to
@@ -154,6 +155,10 @@ class PipelineRunner:
         self._token_counts: dict[int, Tensor] = {}  # micro-batch -> the count its returned loss averages over
         self._grad_scale: Optional[float] = None  # what the step's gradients are multiplied by when committed
         self._token_problem: Optional[str] = None  # why this step's token-mean loss cannot be weighted
+
+    def finish_sending(self) -> None:
+        """The last stage's step results sent (it does not wait for that in the step; see :mod:`.results`)."""
+        self._results.finish_sending()
 
     def hook_boundaries(self) -> None:
         """The stage-boundary hooks on the blocks, once everything else has hooked them (sharding's hooks): the
@@ -196,6 +201,7 @@ class PipelineRunner:
         index = torch.arange(n, device=self.device)
         on_host = torch.arange(n)  # each stage reads its micro-batch's index as an int: from host memory, no sync
         self._token_losses, self._token_counts, self._token_problem = token_losses if training else None, {}, None
+        self._loss_mode = token_losses
         self._token_window = token_losses is not None and token_losses.window
         if training:
             self._grad_scale = None
@@ -203,7 +209,7 @@ class PipelineRunner:
             self._params = list(self.module.parameters())
             earlier = self._take_grads()
             try:
-                with around(True), token_losses if token_losses is not None else nullcontext():
+                with around(True):
                     schedule = self._schedule(training, shape_key(micro[0]))
                     schedule.step(index, mb=on_host, target=index, return_outputs=False)
             finally:
@@ -212,7 +218,7 @@ class PipelineRunner:
                 for p, grad in zip(self._params, earlier):
                     p.grad = grad
         else:  # token-mean losses are only weighted for what is logged
-            with around(False), token_losses if token_losses is not None else nullcontext():
+            with around(False):
                 if forward_only:
                     self._forward_stage_by_stage(n)
                 else:
@@ -341,7 +347,10 @@ class PipelineRunner:
         try:
             if self.before_microbatch is not None:
                 self.before_microbatch(index, self.config.num_microbatches)
-            with logs.recording(index if stage == self.last else None):
+            # token-mean losses are watched for only where the step reaches its loss: every torch call of the
+            # other stages would pay for the watching (a torch-function mode) and find none
+            watch = self._loss_mode if stage == self.last and self._loss_mode is not None else nullcontext()
+            with logs.recording(index if stage == self.last else None), watch:
                 output = self._call(index)
         except _StageExit as stop:
             return stop.hidden
