@@ -64,6 +64,7 @@ _ATTENTION: dict[Any, int] = {F.scaled_dot_product_attention: 5, **compat.ATTENT
 _DIM_PRECEDENCE = ("dp_shard", "dp", "cp", "tp", "pp", "dp_cp", "dp_replicate")
 _GROUP_OF = {"dp_shard": "dp_shard_cp"}  # FSDP shards over dp_shard x cp
 OTHER = "other"
+_PENDING_KEPT = 4096  # labels of collectives issued and not yet waited for
 
 
 def peak_flops_for(device_name: str, precision: str) -> Optional[float]:
@@ -142,13 +143,16 @@ class _Stopwatch:
 
     def started(self, token: Any, label: Optional[str]) -> None:
         self._pending[id(token)] = label
+        if len(self._pending) > _PENDING_KEPT:  # works nobody waits for: forget the oldest
+            del self._pending[next(iter(self._pending))]
 
     def finished(self, token: Any) -> Optional[str]:
         return self._pending.pop(id(token), OTHER)
 
     def reset(self) -> None:
+        """A new window. Collectives in flight keep their labels: one issued in the last step of a window may be
+        waited for in the next (the pipeline's results are)."""
         self.seconds = {}
-        self._pending.clear()
 
     def install(self) -> None:
         watch = self
