@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 python -m tests.teardown_stress [LAUNCHES]
 
-The suite's tests/test_teardown.py runs a few launches; an abort seen once in about 110 launches needs hundreds
-to say anything, which this prints: the launches, the failures (each with its output) and the time taken."""
+The suite's tests/test_teardown.py runs a few launches; a rare abort needs many more to say anything, which this
+prints: the launches, the failures (each with its output) and the time taken."""
 
 import sys
 import time

@@ -17,6 +17,7 @@ prints its own last few collectives.
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
 import time
 import traceback
@@ -37,14 +38,13 @@ class RaisedOnEveryRank(RuntimeError):
 
 _raised = False  # this process is leaving on an exception: its collectives may never finish
 _exit_registered = False
+_GIL_HANDOFF = 0.01  # seconds the main thread leaves the GIL to threads that wait for it, at exit
 
 
 def destroy_process_groups_at_exit() -> None:
-    """Once per process, when the strategy has made its process groups: destroy them at interpreter exit, while
-    Python is still whole. Left to the end, gloo's worker threads drop their last references to tensors while
-    the interpreter finalizes, and a run that succeeded aborts with SIGABRT ('terminate called without an
-    active exception', pytorch/pytorch#190489). Not after an exception: destroying waits for this rank's
-    unfinished collectives, which a failure may have left with no peer to finish them."""
+    """Once per process, when the strategy has made its process groups: end them at interpreter exit, while
+    Python is still whole (:func:`_destroy_unless_raised`). Not after an exception: destroying waits for this
+    rank's unfinished collectives, which a failure may have left with no peer to finish them."""
     global _exit_registered
     if not _exit_registered:
         _exit_registered = True
@@ -53,9 +53,15 @@ def destroy_process_groups_at_exit() -> None:
 
 def _destroy_unless_raised() -> None:
     """The end of a process that trained, in one order, while Python is whole: no thread of ours left; nothing
-    of ours holding the process groups; the groups destroyed (each backend shut down, gloo's worker threads
-    joined). Then the interpreter finalizes with no collective machinery running. (No extra garbage collection:
-    at 0.25 s per process it cost the test suite minutes, and finalization collects once anyway.)"""
+    of ours holding the process groups; the groups destroyed; gloo's worker threads done with Python.
+
+    Why the last part: a gloo worker thread drops its references to a collective's tensors after the collective
+    completes, and dropping a tensor that has a Python object takes the GIL (on torch 2.15 every time, on older
+    torch when it holds the last reference). A thread that asks for the GIL once the interpreter has begun
+    finalizing is ended with ``pthread_exit``, which unwinds through a ``noexcept`` destructor: std::terminate,
+    "terminate called without an active exception", SIGABRT, after a run that succeeded (pytorch/pytorch#190489).
+    A collective completed a few milliseconds before the process leaves (a last ``reduce``, a synced log) is
+    enough. :func:`_release_collective_threads` closes that window."""
     if _raised:  # destroying would wait for collectives a failure may have left with no peer to finish them
         return
     heartbeat = liveness.current()
@@ -64,8 +70,23 @@ def _destroy_unless_raised() -> None:
     if dist.is_initialized():
         RECORDER.forget_groups()
         dist.destroy_process_group()
+    _release_collective_threads()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _release_collective_threads() -> None:
+    """Let every gloo worker thread finish with Python before the interpreter finalizes.
+
+    The destroyed groups are still held by the garbage of the run (Lightning's and the model's reference
+    cycles): collecting it destroys them, and a group's destructor joins its worker threads with the GIL
+    released, so each finishes what it was doing first. That collection is the one finalization would make;
+    freezing what survives it keeps finalization from walking the same objects a second time. A group something
+    alive still holds (a trainer in a module's globals) keeps its threads; releasing the GIL for a moment lets
+    one waiting for it take it."""
+    gc.collect()
+    gc.freeze()
+    time.sleep(_GIL_HANDOFF)
 
 
 def report_failure(rank: int, exception: BaseException, world_size: int, linger: float = 15.0) -> None:
