@@ -25,7 +25,8 @@ from lightning_4d import _compat as compat, checkpoint
 from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.callbacks import attach_prediction_writers, check_weight_averaging
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders
-from lightning_4d.composition.parallelize import ParallelModel, check_before_launch, parallelize, parallelized
+from lightning_4d.composition.parallel_model import ParallelModel
+from lightning_4d.composition.parallelize import check_before_launch, parallelize, parallelized
 from lightning_4d.context_parallel import ContextParallelConfig
 from lightning_4d.context_parallel.config import DEFAULT_CHECK_TOKENS
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_forward, check_shard_units,

@@ -17,7 +17,7 @@ Lightning's closure calls ``zero_grad`` after ``training_step`` and before ``bac
 computes the gradients inside ``training_step``. So the fresh gradients are set aside after the schedule
 (:meth:`PipelineRunner.step`) and committed in the strategy's ``backward`` (:meth:`commit_gradients`), which
 keeps zero_grad, gradient accumulation and the backward hooks where Lightning puts them. (On the first batch of an
-accumulation window :meth:`~lightning_4d.composition.parallelize.ParallelModel.step` frees the gradients that zero_grad would
+accumulation window :meth:`~lightning_4d.composition.parallel_model.ParallelModel.step` frees the gradients that zero_grad would
 clear before the schedule runs, so there are none to set aside.)
 
 Logs: ``self.log`` calls are recorded per micro-batch (:class:`~lightning_4d.numerics.step_logging.StepLogs`). Only the
