@@ -366,6 +366,23 @@ def test_the_planner_counts_what_each_rank_holds_and_sends(two, four, name, ep):
     assert abs(sent - planned["ep_bytes"]) <= 0.25 * planned["ep_bytes"], (sent, planned)
 
 
+
+def test_activation_checkpointing_counts_the_recomputed_gathers_once_more(two):
+    """The gathered dispatch counts each collective when it is issued, and the backward's when it runs. Under
+    activation checkpointing a block's forward runs again in its backward; torch stops that recomputation once
+    it has every tensor the backward saved, which is before the combining reduce-scatter. So the same 3 steps with
+    and without checkpointing differ by exactly the gathers' bytes (tokens, ids, weights, per MoE layer) once
+    more: not by a whole forward, and not by a second backward (what was counted before)."""
+    from lightning_4d.planner import MoESizes
+
+    case = ALL["mixtral_ep2_ac"]
+    sizes = MoESizes.from_module(HFMoELM(**case.module_kwargs))
+    tokens = case.batch_size // 2 * 16  # the rank's samples x sequence length (tests.lm_models.SEQ)
+    gathers = sizes.layers * tokens * (sizes.hidden * 4 + sizes.top_k * (8 + 4))  # fp32 states, int64 ids, weights
+    recomputed = two[0]["mixtral_ep2_ac"]["extras"]["ep_bytes"] - two[0]["mixtral_ep2"]["extras"]["ep_bytes"]
+    assert recomputed == case.max_steps * gathers, (recomputed, case.max_steps * gathers)
+
+
 def test_expert_groups_are_consecutive_data_parallel_ranks(two, four):
     """ep borrows consecutive dp x cp coordinates (neighbour ranks) with the same pp and tp; the ranks at one
     position of every group hold the same experts. The layout table rank 0 prints says what the run built."""

@@ -14,6 +14,8 @@ computed, so each token's output does not depend on where its experts live, and 
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 
 import torch
@@ -94,7 +96,9 @@ class GatheredDispatch:
         everyone = compat.all_gather_in_stream(hidden.contiguous(), self.group, differentiable=True)
         chosen = compat.all_gather_in_stream(top_k_index.contiguous(), self.group).reshape(-1)
         weights = compat.all_gather_in_stream(top_k_weights.contiguous(), self.group, differentiable=True)
-        self._count(hidden, top_k_index, top_k_weights)
+        peers, states = self.ep - 1, hidden.numel() * hidden.element_size()
+        scores = top_k_weights.numel() * top_k_weights.element_size()
+        self.sent_bytes += peers * (states + top_k_index.numel() * top_k_index.element_size() + scores)
         mine = chosen - self.first
         # each pair's local expert, or ``local`` (sorted last) for a pair another rank computes
         expert = torch.where((mine >= 0) & (mine < self.local), mine, self.local)
@@ -109,15 +113,13 @@ class GatheredDispatch:
         out = torch.where(valid, compute(rows, offsets, valid), 0)
         weighted = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
         summed = torch.zeros_like(everyone).index_add(0, token, weighted.to(everyone.dtype))
-        return compat.reduce_scatter_in_stream(summed, self.group)
+        combined = compat.reduce_scatter_in_stream(summed, self.group)
+        self.sent_bytes += peers * states
+        if combined.requires_grad:  # counted when the backward runs: once, also when checkpointing recomputes
+            backward = peers * (states * (1 + hidden.requires_grad) + scores * top_k_weights.requires_grad)
+            combined.register_hook(functools.partial(self._sent_backward, backward))
+        return combined
 
-    def _count(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> None:
-        """Forward: the tokens, routing and weights to each peer, the partial sums back; backward (when it will
-        run): the partial sums' and the weights' gradients."""
-        peers = self.ep - 1
-        states = hidden.numel() * hidden.element_size()
-        routing = top_k_index.numel() * top_k_index.element_size()
-        scores = top_k_weights.numel() * top_k_weights.element_size()
-        self.sent_bytes += peers * (2 * states + routing + scores)
-        if torch.is_grad_enabled() and (hidden.requires_grad or top_k_weights.requires_grad):
-            self.sent_bytes += peers * (2 * states + scores)
+    def _sent_backward(self, sent: int, grad: Tensor) -> None:
+        """The backward's traffic: the combined gradient gathered, the tokens' and weights' scattered back."""
+        self.sent_bytes += sent
