@@ -15,7 +15,6 @@ computed, so each token's output does not depend on where its experts live, and 
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable
 
 import torch
