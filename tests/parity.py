@@ -200,12 +200,17 @@ def reference(case: Case) -> dict[str, Any]:
 
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+# pytest names the running test and its phase here; it changes with every test and tells a child nothing.
+_PYTEST = ("PYTEST_CURRENT_TEST",)
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child that starts its own job: without the rendezvous variables an
-    in-process Trainer earlier in the session left behind (its port is still taken by this process)."""
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    in-process Trainer earlier in the session left behind (its port is still taken by this process), and
+    without pytest's name of the running test, so that every test's launches match the fork server's
+    environment and are forked from it (a variable that differed per test started a new process importing
+    torch and Lightning for every test)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS + _PYTEST}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
