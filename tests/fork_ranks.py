@@ -91,22 +91,38 @@ def main(spec_path: str) -> None:
 
 
 def serve(answers: int) -> None:
-    """One launch at a time, until stdin closes (the test session ended). A launch's process and each of its
-    ranks end as a process of their own would: their ``sys.exit`` leaves this function and the interpreter."""
+    """One launch at a time, until stdin closes (the test session ended)."""
     for line in sys.stdin:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            os.setsid()
-            os.close(answers)
-            os.environ.update(request["env"])
-            main(request["spec"])
-            sys.exit(0)
+            _launch(request, answers)
         os.write(answers, f"{pid}\n".encode())
         _, status = os.waitpid(pid, 0)
         os.write(answers, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _launch(request: dict, answers: int) -> None:
+    """The process of one served launch. Its ranks, forked in :func:`main`, leave it by their ``sys.exit`` and
+    end through the interpreter's normal exit, as a process of their own would. The launch's process itself only
+    waited for them: it leaves with ``os._exit``, since tearing down the interpreter it copied from the server
+    (every module of torch, Lightning and transformers) costs about a second of CPU per launch."""
+    launcher, code = os.getpid(), 1
+    try:
+        os.setsid()
+        os.close(answers)
+        os.environ.update(request["env"])
+        main(request["spec"])
+        code = 0
+    except Exception:  # noqa: BLE001  the launch failed: say why, exit 1
+        traceback.print_exc()
+    finally:
+        if os.getpid() == launcher:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 if __name__ == "__main__":
