@@ -1,4 +1,4 @@
-"""One rank of a fault scenario (started by ``tests.parity.launch``, every rank its own process, or by torchrun):
+"""One rank of a fault scenario (started by ``tests.parity.launch``, or by torchrun):
 
     python -m tests.fault_worker SCENARIO OUT_DIR [ARGS...]
 
@@ -31,7 +31,7 @@ from lightning_4d.checkpoint import sharded
 from lightning_4d.faults import FaultTolerance, Preempted
 from tests.models import Classifier, classification_data
 
-WORLD, RANK = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown clears them
+WORLD = RANK = None  # this rank's, read when it starts (Lightning's teardown clears the variables)
 FAST = dict(heartbeat_interval=0.5, lost_after=3.0, stall_after=6.0)
 
 
@@ -270,6 +270,7 @@ def preempt_by_agent(out):
 
 
 if __name__ == "__main__":
+    WORLD, RANK = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     scenario, out, *rest = sys.argv[1:]
     if scenario in ("kill", "stall"):
         liveness(scenario)

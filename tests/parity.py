@@ -231,15 +231,14 @@ class LaunchResult:
 
 
 def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: float = 240,
-           grace: float = 5, fork: bool = True,
-           while_running: Optional[Callable[[], None]] = None) -> tuple[list[int], str]:
-    """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables).
+           grace: float = 5, while_running: Optional[Callable[[], None]] = None) -> tuple[list[int], str]:
+    """Start ``world_size`` processes the way a cluster scheduler would (LightningEnvironment variables), each
+    forked from a process that imported torch and Lightning once per session (:mod:`tests.fork_ranks`).
 
     ``grace`` seconds after the first rank fails the others are killed, and ``timeout`` ends a hang: a launch
-    never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.) With ``fork``
-    the ranks are forked from a process that imported torch and Lightning once per session (:mod:`tests.fork_ranks`);
-    without, each is started on its own, as a scheduler starts them. ``while_running`` is called in this process
-    once the ranks are started (forked launches only): work that would otherwise wait for them.
+    never outlives its limit. (Fault tests raise ``grace`` to see the ranks stop by themselves.)
+    ``while_running`` is called in this process once the ranks are started: work that would otherwise wait for
+    them.
     """
     port = free_port()
     per_node = world_size // num_nodes
@@ -250,27 +249,24 @@ def launch(argv: list[str], world_size: int, *, num_nodes: int = 1, timeout: flo
     with tempfile.TemporaryDirectory() as tmp:
         logs = [str(Path(tmp, f"rank{rank}.log")) for rank in range(world_size)]
         start = time.monotonic()
-        if fork:
-            codes = Path(tmp, "codes.json")
-            spec = Path(tmp, "spec.json")
-            spec.write_text(json.dumps({"argv": argv, "envs": ranks, "logs": logs, "codes": str(codes), "grace": grace}))
-            zygote = _ForkServer.start_launch(spec, base)
-            try:
-                if while_running is not None:
-                    while_running()
-                zygote.wait(max(0.0, timeout - (time.monotonic() - start)))
-            except subprocess.TimeoutExpired:
-                os.killpg(zygote.pid, signal.SIGKILL)  # the ranks share its process group
-                zygote.wait()
-            except BaseException:  # while_running failed: end the launch, and read its exit code off the server's
-                with contextlib.suppress(ProcessLookupError):  # answers, which the next launch would take for its own
-                    os.killpg(zygote.pid, signal.SIGKILL)
-                zygote.wait()
-                raise
-            known = json.loads(codes.read_text()) if codes.exists() else [None] * world_size
-            returncodes = [-signal.SIGKILL if code is None else code for code in known]
-        else:
-            returncodes = _popen_ranks(argv, base, ranks, logs, timeout, grace)
+        codes = Path(tmp, "codes.json")
+        spec = Path(tmp, "spec.json")
+        spec.write_text(json.dumps({"argv": argv, "envs": ranks, "logs": logs, "codes": str(codes), "grace": grace}))
+        zygote = _ForkServer.start_launch(spec, base)
+        try:
+            if while_running is not None:
+                while_running()
+            zygote.wait(max(0.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            os.killpg(zygote.pid, signal.SIGKILL)  # the ranks share its process group
+            zygote.wait()
+        except BaseException:  # while_running failed: end the launch, and read its exit code off the server's
+            with contextlib.suppress(ProcessLookupError):  # answers, which the next launch would take for its own
+                os.killpg(zygote.pid, signal.SIGKILL)
+            zygote.wait()
+            raise
+        known = json.loads(codes.read_text()) if codes.exists() else [None] * world_size
+        returncodes = [-signal.SIGKILL if code is None else code for code in known]
         timed_out = time.monotonic() - start > timeout
         order = sorted(range(world_size), key=lambda r: (returncodes[r] == 0, r))
         chunks = [f"----- rank {rank} (exit {returncodes[rank]}) -----\n"
@@ -333,31 +329,6 @@ class _ForkServer:
 
     def wait(self, timeout: Optional[float] = None) -> int:
         return self._answer(timeout)
-
-
-def _popen_ranks(argv: list[str], base: dict[str, str], ranks: list[dict[str, str]], logs: list[str],
-                 timeout: float, grace: float) -> list[int]:
-    """Each rank its own ``python`` process; the first failure gives the others ``grace`` seconds."""
-    procs = []
-    for env, log in zip(ranks, logs):
-        with open(log, "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=dict(base, **env), stdout=out,
-                                          stderr=subprocess.STDOUT))
-    start = time.monotonic()
-    failed_at: Optional[float] = None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if now - start > timeout:
-            break
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if failed_at is not None and now - failed_at > grace:
-            break  # give peers a moment to print their own error, then stop them
-        time.sleep(0.1)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    return [p.wait() for p in procs]
 
 
 def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), num_nodes: int = 1,

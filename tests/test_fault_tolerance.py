@@ -1,7 +1,9 @@
 """Issue #16: preemption, lost and stalled ranks, uneven data, mismatched batch shapes, drifting buffers.
 
-Every rank is its own process (``tests.parity.launch``, as a scheduler starts them, no launcher agent), under a
-hard timeout; ``grace`` is long so that the ranks must stop by themselves. Scenarios: tests/fault_worker.py.
+Every rank is its own process (``tests.parity.launch``: forked from one process that imported torch and Lightning
+once, no launcher agent), under a hard timeout; ``grace`` is long so that the ranks must stop by themselves. The
+``_under_torchrun`` tests run the same scenarios with every rank its own interpreter, started by torchrun's agent
+as a scheduler starts them. Scenarios: tests/fault_worker.py.
 The liveness settings of these runs: heartbeat every 0.5 s, lost after 3 s, stalled after 6 s.
 """
 
@@ -20,9 +22,8 @@ from tests.parity import launch
 
 def _run(scenario, out, *args, timeout=150, grace=60):
     start = time.time()
-    # every rank started on its own, as a scheduler starts them (not forked from one process)
     codes, output = launch(["-m", "tests.fault_worker", scenario, str(out), *map(str, args)], 2, timeout=timeout,
-                           grace=grace, fork=False)
+                           grace=grace)
     assert "TIMEOUT" not in output[:200], output[-4000:]
     return codes, output, start
 
