@@ -200,17 +200,18 @@ def reference(case: Case) -> dict[str, Any]:
 
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
-# pytest names the running test and its phase here; it changes with every test and tells a child nothing.
-_PYTEST = ("PYTEST_CURRENT_TEST",)
+# What this process's last test left behind, no business of a child: the running test's name and phase
+# (pytest), and the seed of the last in-process run (``seed_everything``; a child seeds itself).
+_THIS_PROCESS = ("PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child that starts its own job: without the rendezvous variables an
     in-process Trainer earlier in the session left behind (its port is still taken by this process), and
-    without pytest's name of the running test, so that every test's launches match the fork server's
-    environment and are forked from it (a variable that differed per test started a new process importing
-    torch and Lightning for every test)."""
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS + _PYTEST}
+    without the variables this process's tests change as they run. So every test's launches match the fork
+    server's environment and are forked from it: a variable that differed per test started a new process
+    importing torch and Lightning (~5 s of CPU) for each launch."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS + _THIS_PROCESS}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.update(extra)
     return env
@@ -288,6 +289,7 @@ class _ForkServer:
     env: dict[str, str] = {}
     answers = -1  # the read end of the server's answers: a pid, then an exit code, one line each
     buffered = b""
+    started_alone = 0  # launches whose environment differed from the server's, each started in a process of its own
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -307,6 +309,7 @@ class _ForkServer:
             os.close(write_fd)
             cls.env, cls.answers, cls.buffered = env, read_fd, b""
         if env != cls.env:
+            cls.started_alone += 1
             return subprocess.Popen([sys.executable, "-m", "tests.fork_ranks", str(spec)], cwd=ROOT, env=base,
                                     start_new_session=True)
         cls.process.stdin.write(json.dumps({"spec": str(spec), "env": base}) + "\n")

@@ -2,9 +2,10 @@
 server per session (tests/fork_ranks.py), so a launch that ends badly must leave the server's answers in step
 for the next launch, and a hang must end at its timeout with every rank killed."""
 
+import lightning.pytorch as pl
 import pytest
 
-from tests.parity import launch
+from tests.parity import _ForkServer, launch
 
 # Each rank sleeps as long as the file beside the script says (the environment stays the session's, so the
 # launches go through the fork server) and exits with 3 + its rank.
@@ -44,3 +45,18 @@ def test_a_hang_ends_at_its_timeout_and_the_next_launch_reads_its_own_ranks(scri
     _sleep(script, 0)
     codes, _ = launch([str(script)], 2, timeout=60)
     assert codes == [3, 4]
+
+
+def test_what_one_test_leaves_in_the_environment_does_not_cost_the_next_launches_the_fork_server(script, monkeypatch):
+    """pytest renames the running test in the environment at every phase, and an in-process run's
+    ``seed_everything`` leaves its seed there: neither may make a launch start a process of its own (importing
+    torch and Lightning again) instead of being forked by the session's server."""
+    _sleep(script, 0)
+    assert launch([str(script)], 2, timeout=60)[0] == [3, 4]  # the server runs from here on
+    alone = _ForkServer.started_alone
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_other.py::test_other (call)")
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    monkeypatch.setenv("PL_SEED_WORKERS", "0")
+    pl.seed_everything(1234, workers=True, verbose=False)  # what a reference run does
+    assert launch([str(script)], 2, timeout=60)[0] == [3, 4]
+    assert _ForkServer.started_alone == alone
