@@ -63,6 +63,9 @@ class ParallelModel:
         self.expert_params: list[nn.Parameter] = []  # split over ep: reduced over the ep replicas only
         self.expert_dispatch: list[Any] = []  # expert parallelism's dispatchers (their traffic counters)
         self.frozen: frozenset[str] = frozenset()  # parameters with requires_grad=False when parallelized
+        # Where each frozen parameter this rank holds lives (name, its owner's parameter dict, its name there), found
+        # at the first training step, once the layout replaced what it replaces: the per-step check reads these.
+        self._frozen_slots: Optional[list[tuple[str, dict[str, Any], str]]] = None
         dims = mesh.dims
         # torchmetrics sync over the ranks that saw different data: replicas and cp ranks (each saw its part of
         # every sequence). Under pipelining only the last stage updates metrics, the others keep default states
@@ -258,7 +261,12 @@ class ParallelModel:
     def _check_still_frozen(self) -> None:
         """Refuse, before any collective of the step, a parameter frozen at set-up that trains now: tensor
         parallelism's gradient hooks, the gradient buckets and FSDP's reduction were set up without it."""
-        thawed = [name for name, p in self.module.named_parameters() if p.requires_grad and name in self.frozen]
+        if self._frozen_slots is None:
+            owners = dict(self.module.named_modules())
+            self._frozen_slots = [(name, compat.parameters_of(owners[name.rpartition(".")[0]]), name.rpartition(".")[2])
+                                  for name, _ in self.module.named_parameters() if name in self.frozen]
+        thawed = [name for name, params, local in self._frozen_slots
+                  if (p := params.get(local)) is not None and p.requires_grad]
         if thawed:
             raise RuntimeError(
                 f"{', '.join(thawed[:3])}{' ...' if len(thawed) > 3 else ''} had requires_grad=False when"
