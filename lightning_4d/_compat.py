@@ -75,6 +75,27 @@ def all_reduce_in_stream(tensor: torch.Tensor, op: str, group: Any) -> torch.Ten
     return functional_collectives().all_reduce(tensor, op, group)
 
 
+# torch's entries that F.cross_entropy and F.nll_loss end in, looked up on ``torch._C._nn`` at every call (so a
+# replacement there sees every call however the functional was imported), with their positional arguments.
+LOSS_ENTRIES = {"cross_entropy_loss": ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"),
+                "nll_loss_nd": ("input", "target", "weight", "reduction", "ignore_index")}
+
+
+def loss_entry(name: str) -> Callable[..., torch.Tensor]:
+    return getattr(torch._C._nn, name)
+
+
+def set_loss_entry(name: str, function: Callable[..., torch.Tensor]) -> None:
+    setattr(torch._C._nn, name, function)
+
+
+def reduction_code(reduction: str) -> int:
+    """The number torch's loss entries take for ``reduction`` ("none", "mean", "sum")."""
+    from torch.nn import _reduction
+
+    return _reduction.get_enum(reduction)
+
+
 def all_gather_in_stream(tensor: torch.Tensor, group: Any, differentiable: bool = False) -> torch.Tensor:
     """``tensor`` gathered over ``group`` along dim 0 (rank order) by torch's functional collective, waited for
     where first used; ``differentiable``: its backward is the reduce-scatter (sum) of the gradient."""

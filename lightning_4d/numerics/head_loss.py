@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from lightning_4d import _compat as compat
 from lightning_4d._compat import tree_flatten, tree_map
 from lightning_4d.numerics.chunked_cross_entropy import ChunkedCrossEntropy
+from lightning_4d.numerics.token_losses import weighed
 
 # Logits per chunk: as many as the head's input has elements (a chunk's logits then take about the memory its
 # input already does), and at least MIN_CHUNK_ELEMENTS (16 MiB in fp32), so that short sequences are few chunks.
@@ -465,9 +466,13 @@ def _fused_loss(func: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
     rows = head.rows if logits._identity else head.rows.index_select(0, logits._index.reshape(-1))
     smoothing = call.get("label_smoothing", 0.0)
     weight = call["weight"]
-    options = (head, logits._row_ops, call["ignore_index"], smoothing, call["reduction"])
     head.owner.fused += 1
-    return ChunkedCrossEntropy.apply(rows, head.weight, head.bias, target, weight, options)
+
+    def compute(reduction: str) -> Tensor:
+        options = (head, logits._row_ops, call["ignore_index"], smoothing, reduction)
+        return ChunkedCrossEntropy.apply(rows, head.weight, head.bias, target, weight, options)
+
+    return weighed(compute, call["reduction"], target, call["ignore_index"], weight)  # a token mean: weighed
 
 
 def _vocabulary_sharded(input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

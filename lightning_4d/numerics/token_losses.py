@@ -13,6 +13,12 @@ rank's sum over its tokens scaled by ``group size / batch count``: the data-para
 (buckets or FSDP) is the gradient of one process. The loss code stays the user's (a Hugging Face model's
 ``labels=`` loss goes through the same call); anything computed from the loss keeps its meaning.
 
+The calls are caught where ``F.cross_entropy`` and ``F.nll_loss`` end, torch's ``cross_entropy_loss`` and
+``nll_loss_nd`` entries, which the functionals look up at every call: every call is seen however the user's code
+imported them, and no other op of the step pays anything (a torch-function mode would put a Python call in front
+of every op of the forward). Code that computes such a loss itself on logits that are not yet plain tensors (the
+fused LM head, vocabulary-parallel logits) asks :func:`weighed` for it.
+
 Under pipeline parallelism one Lightning batch is several micro-batches whose counts are known only after the
 last one: there each loss's gradient is scaled by the group size alone and :meth:`TokenMeanLosses.batch_count`
 gives the divisor for the step's gradients (``PipelineRunner``).
@@ -26,21 +32,22 @@ token mean, the window's batches averaged), ``"replica"`` DDP's (each rank's mea
 
 from __future__ import annotations
 
-import inspect
-from typing import Any, Iterator, Optional
+import threading
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
 
 NORMALIZATIONS = ("tokens", "batch", "replica")
 TOKENS_ATTRIBUTE = "_lightning_4d_tokens"  # on a returned loss: the count of the batch it averages over
-_SIGNATURES = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
+_local = threading.local()  # .watching: this thread's entered TokenMeanLosses; .computing: inside one's loss
+_entries_lock = threading.Lock()
+_entries: dict[str, Callable[..., Tensor]] = {}  # torch's own loss entries, while ours replace them
+_entered = 0  # TokenMeanLosses entered, in every thread
 
 
 def check_normalization(value: object) -> None:
@@ -53,20 +60,42 @@ def check_normalization(value: object) -> None:
                          " 'replica' (each rank's own mean, averaged over the ranks, as DDPStrategy does).")
 
 
-def _token_mean_call(func: Any, args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
-    """The arguments of a class-index token mean (``reduction='mean'``, integer targets, no legacy flags);
-    None for any other call, which runs unchanged."""
-    try:
-        bound = _SIGNATURES[func].bind(*args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    a = bound.arguments
-    target = a["target"]
-    if (a["reduction"] != "mean" or a["size_average"] is not None or a["reduce"] is not None
-            or not isinstance(target, Tensor) or target.is_floating_point() or target.is_complex()):
-        return None
-    return dict(a)
+def _watcher() -> Optional["TokenMeanLosses"]:
+    watching = getattr(_local, "watching", None)
+    return watching[-1] if watching and not getattr(_local, "computing", False) else None
+
+
+def weighed(compute: Callable[[str], Tensor], reduction: str, target: Any, ignore_index: int,
+            weight: Optional[Tensor]) -> Tensor:
+    """``compute(reduction)``, a loss by ``reduction``; a token mean (``"mean"`` over class indices) while a
+    :class:`TokenMeanLosses` watches this thread is computed as ``compute("sum")`` and weighed by it."""
+    watcher = _watcher()
+    if (watcher is None or reduction != "mean" or not isinstance(target, Tensor) or target.is_floating_point()
+            or target.is_complex()):
+        return compute(reduction)
+    return watcher.weigh(compute, target, ignore_index, weight)
+
+
+def _entry(name: str, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """Our replacement of torch's loss entry ``name``: as torch's, unless a watcher is to weigh the call."""
+    names = compat.LOSS_ENTRIES[name]
+    defaults = {"weight": None, "reduction": compat.reduction_code("mean"), "ignore_index": -100,
+                "label_smoothing": 0.0}
+    mean = compat.reduction_code("mean")
+
+    def entry(*args: Any, **kwargs: Any) -> Tensor:
+        if _watcher() is None or len(args) > len(names) or set(kwargs) - set(names):
+            return original(*args, **kwargs)
+        call = {**defaults, **dict(zip(names, args)), **kwargs}
+        if call["reduction"] != mean:
+            return original(*args, **kwargs)
+
+        def compute(reduction: str) -> Tensor:
+            return original(*(compat.reduction_code(reduction) if n == "reduction" else call[n] for n in names))
+
+        return weighed(compute, "mean", call["target"], call["ignore_index"], call["weight"])
+
+    return entry
 
 
 def valid_count(target: Tensor, ignore_index: int, weight: Optional[Tensor], dtype: torch.dtype) -> Tensor:
@@ -78,8 +107,9 @@ def valid_count(target: Tensor, ignore_index: int, weight: Optional[Tensor], dty
     return (weights * valid).sum()
 
 
-class TokenMeanLosses(TorchFunctionMode):
-    """Token-mean cross entropy and NLL losses of a step, weighted over ``group`` as one process weights them.
+class TokenMeanLosses:
+    """Token-mean cross entropy and NLL losses of a step, weighted over ``group`` as one process weights them
+    (a context manager, entered around the step's forward).
 
     ``deferred``: under pipeline parallelism, scale each loss's gradient by the group size only and keep the
     batch's count (:meth:`batch_count`) for the runner, which divides the step's gradients by it (``window``:
@@ -87,22 +117,43 @@ class TokenMeanLosses(TorchFunctionMode):
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], deferred: bool = False, window: bool = False) -> None:
-        super().__init__()
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.deferred = deferred
         self.window = window
         self.counts: list[Tensor] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        call = _token_mean_call(func, args, kwargs) if func in _SIGNATURES else None
-        if call is None:
-            return func(*args, **kwargs)
-        target = call["target"]
-        total = func(**dict(call, reduction="sum"))
+    def __enter__(self) -> "TokenMeanLosses":
+        global _entered
+        with _entries_lock:
+            if _entered == 0:
+                for name in compat.LOSS_ENTRIES:
+                    _entries[name] = compat.loss_entry(name)
+                    compat.set_loss_entry(name, _entry(name, _entries[name]))
+            _entered += 1
+        _local.__dict__.setdefault("watching", []).append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _entered
+        _local.watching.pop()
+        with _entries_lock:
+            _entered -= 1
+            if _entered == 0:
+                for name, original in _entries.items():
+                    compat.set_loss_entry(name, original)
+                _entries.clear()
+
+    def weigh(self, compute: Callable[[str], Tensor], target: Tensor, ignore_index: int,
+              weight: Optional[Tensor]) -> Tensor:
+        """The token mean whose sum ``compute("sum")`` gives, weighed over the group (see the module docstring)."""
+        _local.computing = True
+        try:
+            total = compute("sum")
+        finally:
+            _local.computing = False
         # Sum and count travel in fp32 whatever the loss's dtype: a bf16 count is exact only up to 256.
-        count = valid_count(target, call["ignore_index"], call["weight"], torch.float32).to(total.device)
+        count = valid_count(target, ignore_index, weight, torch.float32).to(total.device)
         both = torch.stack([total.detach().reshape(()).float(), count])
         if self.group is not None and self.size > 1:  # on the device's streams: the host never waits for it
             both = compat.all_reduce_in_stream(both, "sum", self.group)

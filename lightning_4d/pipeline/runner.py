@@ -347,8 +347,8 @@ class PipelineRunner:
         try:
             if self.before_microbatch is not None:
                 self.before_microbatch(index, self.config.num_microbatches)
-            # token-mean losses are watched for only where the step reaches its loss: every torch call of the
-            # other stages would pay for the watching (a torch-function mode) and find none
+            # token-mean losses are watched for only where the step reaches its loss (the other stages stop at their
+            # last block)
             watch = self._loss_mode if stage == self.last and self._loss_mode is not None else nullcontext()
             with logs.recording(index if stage == self.last else None), watch:
                 output = self._call(index)

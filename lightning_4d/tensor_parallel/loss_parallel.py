@@ -22,6 +22,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d._compat import loss_parallel_ops, tree_flatten, tree_map
+from lightning_4d.numerics.token_losses import weighed
 from lightning_4d.tensor_parallel.styles import own_tensor
 
 _local = threading.local()
@@ -149,15 +150,17 @@ class _VocabShardedLogits(TorchFunctionMode):
                 and a["size_average"] is None
                 and a["reduce"] is None
             ):
-                if torch.is_grad_enabled() and logits.requires_grad:
-                    return _VocabParallelCrossEntropy.apply(
-                        logits, target, a["weight"], a["ignore_index"], a["reduction"]
-                    )
-                with loss_parallel_ops():
-                    loss = F.cross_entropy(
-                        logits, target, weight=a["weight"], ignore_index=a["ignore_index"], reduction=a["reduction"]
-                    )
-                return loss.to_local()
+
+                def compute(reduction: str) -> torch.Tensor:
+                    if torch.is_grad_enabled() and logits.requires_grad:
+                        return _VocabParallelCrossEntropy.apply(logits, target, a["weight"], a["ignore_index"],
+                                                                reduction)
+                    with loss_parallel_ops():
+                        loss = F.cross_entropy(logits, target, weight=a["weight"], ignore_index=a["ignore_index"],
+                                               reduction=reduction)
+                    return loss.to_local()
+
+                return weighed(compute, a["reduction"], target, a["ignore_index"], a["weight"])  # a token mean: weighed
         if func is torch.Tensor.__setitem__ and getattr(args[0], _TAG, False):
             raise ValueError(
                 "Assignment into the LM head's logits (logits[...] = value) inside a tensor-parallel step: the logits"
