@@ -8,9 +8,14 @@ other ranks). Each rank trains the example GPT through ``Trainer(strategy=FourDS
 schedule and micro-batch count, and, in the same processes, the same ``torch.distributed.pipelining``
 schedule class on stages cut by hand (embedding + blocks, blocks, blocks + norm + head, cross entropy as the
 schedule's loss), with the same optimizer. Step time is the median after two warm-up steps, of the slowest
-rank. The hand-driven comparison runs at ``m = 2p`` for every schedule; there the two alternate for
+rank. The hand-driven comparison runs at ``m = 2p`` for every schedule; there the runs alternate for
 ``--rounds`` rounds and each keeps its best. CPU time per step (summed over ranks) is reported next to wall
 time: on a machine shared with other jobs it is the steadier measure of extra work.
+
+At ``m = 2p`` FourD runs twice: with its defaults, and with the LM head computed as the hand stages compute it
+(``fuse_lm_loss=False``: the logits whole, then the cross entropy). The second is the pipeline's own overhead,
+the same arithmetic on both sides; the first adds the fused head's, a memory feature whose time is measured on
+its own by ``bench/logits.py``. Token-weighted losses stay on in both (FourD's default).
 
 Bubble fraction: every rank times its stage's forward and backward calls (``PipelineStage.forward_one_chunk``,
 ``backward_one_chunk``, ``backward_weight_one_chunk``); the rest of the step is waiting. The measured fraction
@@ -82,11 +87,11 @@ class _Steps(Callback):
             self.samples.append((time.perf_counter() - self._start[0], _busy[0], time.process_time() - self._start[1]))
 
 
-def run_fourd(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
+def run_fourd(pp: int, schedule: str, micro: int, steps: int, **options) -> list[tuple[float, float, float]]:
     pl.seed_everything(0, verbose=False)
     timer = _Steps()
     trainer = quiet_trainer(accelerator="cpu", devices=pp, max_steps=WARMUP + steps, callbacks=[timer],
-                            strategy=FourDStrategy(pp=pp, pp_schedule=schedule, pp_microbatches=micro))
+                            strategy=FourDStrategy(pp=pp, pp_schedule=schedule, pp_microbatches=micro, **options))
     trainer.fit(GPT(**MODEL), DataLoader(_data(WARMUP + steps), batch_size=BATCH))
     return timer.samples
 
@@ -165,18 +170,22 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> 
                 PipelineConfig(pp, schedule, micro)
             except ValueError:
                 continue  # the schedule needs more micro-batches than this
-            runs = (("fourd", run_fourd), ("by_hand", run_by_hand)) if micro == 2 * pp else (("fourd", run_fourd),)
+            runs = {"fourd": lambda: run_fourd(pp, schedule, micro, steps)}
+            if micro == 2 * pp:
+                runs["fourd_unfused"] = lambda: run_fourd(pp, schedule, micro, steps, fuse_lm_loss=False)
+                runs["by_hand"] = lambda: run_by_hand(pp, schedule, micro, steps)
             best: dict[str, dict[str, float]] = {}
             for _ in range(rounds if micro == 2 * pp else 1):
-                for name, run in runs:
-                    result = _summary(run(pp, schedule, micro, steps))
+                for name, run in runs.items():
+                    result = _summary(run())
                     if name not in best or result["step_s"] < best[name]["step_s"]:
                         best[name] = result
             row = {"pp": pp, "schedule": schedule, "microbatches": micro, "theory_bubble": theory(schedule, pp, micro),
                    **{f"{name}_{key}": value for name, result in best.items() for key, value in result.items()}}
             if "by_hand" in best:
-                row["overhead_wall"] = best["fourd"]["step_s"] / best["by_hand"]["step_s"] - 1
-                row["overhead_cpu"] = best["fourd"]["cpu_s"] / best["by_hand"]["cpu_s"] - 1
+                for name, suffix in (("fourd", ""), ("fourd_unfused", "_unfused")):
+                    row[f"overhead_wall{suffix}"] = best[name]["step_s"] / best["by_hand"]["step_s"] - 1
+                    row[f"overhead_cpu{suffix}"] = best[name]["cpu_s"] / best["by_hand"]["cpu_s"] - 1
             rows.append(row)
     write_rows(rows, out)
 
