@@ -166,3 +166,30 @@ def test_a_window_mixing_a_token_mean_and_another_loss_is_refused():
     window.take(token_mean, None, accumulate=2)
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=2 .*loss_normalization='batch'"):
         window.take(weight.sum() * 3, None, accumulate=2)
+
+
+def test_token_means_are_caught_however_imported_and_nothing_else_of_the_step_is_intercepted():
+    """Every token-mean cross entropy or NLL call is weighed (through F, a name imported from it, the nn.Module
+    losses); a sum or a per-token loss is not; and no torch-function mode runs in front of the step's other ops
+    (one used to, at a Python call per op). Leaving restores torch's own entries."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.functional import cross_entropy, nll_loss
+    from torch.overrides import _get_current_function_mode_stack
+
+    from lightning_4d.numerics.token_losses import TOKENS_ATTRIBUTE, TokenMeanLosses
+
+    own = (torch._C._nn.cross_entropy_loss, torch._C._nn.nll_loss_nd)
+    logits = torch.randn(6, 5, requires_grad=True)
+    target = torch.tensor([0, 1, -100, 3, 4, -100])
+    with TokenMeanLosses(None) as losses:
+        assert _get_current_function_mode_stack() == []
+        weighed = [cross_entropy(logits, target), nll_loss(F.log_softmax(logits, -1), target),
+                   torch.nn.CrossEntropyLoss()(logits, target), F.cross_entropy(logits, target, label_smoothing=0.1)]
+        unweighed = [F.cross_entropy(logits, target, reduction="sum"), F.cross_entropy(logits, target, reduction="none"),
+                     F.cross_entropy(logits, torch.softmax(torch.randn(6, 5), -1))]
+    assert [float(getattr(loss, TOKENS_ATTRIBUTE)) for loss in weighed] == [4.0] * 4
+    assert [getattr(loss, TOKENS_ATTRIBUTE, None) for loss in unweighed] == [None] * 3
+    assert len(losses.counts) == 4
+    torch.testing.assert_close(weighed[0], F.cross_entropy(logits, target), rtol=1e-6, atol=0)
+    assert (torch._C._nn.cross_entropy_loss, torch._C._nn.nll_loss_nd) == own
