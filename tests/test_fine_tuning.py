@@ -186,7 +186,8 @@ def test_token_means_are_caught_however_imported_and_nothing_else_of_the_step_is
         assert _get_current_function_mode_stack() == []
         weighed = [cross_entropy(logits, target), nll_loss(F.log_softmax(logits, -1), target),
                    torch.nn.CrossEntropyLoss()(logits, target), F.cross_entropy(logits, target, label_smoothing=0.1)]
-        unweighed = [F.cross_entropy(logits, target, reduction="sum"), F.cross_entropy(logits, target, reduction="none"),
+        unweighed = [F.cross_entropy(logits, target, reduction="sum"),
+                     F.cross_entropy(logits, target, reduction="none"),
                      F.cross_entropy(logits, torch.softmax(torch.randn(6, 5), -1))]
     assert [float(getattr(loss, TOKENS_ATTRIBUTE)) for loss in weighed] == [4.0] * 4
     assert [getattr(loss, TOKENS_ATTRIBUTE, None) for loss in unweighed] == [None] * 3
