@@ -10,7 +10,9 @@ schedule class on stages cut by hand (embedding + blocks, blocks, blocks + norm 
 schedule's loss), with the same optimizer. Step time is the median after two warm-up steps, of the slowest
 rank. The hand-driven comparison runs at ``m = 2p`` for every schedule; there the runs alternate for
 ``--rounds`` rounds and each keeps its best. CPU time per step (summed over ranks) is reported next to wall
-time: on a machine shared with other jobs it is the steadier measure of extra work.
+time: on a machine shared with other jobs it is the steadier measure of extra work. The machine's speed also
+drifts over minutes, which the best of each moves with; the paired overhead is the median over rounds of each
+round's FourD step against the hand-driven step of the same round, seconds apart.
 
 At ``m = 2p`` FourD runs twice: with its defaults, and with the LM head computed as the hand stages compute it
 (``fuse_lm_loss=False``: the logits whole, then the cross entropy). The second is the pipeline's own overhead,
@@ -175,9 +177,11 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> 
                 runs["fourd_unfused"] = lambda: run_fourd(pp, schedule, micro, steps, fuse_lm_loss=False)
                 runs["by_hand"] = lambda: run_by_hand(pp, schedule, micro, steps)
             best: dict[str, dict[str, float]] = {}
+            by_round: list[dict[str, dict[str, float]]] = []
             for _ in range(rounds if micro == 2 * pp else 1):
+                by_round.append({})
                 for name, run in runs.items():
-                    result = _summary(run())
+                    result = by_round[-1][name] = _summary(run())
                     if name not in best or result["step_s"] < best[name]["step_s"]:
                         best[name] = result
             row = {"pp": pp, "schedule": schedule, "microbatches": micro, "theory_bubble": theory(schedule, pp, micro),
@@ -186,6 +190,9 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> 
                 for name, suffix in (("fourd", ""), ("fourd_unfused", "_unfused")):
                     row[f"overhead_wall{suffix}"] = best[name]["step_s"] / best["by_hand"]["step_s"] - 1
                     row[f"overhead_cpu{suffix}"] = best[name]["cpu_s"] / best["by_hand"]["cpu_s"] - 1
+                    # each round's runs follow each other within seconds: their ratio leaves out the machine's drift
+                    row[f"overhead_wall_paired{suffix}"] = statistics.median(
+                        r[name]["step_s"] / r["by_hand"]["step_s"] - 1 for r in by_round)
             rows.append(row)
     write_rows(rows, out)
 
