@@ -79,9 +79,8 @@ def weighed(compute: Callable[[str], Tensor], reduction: str, target: Any, ignor
 def _entry(name: str, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """Our replacement of torch's loss entry ``name``: as torch's, unless a watcher is to weigh the call."""
     names = compat.LOSS_ENTRIES[name]
-    defaults = {"weight": None, "reduction": compat.reduction_code("mean"), "ignore_index": -100,
-                "label_smoothing": 0.0}
     mean = compat.reduction_code("mean")
+    defaults = {"weight": None, "reduction": mean, "ignore_index": -100, "label_smoothing": 0.0}
 
     def entry(*args: Any, **kwargs: Any) -> Tensor:
         if _watcher() is None or len(args) > len(names) or set(kwargs) - set(names):
