@@ -65,6 +65,8 @@ FOUR = [
     Case("sft_dp2_pp2_accumulate", module=GPT, strategy={"dp": 2, "pp": 2}, trainer=ACCUMULATE, **SFT),
     Case("mlm_dp_shard2_cp2", module=BERT, strategy={"dp_shard": 2, "cp": 2}, **MLM),
     Case("sft_tp2_cp2", module=LLAMA, strategy={"tp": 2, "cp": 2}, **SFT),
+    # the head unfused: vocabulary-parallel cross entropy (loss_parallel) weighs its token mean itself
+    Case("sft_tp2_cp2_unfused", module=LLAMA, strategy={"tp": 2, "cp": 2, "fuse_lm_loss": False}, **SFT),
 ]
 CASES = {case.name: case for case in TWO + FOUR}
 
