@@ -2,6 +2,7 @@
 FourDStrategy against the same torch schedule driven by hand on hand-split stages.
 
     OMP_NUM_THREADS=1 python bench/pp.py [--pp 2 4] [--steps 8] [--rounds 3] [--schedules gpipe 1f1b ...]
+                                         [--ablation]
 
 For each pipeline size the script starts itself with ``--worker`` (Lightning's launcher then starts the
 other ranks). Each rank trains the example GPT through ``Trainer(strategy=FourDStrategy(pp=...))`` for every
@@ -12,7 +13,11 @@ rank. The hand-driven comparison runs at ``m = 2p`` for every schedule; there th
 ``--rounds`` rounds and each keeps its best. CPU time per step (summed over ranks) is reported next to wall
 time: on a machine shared with other jobs it is the steadier measure of extra work. The machine's speed also
 drifts over minutes, which the best of each moves with; the paired overhead is the median over rounds of each
-round's FourD step against the hand-driven step of the same round, seconds apart.
+round's FourD step against the hand-driven step of the same round, seconds apart. The step-by-step overhead pairs
+closer still: in each round one more run takes FourD's steps and hand-driven steps in turn (a hand step after each
+FourD step, in the same processes), and it is the median over every pair of the rounds of FourD's step against
+the hand step that follows it, milliseconds later. ``--ablation`` adds such runs of FourD without its fused LM
+head, without token-weighted losses, and without both (``ABLATION``): what each costs against the hand stages.
 
 At ``m = 2p`` FourD runs twice: with its defaults, and with the LM head computed as the hand stages compute it
 (``fuse_lm_loss=False``: the logits whole, then the cross entropy). The second is the pipeline's own overhead,
@@ -51,6 +56,10 @@ MODEL = dict(vocab_size=256, n_layer=8, n_head=4, n_embd=128, block_size=128)
 BATCH, SEQ = 16, 128
 WARMUP = 2
 TIMEOUT_S = 1800
+# ``--ablation``: FourD interleaved with the hand-driven steps without what its defaults add to the hand stages'
+# arithmetic: the fused LM head, token-weighted losses, or both (then the same arithmetic on both sides).
+ABLATION = {"unfused": {"fuse_lm_loss": False}, "replica": {"loss_normalization": "replica"},
+            "plain": {"fuse_lm_loss": False, "loss_normalization": "replica"}}
 
 _busy = [0.0]  # seconds this rank spent inside its stages' forward and backward calls during the step
 
@@ -75,10 +84,12 @@ def _data(steps: int) -> TensorDataset:
 
 
 class _Steps(Callback):
-    """Per-step wall time, stage busy time and CPU time, after warm-up."""
+    """Per-step wall time, stage busy time and CPU time, after warm-up. With ``beside``, after each step one step
+    of that hand-driven pipeline, timed apart: the two steps of a pair run milliseconds apart."""
 
-    def __init__(self) -> None:
+    def __init__(self, beside: "_HandPipeline | None" = None) -> None:
         self.samples: list[tuple[float, float, float]] = []
+        self.beside = beside
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _busy[0] = 0.0
@@ -87,11 +98,14 @@ class _Steps(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx >= WARMUP:
             self.samples.append((time.perf_counter() - self._start[0], _busy[0], time.process_time() - self._start[1]))
+        if self.beside is not None:
+            self.beside.step(batch_idx)
 
 
-def run_fourd(pp: int, schedule: str, micro: int, steps: int, **options) -> list[tuple[float, float, float]]:
+def run_fourd(pp: int, schedule: str, micro: int, steps: int, beside: "_HandPipeline | None" = None,
+              **options) -> list[tuple[float, float, float]]:
     pl.seed_everything(0, verbose=False)
-    timer = _Steps()
+    timer = _Steps(beside)
     trainer = quiet_trainer(accelerator="cpu", devices=pp, max_steps=WARMUP + steps, callbacks=[timer],
                             strategy=FourDStrategy(pp=pp, pp_schedule=schedule, pp_microbatches=micro, **options))
     trainer.fit(GPT(**MODEL), DataLoader(_data(WARMUP + steps), batch_size=BATCH))
@@ -123,31 +137,50 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-def run_by_hand(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
-    torch.manual_seed(0)
-    model = GPT(**MODEL).model
-    config = PipelineConfig(pp, schedule, micro)
-    rank = dist.get_rank()
-    bounds = config.stage_bounds(len(model.layers))
-    local = [s for s, r in enumerate(config.stage_ranks()) if r == rank]
-    modules = [_HandStage(model, range(*bounds[s]), s == 0, s == config.num_stages - 1) for s in local]
-    stages = [PipelineStage(m, s, config.num_stages, torch.device("cpu")) for m, s in zip(modules, local)]
-    spec = config.spec
-    schedule_obj = spec.cls(stages if spec.stages_per_rank != 1 else stages[0], micro, loss_fn=_loss)
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95))
-    data = _data(WARMUP + steps).tensors
-    samples = []
-    for step in range(WARMUP + steps):
-        x, y = (t[step * BATCH:(step + 1) * BATCH] for t in data)
+class _HandPipeline:
+    """The same torch schedule class on stages cut by hand, with the same optimizer; one ``step`` at a time."""
+
+    def __init__(self, pp: int, schedule: str, micro: int, steps: int) -> None:
+        torch.manual_seed(0)
+        model = GPT(**MODEL).model
+        config = PipelineConfig(pp, schedule, micro)
+        rank = dist.get_rank()
+        bounds = config.stage_bounds(len(model.layers))
+        local = [s for s, r in enumerate(config.stage_ranks()) if r == rank]
+        modules = [_HandStage(model, range(*bounds[s]), s == 0, s == config.num_stages - 1) for s in local]
+        stages = [PipelineStage(m, s, config.num_stages, torch.device("cpu")) for m, s in zip(modules, local)]
+        spec = config.spec
+        self.schedule = spec.cls(stages if spec.stages_per_rank != 1 else stages[0], micro, loss_fn=_loss)
+        self.optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=3e-3, betas=(0.9, 0.95))
+        self.data = _data(WARMUP + steps).tensors
+        self.samples: list[tuple[float, float, float]] = []
+
+    def step(self, step: int) -> None:
+        x, y = (t[step * BATCH:(step + 1) * BATCH] for t in self.data)
         _busy[0] = 0.0
         start = (time.perf_counter(), time.process_time())
-        optimizer.zero_grad()
-        schedule_obj.step(x, target=y)
-        optimizer.step()
+        self.optimizer.zero_grad()
+        self.schedule.step(x, target=y)
+        self.optimizer.step()
         if step >= WARMUP:
-            samples.append((time.perf_counter() - start[0], _busy[0], time.process_time() - start[1]))
-    return samples
+            self.samples.append((time.perf_counter() - start[0], _busy[0], time.process_time() - start[1]))
+
+
+def run_by_hand(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
+    hand = _HandPipeline(pp, schedule, micro, steps)
+    for step in range(WARMUP + steps):
+        hand.step(step)
+    return hand.samples
+
+
+def run_interleaved(pp: int, schedule: str, micro: int, steps: int, **options) -> list[float]:
+    """FourD's step and a hand-driven step in turn, in one run: each pair's ratio minus one, the slower rank's
+    step on both sides. Pairs milliseconds apart leave out the drift of the machine that separate runs see."""
+    hand = _HandPipeline(pp, schedule, micro, steps)
+    fourd = run_fourd(pp, schedule, micro, steps, beside=hand, **options)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [[t for t, _, _ in fourd], [t for t, _, _ in hand.samples]])
+    return [max(r[0][i] for r in everyone) / max(r[1][i] for r in everyone) - 1 for i in range(steps)]
 
 
 def _summary(samples: list[tuple[float, float, float]]) -> dict[str, float]:
@@ -164,7 +197,8 @@ def theory(schedule: str, pp: int, micro: int) -> float | None:
     return (pp - 1) / (micro + pp - 1) if schedule in ("gpipe", "1f1b") else None
 
 
-def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> None:
+def worker(pp: int, steps: int, rounds: int, schedules: list[str], ablation: bool, out: str) -> None:
+    variants = {"": {}, **(ABLATION if ablation else {})}
     rows = []
     for schedule in schedules:
         for micro in (pp, 2 * pp, 4 * pp):
@@ -178,12 +212,16 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> 
                 runs["by_hand"] = lambda: run_by_hand(pp, schedule, micro, steps)
             best: dict[str, dict[str, float]] = {}
             by_round: list[dict[str, dict[str, float]]] = []
+            pairs: dict[str, list[list[float]]] = {v: [] for v in variants}  # per round, each pair's overhead
             for _ in range(rounds if micro == 2 * pp else 1):
                 by_round.append({})
                 for name, run in runs.items():
                     result = by_round[-1][name] = _summary(run())
                     if name not in best or result["step_s"] < best[name]["step_s"]:
                         best[name] = result
+                if micro == 2 * pp:
+                    for variant, options in variants.items():
+                        pairs[variant].append(run_interleaved(pp, schedule, micro, steps, **options))
             row = {"pp": pp, "schedule": schedule, "microbatches": micro, "theory_bubble": theory(schedule, pp, micro),
                    **{f"{name}_{key}": value for name, result in best.items() for key, value in result.items()}}
             if "by_hand" in best:
@@ -193,6 +231,10 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], out: str) -> 
                     # each round's runs follow each other within seconds: their ratio leaves out the machine's drift
                     row[f"overhead_wall_paired{suffix}"] = statistics.median(
                         r[name]["step_s"] / r["by_hand"]["step_s"] - 1 for r in by_round)
+                for variant, by_pair in pairs.items():
+                    key = "overhead_wall_interleaved" + (f"_{variant}" if variant else "")
+                    row[key] = statistics.median(o for r in by_pair for o in r)
+                    row[f"{key}_rounds"] = [statistics.median(r) for r in by_pair]
             rows.append(row)
     write_rows(rows, out)
 
@@ -203,16 +245,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    parser.add_argument("--ablation", action="store_true", help="also interleave FourD without its defaults' extras")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.worker:
-        worker(args.pp[0], args.steps, args.rounds, args.schedules, args.out)
+        worker(args.pp[0], args.steps, args.rounds, args.schedules, args.ablation, args.out)
         return
     rows = []
     for pp in args.pp:
         rows += run_worker(__file__, ["--pp", str(pp), "--steps", str(args.steps), "--rounds", str(args.rounds),
-                                      "--schedules", *args.schedules], TIMEOUT_S)
+                                      "--schedules", *args.schedules, *(["--ablation"] if args.ablation else [])],
+                           TIMEOUT_S)
     payload = {"command": command("pp.py"), "model": MODEL, "batch": BATCH, "seq_len": SEQ, "steps": args.steps,
                "rounds": args.rounds, "results": rows}
     print(table("pp", payload), f"\n(written to {write('pp', payload)})")

@@ -46,10 +46,11 @@ def _pp(payload: dict) -> str:
                      f"{r['fourd_bubble']:.2f}", "" if r["theory_bubble"] is None else f"{r['theory_bubble']:.2f}",
                      f"{r['by_hand_step_s']:.3f}" if hand else "", f"{r['by_hand_bubble']:.2f}" if hand else "",
                      *(f"{r[key]:+.1%}" if key in r else "" for key in (
-                         "overhead_wall", "overhead_cpu", "overhead_wall_paired", "overhead_wall_unfused",
-                         "overhead_cpu_unfused", "overhead_wall_paired_unfused"))])
+                         "overhead_wall", "overhead_cpu", "overhead_wall_paired", "overhead_wall_interleaved",
+                         "overhead_wall_unfused", "overhead_cpu_unfused", "overhead_wall_paired_unfused"))])
     return _rows(["pp", "schedule", "m", "step (s)", "bubble, measured", "bubble, theory", "by hand: step (s)",
-                  "bubble", "overhead, wall", "overhead, CPU", "overhead, wall, paired", "head unfused: overhead, wall",
+                  "bubble", "overhead, wall", "overhead, CPU", "overhead, wall, paired",
+                  "overhead, wall, step by step", "head unfused: overhead, wall",
                   "overhead, CPU", "overhead, wall, paired"], rows)
 
 
