@@ -64,13 +64,14 @@ ABLATION = {"unfused": {"fuse_lm_loss": False}, "replica": {"loss_normalization"
 _busy = [0.0]  # seconds this rank spent inside its stages' forward and backward calls during the step
 
 
-def _timed(method):
+def _timed(method, into: list[float] = _busy):
+    """``method`` adding the wall seconds of each call to ``into[0]``."""
     def run(*args, **kwargs):
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
-            _busy[0] += time.perf_counter() - start
+            into[0] += time.perf_counter() - start
 
     return run
 

@@ -4,12 +4,17 @@
                                                 [--rounds 2]
 
 ``bench/pp.py`` gives the overhead; this says where it sits. Every rank, per step (medians after two warm-up
-steps): the CPU time inside its stages' forward calls (F) and backward calls (B), the torch schedule's ``step``
-in wall and CPU time, and the time from the schedule's end to the step's end (for the hand loop: the optimizer
-step; for FourD: committing gradients, the optimizer step, the results exchange and Lightning's step end). Three
-runs alternate for ``--rounds`` rounds in the same processes: FourD with its defaults, FourD with neither
-token-weighted losses nor the fused LM head (``loss_normalization="replica"``, ``fuse_lm_loss=False``: the hand
-stages' arithmetic), and the hand-driven stages of ``bench/pp.py``.
+steps): the step's wall time, split into the time before the torch schedule's ``step`` (for the hand loop:
+``zero_grad``; for FourD: Lightning's step start, splitting the batch, setting gradients aside), the schedule
+and the time after it (for the hand loop: the optimizer step; for FourD: the results exchange, committing
+gradients, the optimizer step and Lightning's step end); the CPU time inside its stages' forward calls (F) and
+backward calls (B: the input's and, for the zero-bubble schedules, the weights' half) and in the whole
+schedule; and the wall time spent posting sends and receives (``isend`` / ``irecv`` return at once unless the
+process waits for a core or a lock of the transport). The same CPU times per stage follow (F, B for the input,
+W for the weights): they show which stage's work differs. Three runs alternate for ``--rounds`` rounds in the
+same processes: FourD with its defaults, FourD with neither token-weighted losses nor the fused LM head
+(``loss_normalization="replica"``, ``fuse_lm_loss=False``: the hand stages' arithmetic), and the hand-driven
+stages of ``bench/pp.py``.
 """
 
 import argparse
@@ -22,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.distributed_c10d as c10d  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -33,42 +39,71 @@ from lightning_4d.pipeline import SCHEDULES, PipelineConfig  # noqa: E402
 
 TIMEOUT_S = 1800
 RUNS = {"fourd": {}, "fourd_plain": {"loss_normalization": "replica", "fuse_lm_loss": False}, "by_hand": None}
-_cpu = {"F": 0.0, "B": 0.0}  # this rank's CPU seconds in its stages' forward and backward calls, this step
+# This step's CPU seconds inside each local stage's calls, by (kind, stage): F forward, B backward of the input
+# (of everything, outside the zero-bubble schedules), W backward of the weights; and the wall seconds spent
+# posting sends and receives.
+_cpu: dict[tuple[str, int], float] = {}
+_posting = [0.0]
 _marks: list[tuple] = []
 
 
-def _cpu_timed(method, key: str):
-    def run(*args, **kwargs):
+def _cpu_timed(method, kind: str):
+    def run(stage, *args, **kwargs):
         start = time.process_time()
         try:
-            return method(*args, **kwargs)
+            return method(stage, *args, **kwargs)
         finally:
-            _cpu[key] += time.process_time() - start
+            key = (kind, stage.stage_index)
+            _cpu[key] = _cpu.get(key, 0.0) + time.process_time() - start
 
     return run
 
 
 PipelineStage.forward_one_chunk = _cpu_timed(PipelineStage.forward_one_chunk, "F")
 PipelineStage.backward_one_chunk = _cpu_timed(PipelineStage.backward_one_chunk, "B")
+PipelineStage.backward_weight_one_chunk = _cpu_timed(PipelineStage.backward_weight_one_chunk, "W")
+# torch.distributed.pipelining posts its operations through these names (``P2POp`` accepts only them, so both
+# modules get the same wrapper).
+dist.isend = c10d.isend = pp._timed(c10d.isend, _posting)
+dist.irecv = c10d.irecv = pp._timed(c10d.irecv, _posting)
 
 
 def _time_schedule(cls) -> None:
     step = cls.step
 
     def timed(self, *args, **kwargs):
-        _cpu["F"] = _cpu["B"] = 0.0
+        _cpu.clear()
+        _posting[0] = 0.0
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             return step(self, *args, **kwargs)
         finally:
-            _marks.append(("schedule", wall, time.perf_counter(), time.process_time() - cpu, _cpu["F"], _cpu["B"]))
+            _marks.append(("schedule", wall, time.perf_counter(), time.process_time() - cpu, dict(_cpu),
+                           _posting[0]))
 
     cls.step = timed
 
 
 class _StepEnd(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        _marks.append(("start", time.perf_counter()))
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         _marks.append(("end", time.perf_counter()))
+
+
+def _hand_step_timed(step):
+    def run(self, *args, **kwargs):
+        _marks.append(("start", time.perf_counter()))
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            _marks.append(("end", time.perf_counter()))
+
+    return run
+
+
+pp._HandPipeline.step = _hand_step_timed(pp._HandPipeline.step)
 
 
 def _fourd(pp_size: int, schedule: str, micro: int, steps: int, options: dict) -> list[dict]:
@@ -76,16 +111,27 @@ def _fourd(pp_size: int, schedule: str, micro: int, steps: int, options: dict) -
     trainer = quiet_trainer(accelerator="cpu", devices=pp_size, max_steps=pp.WARMUP + steps, callbacks=[_StepEnd()],
                             strategy=FourDStrategy(pp=pp_size, pp_schedule=schedule, pp_microbatches=micro, **options))
     trainer.fit(pp.GPT(**pp.MODEL), DataLoader(pp._data(pp.WARMUP + steps), batch_size=pp.BATCH))
-    schedules, ends = [m for m in _marks if m[0] == "schedule"], [m[1] for m in _marks if m[0] == "end"]
-    return [dict(F=s[4], B=s[5], wall=s[2] - s[1], cpu=s[3], after=end - s[2]) for s, end in zip(schedules, ends)]
+    return _samples()
 
 
 def _by_hand(pp_size: int, schedule: str, micro: int, steps: int) -> list[dict]:
     pp.run_by_hand(pp_size, schedule, micro, steps)
-    schedules = [m for m in _marks if m[0] == "schedule"]
-    # the hand loop's step after its schedule is the optimizer step: up to the next schedule's start
-    return [dict(F=s[4], B=s[5], wall=s[2] - s[1], cpu=s[3], after=following[1] - s[2])
-            for s, following in zip(schedules, schedules[1:])]
+    return _samples()
+
+
+def _samples() -> list[dict[str, float]]:
+    """Each step's figures from its marks: the step's start, its schedule, the step's end."""
+    marks = {kind: [m for m in _marks if m[0] == kind] for kind in ("start", "schedule", "end")}
+    return [_sample(start[1], s, end[1]) for start, s, end in zip(marks["start"], marks["schedule"], marks["end"])]
+
+
+def _sample(begin: float, schedule: tuple, end: float) -> dict[str, float]:
+    """One step's figures; per stage as ``F<stage>`` and so on."""
+    _, start, stop, cpu, by_stage, posting = schedule
+    sample = {"F": sum(t for (kind, _), t in by_stage.items() if kind == "F"),
+              "B": sum(t for (kind, _), t in by_stage.items() if kind != "F"), "before": start - begin,
+              "wall": stop - start, "cpu": cpu, "posting": posting, "after": end - stop, "step": end - begin}
+    return {**sample, **{f"{kind}{stage}": t for (kind, stage), t in by_stage.items()}}
 
 
 def worker(pp_size: int, schedule: str, micro: int, steps: int, rounds: int, out: str) -> None:
@@ -119,11 +165,18 @@ def main() -> None:
     rows = run_worker(__file__, ["--schedule", args.schedule, "--pp", str(args.pp), "--microbatches",
                                  str(args.microbatches), "--steps", str(args.steps), "--rounds", str(args.rounds)],
                       TIMEOUT_S)
-    print("| round | run | rank | F (ms CPU) | B (ms CPU) | schedule (ms) | schedule (ms CPU) | after the schedule (ms) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| round | run | rank | step (ms) | before the schedule (ms) | schedule (ms) | after the schedule (ms) |"
+          " F (ms CPU) | B (ms CPU) | schedule (ms CPU) | posting (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['round']} | {r['run']} | {r['rank']} | {r['F']:.1f} | {r['B']:.1f} | {r['wall']:.1f} |"
-              f" {r['cpu']:.1f} | {r['after']:.1f} |")
+        print(f"| {r['round']} | {r['run']} | {r['rank']} | {r['step']:.1f} | {r['before']:.1f} | {r['wall']:.1f} |"
+              f" {r['after']:.1f} | {r['F']:.1f} | {r['B']:.1f} | {r['cpu']:.1f} | {r['posting']:.1f} |")
+    print("\n| round | run | stage | F (ms CPU) | B (ms CPU) | W (ms CPU) |\n|---|---|---|---|---|---|")
+    by_stage = sorted((r["round"], list(RUNS).index(r["run"]), int(key[1:]), r) for r in rows for key in r
+                      if key[0] == "F" and key[1:].isdigit())
+    for round_, _, stage, r in by_stage:
+        print(f"| {round_} | {r['run']} | {stage} |"
+              + "".join(f" {r[f'{kind}{stage}']:.1f} |" if f"{kind}{stage}" in r else " - |" for kind in "FBW"))
     path = write("pp_phases", {"command": command("pp_phases.py"), "model": pp.MODEL, "batch": pp.BATCH,
                                "seq_len": pp.SEQ, "results": rows})
     print(f"(written to {path})")
