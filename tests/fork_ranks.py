@@ -18,6 +18,7 @@ the caller kills at its timeout still shows which ranks had finished.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import json
 import os
@@ -37,6 +38,7 @@ def _run_rank(argv: list[str], env: dict[str, str], log: str) -> int:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal (SIGSEGV in torch) leaves its stack in its log
     os.environ.update(env)
     _quiet.install()  # decided again from this rank's environment, as its own import would have
     try:

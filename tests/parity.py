@@ -400,10 +400,24 @@ def train_layout_with_failures(cases: list[Case], failing: list[Case], world_siz
     """``train_layout`` that also runs the ``failing`` cases; returns the records and, per failing case, what
     each rank raised (judge them with :func:`assert_error`)."""
     result = run_layout(cases, world_size, failing=failing, while_running=lambda: _references(cases), **options)
-    assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
+    assert all(code == 0 for code in result.returncodes), \
+        f"ranks failed: {result.returncodes}\n{rank_tails(result.output)}"
     missing = [c.name for c in cases if c.name not in result.results]
     assert not missing, f"no result for {missing}\n{result.output[-4000:]}"
     return result.results, result.errors
+
+
+def rank_tails(output: str, chars: int = 3000) -> str:
+    """The end of every rank's log in a launch's output (:func:`launch` puts failed ranks first), so that a rank
+    that failed first shows, not only the last rank's log; without the list of extension modules that
+    faulthandler prints after a crashed rank's stack."""
+    head, *ranks = output.split("----- rank ")
+    tails = [head] if head.strip() else []  # a timeout's line
+    for part in ranks:
+        title, _, log = part.partition("\n")
+        log = "\n".join(line for line in log.split("\n") if not line.startswith("Extension modules:"))
+        tails.append(f"----- rank {title}\n{log[-chars:]}")
+    return "\n".join(tails)
 
 
 def _references(cases: list[Case]) -> None:

@@ -5,7 +5,7 @@ for the next launch, and a hang must end at its timeout with every rank killed."
 import lightning.pytorch as pl
 import pytest
 
-from tests.parity import _ForkServer, launch
+from tests.parity import _ForkServer, launch, rank_tails
 
 # Each rank sleeps as long as the file beside the script says (the environment stays the session's, so the
 # launches go through the fork server) and exits with 3 + its rank.
@@ -60,3 +60,21 @@ def test_what_one_test_leaves_in_the_environment_does_not_cost_the_next_launches
     pl.seed_everything(1234, workers=True, verbose=False)  # what a reference run does
     assert launch([str(script)], 2, timeout=60)[0] == [3, 4]
     assert _ForkServer.started_alone == alone
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_stack_and_its_log_is_shown(tmp_path):
+    """A rank that dies by SIGSEGV (a crash inside torch) prints where it was (faulthandler, enabled in every
+    rank), and the failure message shows every rank's log end: the crashed rank's too, not only the last one's."""
+    path = tmp_path / "crash.py"
+    path.write_text("import os, signal, sys, time\n"
+                    "def crash_inside_a_step():\n"
+                    "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+                    "if os.environ['RANK'] == '0':\n"
+                    "    crash_inside_a_step()\n"
+                    "print('rank 1 ' + 'x' * 8000, flush=True)\n"
+                    "sys.exit(1)\n")
+    codes, output = launch([str(path)], 2, timeout=60)
+    assert codes == [-11, 1], (codes, output[-2000:])
+    shown = rank_tails(output)
+    assert "Fatal Python error: Segmentation fault" in shown and "crash_inside_a_step" in shown, shown[:3000]
+    assert "Fatal Python error" not in output[-6000:], "the crashed rank's log is not at the output's end"

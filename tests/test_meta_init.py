@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.meta_models import Gain, whole_llama_state
-from tests.parity import (Case, _references, assert_error, assert_parity, reference, report_difference, run_layout,
-                          train_layout_with_failures)
+from tests.parity import (Case, _references, assert_error, assert_parity, rank_tails, reference, report_difference,
+                          run_layout, train_layout_with_failures)
 
 LAUNCH_TIMEOUT_S = 400
 META = dict(module="tests.meta_models:meta_llama", data="tests.lm_models:token_data", max_steps=3)
@@ -63,7 +63,8 @@ def four(weights):
     own = [Case(f"own_init_{name}", **META, strategy=strategy, module_kwargs={"kv_heads": 1},
                 callbacks=["tests.meta_models:InitProbe"]) for name, strategy in OWN_INIT.items()]
     result = run_layout([loaded, *own], 4, timeout=LAUNCH_TIMEOUT_S, while_running=lambda: _references([loaded]))
-    assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
+    assert all(code == 0 for code in result.returncodes), \
+        f"ranks failed: {result.returncodes}\n{rank_tails(result.output)}"
     return loaded, result.results
 
 

@@ -33,7 +33,8 @@ from lightning_4d import FourDStrategy
 from lightning_4d.pipeline import SCHEDULES
 from lightning_4d.pipeline.microbatch import split_batch
 from tests.lm_models import VOCAB, TinyGPT, token_data
-from tests.parity import Case, assert_exact_resume, assert_parity, reference, run_layout, train_layout
+from tests.parity import (Case, assert_exact_resume, assert_parity, rank_tails, reference, run_layout,
+                          train_layout)
 
 # ------------------------------------------------------------------------- worker-side models and probes
 
@@ -202,7 +203,8 @@ def scratch():
 @pytest.fixture(scope="module")
 def two_launch():
     result = run_layout(TWO, 2, timeout=400)
-    assert all(code == 0 for code in result.returncodes), f"ranks failed: {result.returncodes}\n{result.output[-6000:]}"
+    assert all(code == 0 for code in result.returncodes), \
+        f"ranks failed: {result.returncodes}\n{rank_tails(result.output)}"
     return result
 
 
