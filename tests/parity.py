@@ -403,7 +403,7 @@ def train_layout_with_failures(cases: list[Case], failing: list[Case], world_siz
     assert all(code == 0 for code in result.returncodes), \
         f"ranks failed: {result.returncodes}\n{rank_tails(result.output)}"
     missing = [c.name for c in cases if c.name not in result.results]
-    assert not missing, f"no result for {missing}\n{result.output[-4000:]}"
+    assert not missing, f"no result for {missing}\n{rank_tails(result.output)}"
     return result.results, result.errors
 
 
