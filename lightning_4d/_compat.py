@@ -116,6 +116,12 @@ def in_flight(value: Any) -> bool:
     return isinstance(value, functional_collectives().AsyncCollectiveTensor)
 
 
+def waited(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a plain tensor: a functional collective's result is waited for as a dependency between device
+    streams (the host does not wait on NCCL), without the copy that an operation on it would make."""
+    return value.trigger_wait() if in_flight(value) else value
+
+
 def process_groups() -> list[dist.ProcessGroup]:
     """Every process group of this process (the collective timeout applies to each); torch lists them only in
     its private registry."""

@@ -3,6 +3,7 @@
 - ``tiny_gpt``: the example GPT (separate q/k/v/o, RMSNorm, rotary tables sliced ``[:T]``) at test size.
 - ``NanoGPT``: nanoGPT style: fused ``c_attn``, ``view(B, T, n_head, C // n_head)``, learned positions from
   ``torch.arange(T)``, weights tied between ``wte`` and ``lm_head``.
+- ``head_trained_tied_gpt``: the example GPT, its embedding tied to the head and looked up detached.
 - ``HFCausalLM``: a Hugging Face ``LlamaForCausalLM`` or ``GPT2LMHeadModel`` from a tiny config (random
   weights, no download) inside a plain LightningModule.
 - ``token_data``: a random token data set of ``(input_ids, labels)`` windows for the harness.
@@ -69,6 +70,21 @@ def tiny_gpt(**overrides) -> GPT:
     config = dict(vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
     config.update(overrides)
     return TinyGPT(**config)
+
+
+class _DetachedEmbedding(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight.detach())
+
+
+def head_trained_tied_gpt(**overrides) -> GPT:
+    """The example GPT with its embedding tied to the head but looked up detached: the shared weight learns from
+    the head alone (under pipeline parallelism the first stage forms no gradient for it, the last stage does)."""
+    module = tiny_gpt(tie_weights=True, **overrides)
+    model = module.model
+    model.tok_emb = _DetachedEmbedding(*model.tok_emb.weight.shape)
+    model.tok_emb.weight = model.lm_head.weight
+    return module
 
 
 class NanoGPTAttention(nn.Module):

@@ -165,6 +165,9 @@ TWO = [
         trainer={"gradient_clip_val": 0.05}),
     _pp("pp2_gpt_interleaved_zero_bubble", 2, GPT, "interleaved_zero_bubble", layers=4, pp_microbatches=2),
     _pp("pp2_gpt_dualpipev_split", 2, GPT, "dualpipev", layers=6, pp_split_points=[1, 3, 5]),
+    # A tied weight whose gradient only the last stage forms: the first stage reads whether the other formed one.
+    Case("pp2_tied_gradient_on_one_end", module="tests.lm_models:head_trained_tied_gpt",
+         data="tests.lm_models:token_data", strategy={"pp": 2}, max_steps=3),
     Case("pp2_gpt_resumed", **GPT, strategy={"pp": 2}, max_steps=4, resume_at=2),
     # Block containers of library code: blocks in an nn.ModuleDict run with .values() (torch's
     # nn.TransformerEncoder, which reads self.layers[0] in its forward, is in the zoo: tests/test_zoo.py).

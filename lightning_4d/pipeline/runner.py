@@ -520,6 +520,11 @@ class PipelineRunner:
                 p.grad = grad if p.grad is None else p.grad + grad
 
     def _sum_over_ends(self, pending: list[Optional[Tensor]]) -> list[Optional[Tensor]]:
+        """The gradients of the weights both end stages keep, summed over the two, without the host waiting: the
+        sum is waited for on the device where it is used. After the values go one count per weight of the stages
+        that formed its gradient, written on the device; only a weight without a gradient on this stage needs its
+        count read on the host (a gradient on the other stage: it gets that one; none anywhere: it keeps
+        ``grad=None``, as one process would), so the usual step, both stages using the weight, reads nothing."""
         ends = [p for p in self.split.ends() if p.requires_grad]  # a frozen weight has no gradient to sum
         position = {id(p): i for i, p in enumerate(self._params)}  # tensor parallelism replaces parameters
         by_dtype: dict[torch.dtype, list[tuple[int, nn.Parameter]]] = {}
@@ -528,20 +533,22 @@ class PipelineRunner:
         for members in by_dtype.values():  # one all-reduce per dtype (usually one)
             pieces = [_local(p).new_zeros(_local(p).numel()) if pending[i] is None else _local(pending[i]).reshape(-1)
                       for i, p in members]
-            # After the values, one count per weight of the stages that have its gradient: none anywhere keeps
-            # ``grad=None``.
-            present = pieces[0].new_tensor([float(pending[i] is not None) for i, _ in members])
-            flat = torch.cat([*pieces, present])
-            dist.all_reduce(flat, group=self._ends_group)
+            flat = torch.cat([*pieces, pieces[0].new_ones(len(members))])
             offset = flat.numel() - len(members)
-            counts = flat[offset:].tolist()
+            missing = [slot for slot, (i, _) in enumerate(members) if pending[i] is None]
+            for slot in missing:
+                flat[offset + slot].zero_()
+            summed = compat.waited(compat.all_reduce_in_stream(flat, "sum", self._ends_group))
+            formed = set(range(len(members))) - set(missing)
+            if missing:  # read only here: whether the other stage formed what this one did not
+                formed |= {slot for slot, count in zip(missing, summed[offset:][missing].tolist()) if count > 0}
             offset = 0
-            for (i, p), count in zip(members, counts):
+            for slot, (i, p) in enumerate(members):
                 shard = _local(p)
-                if count > 0:
-                    summed = flat[offset:offset + shard.numel()].view_as(shard)
-                    pending[i] = DTensor.from_local(summed, p.device_mesh, p.placements, shape=p.shape,
-                                                    stride=p.stride()) if isinstance(p, DTensor) else summed
+                if slot in formed:
+                    total = summed[offset:offset + shard.numel()].view_as(shard)
+                    pending[i] = DTensor.from_local(total, p.device_mesh, p.placements, shape=p.shape,
+                                                    stride=p.stride()) if isinstance(p, DTensor) else total
                 offset += shard.numel()
         return pending
 
