@@ -104,6 +104,12 @@ def all_gather_in_stream(tensor: torch.Tensor, group: Any, differentiable: bool 
     return gather(tensor, 0, group)
 
 
+def all_to_all_in_stream(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Equal chunks of ``tensor``'s dim 0 exchanged over ``group`` (chunk ``j`` to rank ``j``) by torch's functional
+    collective, waited for where first used; its backward sends the gradient back the same way."""
+    return functional_collectives().all_to_all_single_autograd(tensor.contiguous(), None, None, group)
+
+
 def reduce_scatter_in_stream(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """``tensor`` summed over ``group``, each rank keeping its block of dim 0, by torch's functional collective
     (waited for where first used); its backward is the all-gather of the gradient."""

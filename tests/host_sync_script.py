@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_4d import FourDStrategy
 from tests.host_syncs import CountSteps
-from tests.lm_models import TinyGPT, token_data
+from tests.lm_models import TinyGPT, manual_gpt, token_data
 
 STEPS = 10
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read once: a finished fit may leave it changed
@@ -40,6 +40,10 @@ def _gpt():
     return TinyGPT(**GPT)
 
 
+def _tied_gpt():
+    return TinyGPT(**GPT, tie_weights=True)
+
+
 def _moe():
     from tests.moe_models import HFMoELM
     return HFMoELM(kind="qwen2_moe")
@@ -51,14 +55,27 @@ LAYOUTS = {
     "dp_shard2": (_gpt, lambda: FourDStrategy(dp_shard=2)),
     "tp2": (_gpt, lambda: FourDStrategy(tp=2)),
     "pp2": (_gpt, lambda: FourDStrategy(pp=2)),
+    # the embedding and the head share their weight: the first and the last stage sum its gradient every step
+    "pp2_tied": (_tied_gpt, lambda: FourDStrategy(pp=2)),
     "cp2": (_gpt, lambda: FourDStrategy(cp=2)),
+    "cp2_a2a": (_gpt, lambda: FourDStrategy(cp=2, cp_comm="a2a")),
     "ep2": (_moe, lambda: FourDStrategy(ep=2)),
     "dp2_pp2_cp2": (_gpt, lambda: FourDStrategy(dp=2, pp=2, cp=2)),
+    # what people add to these: norm clipping and accumulation (TRAINER), manual optimization
+    "dp2_clip_accumulate": (_gpt, lambda: FourDStrategy(dp=2)),
+    "dp_shard2_clip_accumulate": (_gpt, lambda: FourDStrategy(dp_shard=2)),
+    "tp2_sp_clip_accumulate": (_gpt, lambda: FourDStrategy(tp=2, sequence_parallel=True)),
+    "pp2_tied_clip_accumulate": (_tied_gpt, lambda: FourDStrategy(pp=2)),
+    "dp2_manual": (lambda: manual_gpt(accumulate=2, chunks=2), lambda: FourDStrategy(dp=2)),
     # debug mode compares batch shapes and fingerprints weights every step: the counter must see it
     "tp2_debug": (_gpt, lambda: FourDStrategy(tp=2, debug=True, debug_steps=STEPS)),
     "lightning_ddp": (_gpt, lambda: "ddp"),
     "lightning_fsdp2": (lambda: ShardedByHand(**GPT), lambda: _model_parallel()),
 }
+
+
+CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
+TRAINER = {name: CLIP_ACCUMULATE for name in LAYOUTS if name.endswith("_clip_accumulate")}
 
 
 def _model_parallel():
@@ -73,7 +90,7 @@ def run(name: str, out: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD,
                          strategy=strategy(), max_steps=STEPS, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0, log_every_n_steps=50, callbacks=[counter])
+                         limit_val_batches=0, log_every_n_steps=50, callbacks=[counter], **TRAINER.get(name, {}))
     module = build()
     trainer.fit(module, DataLoader(token_data(size=96), batch_size=4))
     loss = trainer.callback_metrics.get("train_loss")

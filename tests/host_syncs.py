@@ -45,6 +45,10 @@ PACKAGES = ("lightning_4d", "lightning", "transformers", "peft")
 STAGING = ("lightning_4d/faults/agreement.py",
            # the micro-batch index the pipeline schedule hands each stage: a CPU tensor it splits, never on the device
            "lightning_4d/pipeline/runner.py:forward")
+# Reads torch itself makes of a tensor it built on the host, named by (file, function) of the frame that reads:
+# DTensor computes a strided shard's offsets (sequence parallelism's all-gather before the LM head) from a CPU
+# ``torch.arange``. Counted as staging for whoever called torch.
+TORCH_HOST_READS = {("torch/distributed/tensor/placement_types.py", "local_shard_size_and_offset")}
 
 
 # The Strategy methods Lightning calls for the user (``self.log(sync_dist=True)``, ``self.all_gather``, ...): what
@@ -102,8 +106,13 @@ class SyncCounter:
     def note(self, kind: str, what: str) -> None:
         if not self.active or getattr(self._inside, "depth", 0):
             return
-        package, site = origin(traceback.extract_stack())
+        stack = traceback.extract_stack()
+        package, site = origin(stack)
         if kind in ("read", "host_tensor") and any(part in site for part in STAGING):
+            kind = "staging"
+        reader = stack[-3]  # the frame that called the wrapper (this method's caller is the wrapper)
+        if kind == "read" and any(reader.filename.replace("\\", "/").endswith(path) and reader.name == function
+                                  for path, function in TORCH_HOST_READS):
             kind = "staging"
         self.counts[(kind, package, site, what)] += 1
 
@@ -155,13 +164,14 @@ class SyncCounter:
 
 
 class CountSteps(Callback):
-    """Counts over training steps ``first``..``last`` (0-based batch indices): from the end of step ``first - 1``
+    """Counts over training batches ``first``..``last`` of the fit (0-based): from the end of batch ``first - 1``
     (after every callback's hook there: the fault callback, added first, ends its step before this one) to the
-    end of step ``last``, so each counted step is whole, its start hooks and the strategy's included."""
+    end of batch ``last``, so each counted step is whole, its start hooks and the strategy's included."""
 
     def __init__(self, first: int = 3, last: int = 8) -> None:
         self.first, self.last = first, last
         self.counter = SyncCounter()
+        self.batches = 0
 
     def setup(self, trainer, pl_module, stage):
         self.counter.install()
@@ -170,9 +180,11 @@ class CountSteps(Callback):
         self.counter.uninstall()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == self.last:
+        # the fit's batch count, not batch_idx: that starts again each epoch (a run with accumulation has several)
+        self.batches += 1
+        if self.batches == self.last + 1:
             self.counter.stop()
-        if batch_idx == self.first - 1:
+        if self.batches == self.first:
             self.counter.start()
 
     def per_step(self) -> list[dict[str, Any]]:

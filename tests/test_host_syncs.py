@@ -4,8 +4,11 @@ Counted by :mod:`tests.host_syncs` over steps 3 to 8 of 10 (none a logging step)
 default feature on (fault handling and preemption agreement, token-mean losses, logging under cp, the pipeline's
 results): device-to-host reads, tensors built from host data, synchronous / object / barrier collectives, each
 attributed to the code that asked. Lightning's own (``self.log(sync_dist=True)``, its SIGTERM broadcast) are
-counted and shown, not asserted. One 2-process launch runs dp2, dp_shard2, tp2, pp2, cp2, ep2, a debug-mode run
-and Lightning's DDPStrategy and ModelParallelStrategy + FSDP2; one 8-process launch runs dp2 x pp2 x cp2.
+counted and shown, not asserted. One 2-process launch runs dp2, dp_shard2, tp2, pp2, pp2 with the embedding tied
+to the head (the two end stages sum its gradient), cp2 (ring and Ulysses), ep2, the common additions (norm clipping
+with gradient accumulation at dp2, dp_shard2, tp2 with sequence parallelism and tied pp2; manual optimization at
+dp2), a debug-mode run and Lightning's DDPStrategy and ModelParallelStrategy + FSDP2; one 8-process launch runs
+dp2 x pp2 x cp2.
 
 ``pytest tests/test_host_syncs.py -s`` prints the table in docs/performance.md ("Host syncs per step").
 """
@@ -17,10 +20,12 @@ import pytest
 
 from tests.parity import launch
 
-TWO = ["dp2", "dp_shard2", "tp2", "pp2", "cp2", "ep2", "tp2_debug", "lightning_ddp", "lightning_fsdp2"]
+TWO = ["dp2", "dp_shard2", "tp2", "pp2", "pp2_tied", "cp2", "cp2_a2a", "ep2", "dp2_clip_accumulate",
+       "dp_shard2_clip_accumulate", "tp2_sp_clip_accumulate", "pp2_tied_clip_accumulate", "dp2_manual", "tp2_debug",
+       "lightning_ddp", "lightning_fsdp2"]
 EIGHT = ["dp2_pp2_cp2"]
 WORLD = {**{name: 2 for name in TWO}, **{name: 8 for name in EIGHT}}
-FOURD = ["dp2", "dp_shard2", "tp2", "pp2", "cp2", "ep2", "dp2_pp2_cp2"]
+FOURD = [name for name in TWO + EIGHT if not name.startswith("lightning_") and name != "tp2_debug"]
 HOST_WAITS = ("read", "host_tensor", "object_collective", "barrier", "sync_collective")
 
 @pytest.fixture(scope="module")

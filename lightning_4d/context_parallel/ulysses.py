@@ -13,12 +13,13 @@ heads (after tensor parallelism's split).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
 from lightning_4d.context_parallel.zigzag import zigzag_positions
 
@@ -35,30 +36,11 @@ def check_heads(query_heads: int, kv_heads: int, cp: int, where: str) -> None:
                 f" count), or a cp that divides {heads}.")
 
 
-class _AllToAll(torch.autograd.Function):
-    """Equal chunks of dim 0 exchanged over ``group``; the gradient goes back the same way."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()  # (empty_like keeps a view's strides; the exchange writes contiguous chunks)
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 def _to_heads(t: torch.Tensor, group: dist.ProcessGroup, cp: int, order: torch.Tensor) -> torch.Tensor:
     """[B, H, S, D] (this rank's tokens, all heads) -> [B, H/cp, L, D] (all tokens in order, this rank's heads)."""
     b, h, s, d = t.shape
     sent = t.reshape(b, cp, h // cp, s, d).transpose(0, 1)  # chunk j: the heads rank j takes
-    received = _AllToAll.apply(sent, group)  # chunk r: rank r's tokens of this rank's heads
+    received = compat.all_to_all_in_stream(sent, group)  # chunk r: rank r's tokens of this rank's heads
     by_rank = received.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
     return by_rank.index_select(2, order.argsort())
 
@@ -67,7 +49,7 @@ def _to_tokens(t: torch.Tensor, group: dist.ProcessGroup, cp: int, order: torch.
     """The inverse of :func:`_to_heads`: [B, H/cp, L, D] -> [B, H, S, D]."""
     b, h_local, length, d = t.shape
     by_rank = t.index_select(2, order).reshape(b, h_local, cp, length // cp, d).permute(2, 0, 1, 3, 4)
-    received = _AllToAll.apply(by_rank, group)  # chunk g: head group g of this rank's tokens
+    received = compat.all_to_all_in_stream(by_rank, group)  # chunk g: head group g of this rank's tokens
     return received.transpose(0, 1).reshape(b, cp * h_local, length // cp, d)
 
 

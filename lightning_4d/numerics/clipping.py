@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_4d import _compat as compat
+
 __all__ = ["clip_grad_norm_"]
 
 # Set on a DTensor parameter whose local shard holds rows that several ranks hold alike (the k and v rows of a fused
@@ -73,7 +75,8 @@ def clip_grad_norm_(
                 weights.append(1 / copies - 1)
         else:
             plain.append(grad)
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    # Functional all-reduces, waited for on the device where the norm is used: the host never waits for them.
+    op = "max" if inf else "sum"
     stats = [local_stat(plain)]
     for (mesh, placements), (tensors, weights) in by_layout.items():
         stat = local_stat(tensors, weights)
@@ -81,11 +84,11 @@ def clip_grad_norm_(
             # Split over this mesh dim: Shard, and the strided shard FSDP puts over a tensor-parallel shard (whose
             # is_shard() is False). Partial placements were made Replicate above.
             if not placement.is_replicate():
-                dist.all_reduce(stat, op=op, group=mesh.get_group(mesh_dim))
+                stat = compat.all_reduce_in_stream(stat, op, mesh.get_group(mesh_dim))
         stats.append(stat)
     total = combine(stats)
     if group is not None:
-        dist.all_reduce(total, op=op, group=group)
+        total = compat.all_reduce_in_stream(total, op, group)
     total = total if inf else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")

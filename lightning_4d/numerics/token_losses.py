@@ -220,7 +220,7 @@ class TokenWindow:
         """Divide the window's synchronized gradients by its count; start the next window."""
         counts, per_batch, self.counts, self.per_batch = self.counts, self.per_batch, [], None
         if per_batch is False and counts:
-            factor = self.accumulate / float(torch.stack(counts).sum())
+            factor = self.accumulate / torch.stack(counts).sum()  # on the device: the host never reads the count
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
