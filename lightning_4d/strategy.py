@@ -250,15 +250,20 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        # The batch in host memory too, for the decisions context parallelism takes on the host (which attention
+        # tiles a mask hides), unless the module's transfer hooks may change it on the way to the device.
+        module = self.lightning_module
+        host = None if any(is_overridden(hook, module) for hook in ("transfer_batch_to_device",
+                                                                    "on_after_batch_transfer")) else batch
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        trainer = self.lightning_module.trainer
+        trainer = module.trainer
         if self._desync is not None and trainer.training:
             self._desync.check_batch(batch, trainer.global_step)
         # Prediction outputs are per token or per sequence, so prediction runs on whole sequences.
         if trainer.predicting:
             return batch
         step = "training_step" if trainer.training else "test_step" if trainer.testing else "validation_step"
-        return self.parallel.shard_batch(batch, step)
+        return self.parallel.shard_batch(batch, step, host=host)
 
     def _step(self, name: str, precision_context: str, *args: Any, **kwargs: Any) -> Any:
         """The module's step method ``name``, run by the ParallelModel inside the precision plugin's context."""

@@ -145,3 +145,34 @@ def document_data(train: bool = True, size: int = 32):
         documents = (sample.pop("position_ids") == 0).long().cumsum(0)
         samples.append({**sample, "document_ids": documents})
     return samples
+
+
+class PaddingBlindLM(DocumentAttentionLM):
+    """:class:`DocumentAttentionLM`'s layer with causal order alone as its mask: a model that leaves the batch's
+    ``attention_mask`` unused (it attends to padding keys, in one process too)."""
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["input_ids"], torch.zeros_like(batch["input_ids"]))  # one document per row
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch["labels"].reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+def late_padded_data(train: bool = True, size: int = 32, attention_mask: bool = True):
+    """The 4 samples of the parity harness's first batch whole (its sampler: a DistributedSampler shuffling
+    with seed 1234, the Case default), the others right-padded after 4 to 8 tokens (every shard of a cp=2 split
+    holds padding keys); ``attention_mask``: whether the samples carry one."""
+    tokens = _tokens(train, size, 60)
+    lengths = torch.randint(4, 9, (size,), generator=torch.Generator().manual_seed(61))
+    first = set(torch.randperm(size, generator=torch.Generator().manual_seed(1234))[:4].tolist())
+    samples = []
+    for index, (t, length) in enumerate(zip(tokens, lengths)):
+        valid = torch.arange(SEQ) < (SEQ if index in first else length)
+        sample = {"input_ids": t[:-1], "labels": t[1:].masked_fill(~valid, -100)}
+        samples.append({**sample, "attention_mask": valid.long()} if attention_mask else sample)
+    return samples
+
+
+def late_padded_data_without_mask(train: bool = True, size: int = 32):
+    """:func:`late_padded_data` without ``attention_mask``."""
+    return late_padded_data(train, size, attention_mask=False)

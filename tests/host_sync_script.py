@@ -44,6 +44,16 @@ def _tied_gpt():
     return TinyGPT(**GPT, tie_weights=True)
 
 
+def _masked(family: str):
+    from tests.cp_mask_models import MaskedLM
+    return MaskedLM(family=family)
+
+
+def _documents():
+    from tests.cp_mask_models import DocumentAttentionLM
+    return DocumentAttentionLM()
+
+
 def _moe():
     from tests.moe_models import HFMoELM
     return HFMoELM(kind="qwen2_moe")
@@ -59,6 +69,12 @@ LAYOUTS = {
     "pp2_tied": (_tied_gpt, lambda: FourDStrategy(pp=2)),
     "cp2": (_gpt, lambda: FourDStrategy(cp=2)),
     "cp2_a2a": (_gpt, lambda: FourDStrategy(cp=2, cp_comm="a2a")),
+    # Hugging Face models building their masks from the batch (DATA): padding, packed documents, a sliding window,
+    # and a hand-written model's document mask (cp_document_key)
+    "cp2_padded_llama": (lambda: _masked("llama"), lambda: FourDStrategy(cp=2)),
+    "cp2_packed_llama": (lambda: _masked("llama"), lambda: FourDStrategy(cp=2)),
+    "cp2_window_mistral": (lambda: _masked("mistral"), lambda: FourDStrategy(cp=2)),
+    "cp2_documents": (lambda: _documents(), lambda: FourDStrategy(cp=2, cp_document_key="document_ids")),
     "ep2": (_moe, lambda: FourDStrategy(ep=2)),
     "dp2_pp2_cp2": (_gpt, lambda: FourDStrategy(dp=2, pp=2, cp=2)),
     # what people add to these: norm clipping and accumulation (TRAINER), manual optimization
@@ -76,6 +92,15 @@ LAYOUTS = {
 
 CLIP_ACCUMULATE = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
 TRAINER = {name: CLIP_ACCUMULATE for name in LAYOUTS if name.endswith("_clip_accumulate")}
+DATA = {"cp2_padded_llama": "padded_data", "cp2_packed_llama": "packed_data", "cp2_window_mistral": "plain_data",
+        "cp2_documents": "document_data"}  # tests/cp_mask_models.py's; the others train on token_data
+
+
+def _data(name: str):
+    if name not in DATA:
+        return token_data(size=96)
+    from tests import cp_mask_models
+    return getattr(cp_mask_models, DATA[name])(size=96)
 
 
 def _model_parallel():
@@ -92,7 +117,7 @@ def run(name: str, out: Path) -> None:
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          limit_val_batches=0, log_every_n_steps=50, callbacks=[counter], **TRAINER.get(name, {}))
     module = build()
-    trainer.fit(module, DataLoader(token_data(size=96), batch_size=4))
+    trainer.fit(module, DataLoader(_data(name), batch_size=4))
     loss = trainer.callback_metrics.get("train_loss")
     record = dict(name=name, rank=trainer.global_rank, counts=counter.per_step(),
                   loss=None if loss is None else float(loss))

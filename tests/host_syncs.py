@@ -3,9 +3,10 @@
 A GPU trainer's host runs ahead of the device until something needs a device value on the host. On CPU nothing
 waits, so the counter looks at the calls themselves, during the steps it is told to watch:
 
-* device-to-host reads: ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``) and
-  the ops whose output size depends on values (``nonzero``, ``masked_select``, ``unique``,
-  ``repeat_interleave`` with tensor repeats), seen by a ``TorchDispatchMode``; ``.tolist()``, ``.cpu()``,
+* device-to-host reads: ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``),
+  ``aten.equal`` (``torch.equal`` answers on the host) and the ops whose output size depends on values
+  (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` with tensor repeats), seen by a
+  ``TorchDispatchMode``; ``.tolist()``, ``.cpu()``,
   ``.numpy()``, ``.item()``, which on CPU never reach the dispatcher, seen by wrapping them;
 * tensors built from host data: ``torch.tensor``, ``torch.as_tensor``, ``Tensor.new_tensor``;
 * collectives through ``torch.distributed``: synchronous ones (no ``async_op=True``), object collectives and
@@ -28,8 +29,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
-READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
-            "unique_dim", "repeat_interleave", "nonzero_static"}
+READ_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+            "unique_consecutive", "unique_dim", "repeat_interleave", "nonzero_static"}
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list")
 BARRIERS = ("barrier", "monitored_barrier")
@@ -44,7 +45,14 @@ PACKAGES = ("lightning_4d", "lightning", "transformers", "peft")
 # these are named here.
 STAGING = ("lightning_4d/faults/agreement.py",
            # the micro-batch index the pipeline schedule hands each stage: a CPU tensor it splits, never on the device
-           "lightning_4d/pipeline/runner.py:forward")
+           "lightning_4d/pipeline/runner.py:forward",
+           # context parallelism's masks decide which attention tiles to compute on their host twins (made from the
+           # batch before it went to the device; the device copy is never read there)
+           "lightning_4d/context_parallel/sequence_mask.py:seen_in",
+           "lightning_4d/context_parallel/sequence_mask.py:pads",
+           "lightning_4d/context_parallel/sequence_mask.py:splits_documents",
+           # the masks' device checks, read a step later (on CUDA from pinned memory behind an event)
+           "lightning_4d/context_parallel/apply.py:_read_checks")
 # Reads torch itself makes of a tensor it built on the host, named by (file, function) of the frame that reads:
 # DTensor computes a strided shard's offsets (sequence parallelism's all-gather before the LM head) from a CPU
 # ``torch.arange``. Counted as staging for whoever called torch.

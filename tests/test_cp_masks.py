@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.parity import (Case, assert_error, assert_parity, max_difference, reference, report_difference, train_layout,
+from tests.parity import (Case, assert_error, assert_parity, max_difference, reference, report_difference,
                           train_layout_with_failures)
 
 MODELS = {
@@ -61,9 +61,25 @@ def _cases(world_size: int) -> list[Case]:
 CASES = {case.name: case for size in LAYOUTS for case in _cases(size)}
 
 
+# A model that leaves the batch's attention_mask unused, on data whose first batch has no padding: the first
+# batch's masks read as padded (the facts apply where the shard cannot tell), the later ones are checked against
+# that on the device, and the check, read at the next batch, stops the run on every rank. The fix the error names,
+# the same data without attention_mask, trains as one process.
+BLIND = dict(module="tests.cp_mask_models:PaddingBlindLM", data="tests.cp_mask_models:late_padded_data",
+             strategy={"cp": 2}, max_steps=4, batch_size=4)
+BLIND_FIX = Case("padding_blind-cp2-no_attention_mask",
+                 **{**BLIND, "data": "tests.cp_mask_models:late_padded_data_without_mask"})
+FAILING_TWO = [Case("padding_blind-cp2", **BLIND)]
+
+
 @pytest.fixture(scope="module")
-def two():
-    return train_layout(_cases(2), 2, timeout=420)
+def two_launch():
+    return train_layout_with_failures(_cases(2) + [BLIND_FIX], FAILING_TWO, 2, timeout=420)
+
+
+@pytest.fixture(scope="module")
+def two(two_launch):
+    return two_launch[0]
 
 
 # Ulysses at cp=4 on a Llama with 2 key/value heads: refused on every rank before the first step.
@@ -89,6 +105,15 @@ def test_four_processes_match_one(four, name):
     expected = reference(case)
     report_difference(case, expected, four[0][name])
     assert_parity(case, expected, four[0][name])
+
+
+def test_a_mask_that_changes_meaning_stops_the_run_and_the_fix_trains_as_one_process(two_launch):
+    assert_error(two_launch[1]["padding_blind-cp2"], "ValueError",
+                 ["attention masks of an attention call the first time as made of causal order, the batch's padding"
+                  " ('attention_mask')", "leave it out of the batch too"])
+    expected = reference(BLIND_FIX)
+    report_difference(BLIND_FIX, expected, two_launch[0][BLIND_FIX.name])
+    assert_parity(BLIND_FIX, expected, two_launch[0][BLIND_FIX.name])
 
 
 def test_ulysses_refuses_heads_cp_does_not_divide(four):
@@ -119,6 +144,6 @@ def test_an_unknown_micro_batch_in_recomputation_is_refused():
     facts = SequenceFacts(padding, None, None, torch.tensor([0, 1, 6, 7]))
     facts.select(1, 2)
     layer = AttentionLayer(causal=True, window=None)
-    assert unmasked(True, facts, layer, 2, torch.device("cpu"), 8) is None  # rows 2-3: no padding anywhere
+    assert unmasked(True, facts, layer, 2, 8) is None  # rows 2-3: no padding anywhere
     with pytest.raises(ValueError, match="activation_checkpointing='none' with pp and cp on padded batches"):
-        unmasked(True, facts, layer, 2, torch.device("cpu"), 8, recomputing=True)
+        unmasked(True, facts, layer, 2, 8, recomputing=True)

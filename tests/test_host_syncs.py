@@ -5,7 +5,8 @@ default feature on (fault handling and preemption agreement, token-mean losses, 
 results): device-to-host reads, tensors built from host data, synchronous / object / barrier collectives, each
 attributed to the code that asked. Lightning's own (``self.log(sync_dist=True)``, its SIGTERM broadcast) are
 counted and shown, not asserted. One 2-process launch runs dp2, dp_shard2, tp2, pp2, pp2 with the embedding tied
-to the head (the two end stages sum its gradient), cp2 (ring and Ulysses), ep2, the common additions (norm clipping
+to the head (the two end stages sum its gradient), cp2 (ring and Ulysses; Hugging Face models masking padding,
+packed documents and a sliding window, a hand-written document mask), ep2, the common additions (norm clipping
 with gradient accumulation at dp2, dp_shard2, tp2 with sequence parallelism and tied pp2; manual optimization at
 dp2), a debug-mode run and Lightning's DDPStrategy and ModelParallelStrategy + FSDP2; one 8-process launch runs
 dp2 x pp2 x cp2.
@@ -20,7 +21,8 @@ import pytest
 
 from tests.parity import launch
 
-TWO = ["dp2", "dp_shard2", "tp2", "pp2", "pp2_tied", "cp2", "cp2_a2a", "ep2", "dp2_clip_accumulate",
+TWO = ["dp2", "dp_shard2", "tp2", "pp2", "pp2_tied", "cp2", "cp2_a2a", "cp2_padded_llama", "cp2_packed_llama",
+       "cp2_window_mistral", "cp2_documents", "ep2", "dp2_clip_accumulate",
        "dp_shard2_clip_accumulate", "tp2_sp_clip_accumulate", "pp2_tied_clip_accumulate", "dp2_manual", "tp2_debug",
        "lightning_ddp", "lightning_fsdp2"]
 EIGHT = ["dp2_pp2_cp2"]

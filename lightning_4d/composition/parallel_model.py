@@ -140,12 +140,14 @@ class ParallelModel:
 
     # ------------------------------------------------------------------------------------ steps
 
-    def shard_batch(self, batch: Any, step: Optional[str] = None) -> Any:
+    def shard_batch(self, batch: Any, step: Optional[str] = None, host: Any = None) -> Any:
         """This rank's part of the batch: under context parallelism, its shard of every sequence (kept whole too
-        when ``step``, the step method it is for, has its first batch checked)."""
+        when ``step``, the step method it is for, has its first batch checked). ``host``: the batch before it
+        went to the device, when it holds the same values (the masks' decisions are taken on it)."""
         if self.context is None:
             return batch
-        return self.context.shard_batch(batch, keep_whole=self.step_check is not None and self.step_check.due(step))
+        return self.context.shard_batch(batch, keep_whole=self.step_check is not None and self.step_check.due(step),
+                                        host=host)
 
     @contextmanager
     def step_context(self, predicting: bool = False) -> Iterator[None]:

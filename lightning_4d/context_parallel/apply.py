@@ -37,12 +37,13 @@ from torch.overrides import TorchFunctionMode
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
-from lightning_4d.context_parallel.masks import AttentionLayer, SequenceFacts, attention_layer, explain, unmasked
+from lightning_4d.context_parallel.masks import (AttentionLayer, Reading, SequenceFacts, agrees, attention_layer,
+                                                explain, unmasked)
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
 from lightning_4d.context_parallel.ring_attention import ring_attention
 from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
-from lightning_4d.context_parallel.zigzag import zigzag_positions
+from lightning_4d.context_parallel.zigzag import cached_positions
 from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.numerics.step_logging import StepLogs
 
@@ -195,6 +196,11 @@ class ContextParallel:
         self._facts: Optional[SequenceFacts] = None  # the whole sequences' padding and documents, this step
         self._explained: dict[int, tuple[Tensor, int, Optional[AttentionLayer], tuple[bool, Optional[SequenceMask]]]] = {}
         self._layer: Optional[AttentionLayer] = None  # the Hugging Face attention module running
+        # What each kind of mask the model builds is made of (explained once), the device flags checking this
+        # step's masks against it, and those flags staged for reading at the next step (:meth:`_read_checks`).
+        self._readings: dict[tuple, Reading] = {}
+        self._checks: list[tuple[Tensor, tuple]] = []
+        self._staged: list[tuple[Tensor, Optional[Any], list[tuple]]] = []
         self._sharded_shapes: dict[str, tuple[int, ...]] = {}  # the last sharded batch's entries, whole
         self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
         self._seq_len = 0
@@ -231,12 +237,18 @@ class ContextParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._stage_checks()
+        self._read_checks()  # the last step's masks
 
     # -------------------------------------------------------------------------------------- batches
 
-    def shard_batch(self, batch: Any, keep_whole: bool = False) -> Any:
+    def shard_batch(self, batch: Any, keep_whole: bool = False, host: Any = None) -> Any:
         """This rank's zigzag shard of every sequence tensor of ``batch``; raises before any collective.
-        ``keep_whole``: keep ``batch`` as :attr:`whole_batch` (for the step check, which runs the step on it)."""
+        ``keep_whole``: keep ``batch`` as :attr:`whole_batch` (for the step check, which runs the step on it).
+        ``host``: the same batch as the data loader gave it, before it went to the device: the masks' decisions
+        are taken on its padding and documents, so that the host never reads them back from the device."""
+        self._read_checks()  # the last step's masks, checked on the device: their flags are in host memory by now
+        self._stage_checks()  # any made since (a recomputation during backward), read at the next batch
         paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
         check_sequence_length(length, self.size, self.sequence_parallel,
                               where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
@@ -245,14 +257,14 @@ class ContextParallel:
                            f" {self.seq_dim}; global positions go to modules {sorted(self.position_modules)} and"
                            f" buffers {self.buffers}.")
             self._announced = True
-        positions = zigzag_positions(length, self.size, self.rank)
+        positions = cached_positions(length, self.size, self.rank)
         selected = set(paths)
         on_device: dict[torch.device, Tensor] = {}
 
         def shard(path: str, tensor: Tensor) -> Tensor:
             if path not in selected:
                 return tensor
-            index = on_device.setdefault(tensor.device, positions.to(tensor.device))
+            index = on_device.setdefault(tensor.device, cached_positions(length, self.size, self.rank, tensor.device))
             return tensor.index_select(self.seq_dim, index)
 
         tensors = _tensors(batch)
@@ -260,7 +272,7 @@ class ContextParallel:
         sharded = _map_tensors(batch, shard)
         self._positions = next(iter(on_device.values()))
         self._seq_len = length
-        self._facts = self._sequence_facts(tensors, length, positions)
+        self._facts = self._sequence_facts(tensors, length, positions, _tensors(host) if host is not None else {})
         self._explained = {}
         self.whole_batch = batch if keep_whole else None
         return sharded
@@ -276,11 +288,13 @@ class ContextParallel:
             (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes,
              self.whole_batch) = saved
 
-    def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor) -> SequenceFacts:
+    def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor,
+                        host: dict[str, Tensor]) -> SequenceFacts:
         """The whole batch's ``attention_mask`` and ``position_ids`` ([batch, length], by name) and the named
-        document ids, for the masks the model builds on its shard (:mod:`.masks`)."""
-        def named(name: str) -> Optional[Tensor]:
-            found = [t for path, t in tensors.items() if path.rpartition(".")[2] == name and t.dim() == 2
+        document ids, for the masks the model builds on its shard (:mod:`.masks`), each with its copy in host
+        memory: ``host``'s tensor at the same path, or else (a batch the loader put on the device) read back."""
+        def named(name: str) -> Optional[str]:
+            found = [path for path, t in tensors.items() if path.rpartition(".")[2] == name and t.dim() == 2
                      and t.size(1) == length]
             return found[0] if found else None
 
@@ -290,7 +304,18 @@ class ContextParallel:
             if documents is None or documents.dim() != 2 or documents.size(1) != length:
                 raise ValueError(f"cp_document_key={self.document_key!r}: the batch has no [batch, {length}] tensor"
                                  f" there (tensors: {', '.join(f'{p}: {tuple(t.shape)}' for p, t in tensors.items())}).")
-        return SequenceFacts(named("attention_mask"), named("position_ids"), documents, positions)
+        paths = (named("attention_mask"), named("position_ids"), self.document_key if documents is not None else None)
+
+        def on_host(path: Optional[str]) -> Optional[Tensor]:
+            if path is None:
+                return None
+            given = host.get(path)
+            if given is not None and given.device.type == "cpu" and given.shape == tensors[path].shape:
+                return given
+            return tensors[path].cpu()
+
+        return SequenceFacts(*(tensors[p] if p is not None else None for p in paths), positions,
+                             host=tuple(on_host(p) for p in paths), device_positions=self._positions)
 
     def select_rows(self, index: int, count: int) -> None:
         """Pipeline parallelism runs micro-batch ``index`` of ``count``: its rows of the step's facts apply."""
@@ -322,6 +347,7 @@ class ContextParallel:
             self._active = False
             for owner, name, original in swapped:
                 compat.buffers_of(owner)[name] = original
+            self._stage_checks()
         if not self._verified:
             if self.attention_calls == calls:
                 error = RuntimeError(
@@ -431,7 +457,7 @@ class ContextParallel:
 
     def _global_positions(self, positions: Any, fqn: str) -> Any:
         """Local default positions ``0..T-1`` become the tokens' global ones; anything else (position ids
-        sharded from the batch) already is global."""
+        sharded from the batch) already is global. Chosen on the device: the host never reads which it was."""
         if not isinstance(positions, Tensor):
             return positions
         local = self._positions.numel()
@@ -439,10 +465,8 @@ class ContextParallel:
             raise ValueError(f"{fqn} received positions of shape {tuple(positions.shape)}, but this rank holds {local}"
                              f" tokens of each sequence; if it is not a position module, leave it out of"
                              f" cp_position_modules.")
-        default = torch.arange(local, device=positions.device, dtype=positions.dtype)
-        if not torch.equal(positions, default.expand_as(positions)):
-            return positions
-        return self._positions.to(positions.device, positions.dtype).expand_as(positions)
+        defaults = (positions == torch.arange(local, device=positions.device, dtype=positions.dtype)).all()
+        return torch.where(defaults, self._positions.to(positions.device, positions.dtype), positions)
 
     def attention(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                   dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
@@ -505,36 +529,89 @@ class ContextParallel:
         if attn_mask is not None:
             is_causal, mask = self._mask_meaning(attn_mask, local)
         else:
-            mask = unmasked(bool(is_causal), self._facts, self._layer, q.size(0), q.device, self._seq_len,
+            mask = unmasked(bool(is_causal), self._facts, self._layer, q.size(0), self._seq_len,
                             recomputing=compat.in_backward())
             is_causal = is_causal and mask is None
         return q, k, v, lead, value_dim, is_causal, scale, mask
 
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:
         """``(is_causal, SequenceMask or None)`` over the whole sequence for a mask the model built on its shard.
-        Models build a mask per forward and pass it to every layer: it is read once per layer kind, not per
-        call."""
+        Models build a mask per forward and pass it to every layer: it is looked at once per layer kind, not per
+        call. The first mask of a kind (attention layer, dtype, rank, which facts the batch has) is explained by
+        reading it; later ones are checked against that reading on the device, the check read at the next batch
+        (:meth:`_read_checks`), so that a step's host never waits for its masks."""
         key = id(attn_mask)
         cached = self._explained.get(key)
         version = compat.tensor_version(attn_mask)
         if cached is not None and cached[0] is attn_mask and cached[1] == version and cached[2] == self._layer:
             return cached[3]
-        windowed = self._layer is not None and self._layer.window is not None
-        if self._facts.empty and not windowed and is_causal_mask(attn_mask, local):
-            meaning: tuple[bool, Optional[SequenceMask]] = (True, None)
-        else:  # a shard without padding (or whose window spans it) can look causal: the facts decide
-            found = explain(attn_mask, local, self._facts, self._layer, tuple(sorted(set(self.sliding_windows.values()))),
-                            self._seq_len)
-            if found is None:
-                raise ValueError(
-                    f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)}"
-                    f" ({attn_mask.dtype}) that context parallelism cannot carry over to the whole sequence: no"
-                    " combination of causal order, the layer's sliding window, the batch's padding"
-                    " ('attention_mask'), packed documents (restarting 'position_ids', or the document ids named"
-                    f" by cp_document_key={self.document_key!r}) gives that mask on this rank's shard. A bias or a"
-                    " pattern of the model's own has no meaning on a shard: use cp=1, or pass the padding or"
-                    " document ids the mask comes from in the batch under those names.")
-            plain = found.window is None and found.key_valid is None and found.documents is None
-            meaning = (found.causal, None) if plain else (False, found)
+        kind = (self._layer, attn_mask.dtype, attn_mask.dim(), self._facts.kinds)
+        reading = self._readings.get(kind)
+        if reading is None:
+            reading = self._readings[kind] = self._explain(attn_mask, local)
+        else:
+            self._checks.append((agrees(attn_mask, local, self._facts, reading), kind))
+        found = self._facts.mask(reading, attn_mask.size(0) if attn_mask.dim() == 4 else 1, self._seq_len)
+        plain = found.window is None and found.key_valid is None and found.documents is None
+        meaning = (found.causal, None) if plain else (False, found)
         self._explained[key] = (attn_mask, version, self._layer, meaning)
         return meaning
+
+    def _explain(self, attn_mask: Tensor, local: int) -> Reading:
+        windowed = self._layer is not None and self._layer.window is not None
+        if self._facts.empty and not windowed and is_causal_mask(attn_mask, local):
+            return Reading(True, None, False, None)
+        # a shard without padding (or whose window spans it) can look causal: the facts decide
+        found = explain(attn_mask, local, self._facts, self._layer, tuple(sorted(set(self.sliding_windows.values()))))
+        if found is None:
+            raise ValueError(
+                f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)}"
+                f" ({attn_mask.dtype}) that context parallelism cannot carry over to the whole sequence: no"
+                " combination of causal order, the layer's sliding window, the batch's padding"
+                " ('attention_mask'), packed documents (restarting 'position_ids', or the document ids named"
+                f" by cp_document_key={self.document_key!r}) gives that mask on this rank's shard. A bias or a"
+                " pattern of the model's own has no meaning on a shard: use cp=1, or pass the padding or"
+                " document ids the mask comes from in the batch under those names.")
+        return found
+
+    def _document_source(self, candidate: str) -> str:
+        return "restarting 'position_ids'" if candidate == "position_ids" else f"{self.document_key!r}"
+
+    def _stage_checks(self) -> None:
+        """This step's mask checks on their way to host memory (on CUDA: pinned, behind an event)."""
+        if not self._checks:
+            return
+        flags, kinds = torch.stack([flag for flag, _ in self._checks]), [kind for _, kind in self._checks]
+        self._checks = []
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self._staged.append((flags, event, kinds))
+
+    def _read_checks(self) -> None:
+        """Raise if a staged mask check failed: a mask of a kind explained before is no longer what its reading
+        says (the model built it from other facts). It waits at most for the device to finish the forward that
+        made the flags, a step back."""
+        staged, self._staged = self._staged, []
+        for flags, event, kinds in staged:
+            if event is not None:
+                event.synchronize()
+            failed = [kind for kind, ok in zip(kinds, flags.tolist()) if not ok]
+            if failed:
+                reading = self._readings.pop(failed[0])
+                layer, dtype, dims, _ = failed[0]
+                used = ([f"causal order{f' with a window of {reading.window}' if reading.window else ''}"]
+                        if reading.causal else []) + (["the batch's padding ('attention_mask')"] if reading.padded
+                                                      else [])
+                used += [f"its documents ({self._document_source(reading.documents)})"] if reading.documents else []
+                raise ValueError(
+                    f"Context parallelism read the {dims}-d {dtype} attention masks of"
+                    f" {layer or 'an attention call'} the first time as made of {', '.join(used) or 'nothing'}, and"
+                    " checks every later one against that on the device: the mask of the last step is not made of"
+                    " those, so that step's attention differs from what one process computes. The model leaves"
+                    " out a fact the batch offers, which its first batch could not show: leave it out of the batch"
+                    " too (the tensor named above), or use cp=1.")

@@ -10,25 +10,29 @@ its meaning is:
   batch's 2-D ``attention_mask`` (padding), its ``position_ids`` (documents where they restart, as Hugging
   Face detects packed sequences) and a document-id tensor the user names (``cp_document_key``).
 * :func:`explain` finds which combination of causal order, the calling attention layer's sliding window,
-  padding and documents gives exactly the mask the model built on this shard, numbering the shard as the
-  model did, and returns the same combination over the whole sequences (a
-  :class:`~lightning_4d.context_parallel.sequence_mask.SequenceMask`). A mask no combination explains (a
+  padding and documents (a :class:`Reading`) gives exactly the mask the model built on this shard, numbering
+  the shard as the model did; :meth:`SequenceFacts.mask` gives the same combination over the whole sequences
+  (a :class:`~lightning_4d.context_parallel.sequence_mask.SequenceMask`). A mask no combination explains (a
   bias, a pattern of the model's own) is refused: its meaning on the whole sequence is unknown.
+* Explaining reads the device. The model builds its masks the same way every step, so a kind of mask is
+  explained once, and later ones are checked against that reading on the device (:func:`agrees`), the flag
+  read a step later by the caller.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
 
-__all__ = ["AttentionLayer", "SequenceFacts", "attention_layer", "explain", "packed_documents", "simplest",
-           "unmasked"]
+__all__ = ["AttentionLayer", "Reading", "SequenceFacts", "agrees", "attention_layer", "explain", "packed_documents",
+           "simplest", "unmasked"]
 
 
 def packed_documents(position_ids: Tensor) -> Tensor:
@@ -64,12 +68,16 @@ def attention_layer(module: nn.Module) -> Optional[AttentionLayer]:
 
 class SequenceFacts:
     """The whole sequences' padding, position ids and document ids of one step (rows of the current
-    pipeline micro-batch selected with :meth:`select`)."""
+    pipeline micro-batch selected with :meth:`select`), on the device and, as ``host``, the same in host memory
+    (from the batch as the data loader gave it): masks made from them carry both (``SequenceMask.host``)."""
 
     def __init__(self, padding: Optional[Tensor], position_ids: Optional[Tensor], documents: Optional[Tensor],
-                 positions: Tensor) -> None:
+                 positions: Tensor, host: Optional[tuple[Optional[Tensor], ...]] = None,
+                 device_positions: Optional[Tensor] = None) -> None:
         self.padding, self.position_ids, self.documents = padding, position_ids, documents
-        self.positions = positions  # global positions of this rank's tokens
+        self.host = host if host is not None else (padding, position_ids, documents)
+        self.positions = positions  # global positions of this rank's tokens, in host memory
+        self.device_positions = device_positions if device_positions is not None else positions
         self.rows = slice(None)
         self.pipelined = False  # rows are selected per micro-batch (known in forward only)
 
@@ -83,94 +91,130 @@ class SequenceFacts:
     def empty(self) -> bool:
         return self.padding is None and self.position_ids is None and self.documents is None
 
-    def _whole(self, t: Optional[Tensor], batch: int, device: torch.device) -> Optional[Tensor]:
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The facts the step's batch has."""
+        named = zip(("attention_mask", "position_ids", "documents"), (self.padding, self.position_ids, self.documents))
+        return tuple(name for name, t in named if t is not None)
+
+    def _whole(self, t: Optional[Tensor], batch: int) -> Optional[Tensor]:
         if t is None:
             return None
         t = t[self.rows] if t.size(0) > 1 else t
-        return t.expand(batch, -1).to(device)
+        return t.expand(batch, -1)
 
-    def candidates(self, batch: int, device: torch.device) -> dict[str, tuple[Tensor, Tensor]]:
+    def candidates(self, batch: int, on_host: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
         """Name -> (what the model saw on this shard, the same over the whole sequence), for padding
-        (``key_valid``) and the documents (``documents``) the step's facts offer."""
-        local = self.positions.to(device)
+        (``key_valid``) and the documents (``documents``) the step's facts offer; ``on_host``: in host memory."""
+        padding, position_ids, documents = (self._whole(t, batch) for t in (
+            self.host if on_host else (self.padding, self.position_ids, self.documents)))
+        local = self.positions if on_host else self.device_positions
         found = {}
-        padding = self._whole(self.padding, batch, device)
         if padding is not None:
             found["padding"] = (padding[:, local].bool(), padding.bool())
-        position_ids = self._whole(self.position_ids, batch, device)
         if position_ids is not None:  # what the model detects on its shard's ids, and on the whole ids
             found["position_ids"] = (packed_documents(position_ids[:, local]), packed_documents(position_ids))
-        documents = self._whole(self.documents, batch, device)
         if documents is not None:
             found["documents"] = (documents[:, local], documents)
         return found
 
+    def mask(self, reading: "Reading", batch: int, whole_length: int) -> SequenceMask:
+        """The :class:`SequenceMask` over the whole sequences that ``reading`` of these facts gives, with its host
+        twin; the parts that hide nothing dropped (:func:`simplest`)."""
+        def made(found: dict[str, tuple[Tensor, Tensor]], host: Optional[SequenceMask] = None) -> SequenceMask:
+            return SequenceMask(reading.causal, reading.window, found["padding"][1] if reading.padded else None,
+                                found[reading.documents][1] if reading.documents else None, host)
 
-def _seen(mask: Tensor, length: int) -> Optional[Tensor]:
-    """A boolean or additive attention mask as [B, 1, S, S] booleans (True: seen); None for anything else
-    (another shape, a bias that is not 0 or a large negative number, heads that differ)."""
-    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+        return simplest(made(self.candidates(batch), made(self.candidates(batch, on_host=True))), whole_length)
+
+
+class Reading(NamedTuple):
+    """Which facts a mask the model built on its shard is made of: causal order, a sliding window, the padding
+    (when ``padded``) and the documents of candidate ``documents`` ("documents", "position_ids" or None)."""
+
+    causal: bool
+    window: Optional[int]
+    padded: bool
+    documents: Optional[str]
+
+
+def _seen(mask: Tensor, length: int) -> Optional[tuple[Tensor, Tensor]]:
+    """A boolean or additive attention mask as [B, 1, S, S] booleans (True: seen), and a device flag saying
+    whether it is one (a bias that is not 0 or a large negative number, or heads that differ, are not); None
+    for another shape or dtype."""
+    if mask.dim() < 2 or mask.dim() > 4 or tuple(mask.shape[-2:]) != (length, length):
         return None
     if mask.dtype == torch.bool:
-        seen = mask
+        seen, ok = mask, torch.ones((), dtype=torch.bool, device=mask.device)
     elif mask.is_floating_point():
         hidden = mask <= torch.finfo(mask.dtype).min / 2
-        if not bool((hidden | (mask == 0)).all()):
-            return None
-        seen = ~hidden
+        seen, ok = ~hidden, (hidden | (mask == 0)).all()
     else:
-        return None
-    if seen.dim() > 4:
         return None
     while seen.dim() < 4:  # broadcast as SDPA does: [S, S] and [H, S, S] align on the right
         seen = seen.unsqueeze(0)
     if seen.size(1) > 1:
-        if not bool((seen == seen[:, :1]).all()):
-            return None
+        ok = ok & (seen == seen[:, :1]).all()
         seen = seen[:, :1]
-    return seen
+    return seen, ok
+
+
+def _readings(found: dict, layer: Optional[AttentionLayer], windows: tuple[int, ...]) -> Iterator[Reading]:
+    """Every reading the facts offer, in the order tried. Where the shard cannot tell (no padded key, one
+    document here), the facts the batch has apply: every rank then reads the mask the same way, as one process
+    on the whole batch does."""
+    causal_options = (layer.causal,) if layer is not None else (True, False)
+    window_options = (layer.window,) if layer is not None else (*windows, None)
+    document_options = [name for name in ("documents", "position_ids") if name in found] + [None]
+    for options in itertools.product(causal_options, window_options, (True, False) if "padding" in found else
+                                     (False,), document_options):
+        yield Reading(*options)
+
+
+def _agrees(seen: Tensor, found: dict, reading: Reading) -> Tensor:
+    """A device flag: whether ``reading`` of the facts ``found`` gives the shard's mask ``seen``."""
+    length = seen.size(-1)
+    shard = torch.arange(length, device=seen.device)
+    on_shard = SequenceMask(reading.causal, reading.window, found["padding"][0] if reading.padded else None,
+                            found[reading.documents][0] if reading.documents else None)
+    return (on_shard.between(shard, shard).expand_as(seen) == seen).all()
 
 
 def explain(mask: Tensor, length: int, facts: SequenceFacts, layer: Optional[AttentionLayer],
-            windows: tuple[int, ...], whole_length: int) -> Optional[SequenceMask]:
-    """The :class:`SequenceMask` over the whole sequences whose shard-numbered form is ``mask`` (None: none
-    explains it). ``layer``: the attention module running, when known; ``windows``: the sliding windows the
+            windows: tuple[int, ...]) -> Optional[Reading]:
+    """The :class:`Reading` whose mask over the shard is ``mask`` (None: none explains it), found by reading
+    the device. ``layer``: the attention module running, when known; ``windows``: the sliding windows the
     model's configs declare (tried when the layer is unknown)."""
     seen = _seen(mask, length)
-    if seen is None:
+    if seen is None or not bool(seen[1]):
         return None
-    batch = seen.size(0)
-    found = facts.candidates(batch, seen.device)
-    shard = torch.arange(length, device=seen.device)
-    causal_options = (layer.causal,) if layer is not None else (True, False)
-    window_options = (layer.window,) if layer is not None else (*windows, None)
-    # Where the shard cannot tell (no padded key, one document here), the facts the batch has apply: every
-    # rank then reads the mask the same way, as one process on the whole batch does.
-    document_options = [name for name in ("documents", "position_ids") if name in found] + [None]
-    for causal, window, padded, documents in itertools.product(causal_options, window_options,
-                                                               (True, False) if "padding" in found else (False,),
-                                                               document_options):
-        on_shard = SequenceMask(causal, window, found["padding"][0] if padded else None,
-                                found[documents][0] if documents else None)
-        if torch.equal(on_shard.between(shard, shard).expand_as(seen), seen):
-            return simplest(SequenceMask(causal, window, found["padding"][1] if padded else None,
-                                          found[documents][1] if documents else None), whole_length)
-    return None
+    found = facts.candidates(seen[0].size(0))
+    return next((reading for reading in _readings(found, layer, windows) if bool(_agrees(seen[0], found, reading))),
+                None)
+
+
+def agrees(mask: Tensor, length: int, facts: SequenceFacts, reading: Reading) -> Tensor:
+    """A device flag, never read here: whether ``reading`` (what :func:`explain` found for an earlier mask of
+    the same kind) still explains ``mask``."""
+    seen = _seen(mask, length)
+    if seen is None:
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    return seen[1] & _agrees(seen[0], facts.candidates(seen[0].size(0)), reading)
 
 
 def simplest(mask: SequenceMask, length: int) -> SequenceMask:
     """``mask`` without the parts that hide nothing: a window as long as the sequence, padding with every key
-    valid, one document per row."""
+    valid, one document per row (decided on its host twin)."""
     window = mask.window if mask.window is not None and mask.window < length else None
-    key_valid = mask.key_valid if mask.key_valid is not None and not bool(mask.key_valid.all()) else None
-    documents = mask.documents
-    if documents is not None and bool((documents == documents[:, :1]).all()):
-        documents = None
-    return SequenceMask(mask.causal, window, key_valid, documents)
+    host = mask.on_host()
+    pads, splits = host.pads(), host.splits_documents()
+    twin = SequenceMask(mask.causal, window, host.key_valid if pads else None, host.documents if splits else None)
+    return SequenceMask(mask.causal, window, mask.key_valid if pads else None, mask.documents if splits else None,
+                        twin)
 
 
 def unmasked(is_causal: bool, facts: SequenceFacts, layer: Optional[AttentionLayer], batch: int,
-             device: torch.device, whole_length: int, recomputing: bool = False) -> Optional[SequenceMask]:
+             whole_length: int, recomputing: bool = False) -> Optional[SequenceMask]:
     """What a Hugging Face attention layer's call without a mask means for the whole sequence: Hugging Face
     leaves the mask out where it hides nothing on the tokens it sees (a shard without padding, a window as
     long as the shard), so the batch's padding and the layer's window still apply. None: plain causal or full
@@ -178,14 +222,13 @@ def unmasked(is_causal: bool, facts: SequenceFacts, layer: Optional[AttentionLay
     during backward (activation checkpointing)."""
     if layer is None:
         return None
-    if recomputing and facts.pipelined and facts.padding is not None and not bool(facts.padding.bool().all()):
+    if recomputing and facts.pipelined and facts.host[0] is not None and not bool(facts.host[0].bool().all()):
         raise ValueError(
             "A Hugging Face attention layer recomputed during backward (activation checkpointing) under pipeline"
             " and context parallelism called attention without a mask on a padded batch: its shard held no"
             " padding, but other shards' keys may, and which micro-batch it recomputes is not known there. Use"
             " activation_checkpointing='none' with pp and cp on padded batches, pack the samples without padding"
             " (position_ids restarting at 0), or use pp=1.")
-    padding = facts.candidates(batch, device).get("padding")
-    mask = simplest(SequenceMask(is_causal, layer.window if is_causal else None,
-                                 padding[1] if padding is not None else None), whole_length)
+    mask = facts.mask(Reading(is_causal, layer.window if is_causal else None, facts.padding is not None, None),
+                      batch, whole_length)
     return None if mask.window is None and mask.key_valid is None else mask

@@ -239,14 +239,16 @@ def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_
     if mask is None:
         return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
     length = cp * tiles[-1].stop  # tile masks on ``device``, the queries' (a window alone has no tensor to follow)
-    q_positions = cached_positions(length, cp, rank).to(device)
-    k_positions = cached_positions(length, cp, owner).to(device)[tiles[kv_tile]]
+    q_positions = cached_positions(length, cp, rank, device)
+    k_positions = cached_positions(length, cp, owner, device)[tiles[kv_tile]]
+    # which pairs to compute, and which unmasked, is decided on the host, from the mask's host twin
+    host, q_host = mask.on_host(), cached_positions(length, cp, rank)
+    k_host = cached_positions(length, cp, owner)[tiles[kv_tile]]
     pairs = []
     for i, rows in enumerate(tiles):
-        seen = mask.between(q_positions[rows], k_positions)
-        if not bool(seen.any()):
-            continue
-        pairs.append((i, False, None if bool(seen.all()) else seen))
+        anything, everything = host.seen_in(q_host[rows], k_host, (length, cp, rank, owner, kv_tile, i, len(tiles)))
+        if anything:
+            pairs.append((i, False, None if everything else mask.between(q_positions[rows], k_positions)))
     return pairs
 
 

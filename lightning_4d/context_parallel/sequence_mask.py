@@ -4,8 +4,8 @@ Ulysses compute a tile pair's mask where it is needed and nothing extra travels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -20,12 +20,43 @@ class SequenceMask:
     query are hidden too (Hugging Face's sliding window: a query at ``q`` sees ``q - window < k <= q``).
     ``key_valid`` ([B, L] bool): padding keys are hidden. ``documents`` ([B, L] integers): keys of another
     document than the query's are hidden (packed sequences). The shards must be in the zigzag layout.
+    ``host``: the same mask over host-memory copies of ``key_valid`` and ``documents`` (made from the batch as
+    the data loader gave it), on which the host decides what to compute without reading the device.
     """
 
     causal: bool = True
     window: Optional[int] = None
     key_valid: Optional[torch.Tensor] = None
     documents: Optional[torch.Tensor] = None
+    host: Optional["SequenceMask"] = field(default=None, compare=False, repr=False)
+    # what :meth:`seen_in` answered, by the caller's key: a step's layers ask about the same tiles
+    answers: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def on_host(self) -> "SequenceMask":
+        """This mask over host memory: its twin, itself when its tensors are there already, or else a copy (a
+        read of the device: masks built outside a step's batch, once per call)."""
+        if self.host is not None:
+            return self.host
+        if all(t is None or t.device.type == "cpu" for t in (self.key_valid, self.documents)):
+            return self
+        return SequenceMask(self.causal, self.window, *(t if t is None else t.cpu() for t in (self.key_valid,
+                                                                                            self.documents)))
+
+    def seen_in(self, q_pos: torch.Tensor, k_pos: torch.Tensor, key: Any) -> tuple[bool, bool]:
+        """Whether any query of ``q_pos`` sees a key of ``k_pos``, and whether every one sees every one, once per
+        ``key`` (naming the positions). Read on the host: call it on :meth:`on_host`'s mask with host positions."""
+        if key not in self.answers:
+            seen = self.between(q_pos, k_pos)
+            self.answers[key] = (bool(seen.any()), bool(seen.all()))
+        return self.answers[key]
+
+    def pads(self) -> bool:
+        """Whether a padding key is hidden anywhere. Read on the host, as :meth:`seen_in`."""
+        return self.key_valid is not None and not bool(self.key_valid.all())
+
+    def splits_documents(self) -> bool:
+        """Whether a row holds more than one document. Read on the host, as :meth:`seen_in`."""
+        return self.documents is not None and not bool((self.documents == self.documents[:, :1]).all())
 
     def between(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """[B or 1, 1, len(q_pos), len(k_pos)] bool: whether each query sees each key."""

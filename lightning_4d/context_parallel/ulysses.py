@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
-from lightning_4d.context_parallel.zigzag import zigzag_positions
+from lightning_4d.context_parallel.zigzag import cached_order
 
 __all__ = ["check_heads", "ulysses_attention"]
 
@@ -64,7 +64,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     if is_causal and mask is not None:
         raise ValueError("ulysses_attention: pass either is_causal=True or a SequenceMask, not both")
     length = q.size(2) * cp
-    order = torch.cat([zigzag_positions(length, cp, r) for r in range(cp)]).to(q.device)
+    order = cached_order(length, cp, q.device)
     qh, kh, vh = (_to_heads(t, group, cp, order) for t in (q, k, v))
     dense = None
     if mask is not None:

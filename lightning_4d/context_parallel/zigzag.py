@@ -8,6 +8,7 @@ same amount of unmasked attention. Local order stays increasing in global positi
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -64,7 +65,16 @@ def unshard_sequence(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], dim:
 
 
 @functools.lru_cache(maxsize=64)
-def cached_positions(length: int, cp: int, rank: int) -> torch.Tensor:
-    """:func:`zigzag_positions` once per (length, cp, rank): asked for every K/V tile of every masked call (the
-    callers only read it)."""
-    return zigzag_positions(length, cp, rank)
+def cached_positions(length: int, cp: int, rank: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """:func:`zigzag_positions` once per (length, cp, rank), on ``device`` (default: host memory): asked for
+    every step and every K/V tile of every masked call, copied to the device once, never in a step (the callers
+    only read it)."""
+    positions = zigzag_positions(length, cp, rank)
+    return positions if device is None or device.type == "cpu" else positions.to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def cached_order(length: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Every rank's positions in rank order (the whole sequence as the ranks' shards concatenate it), on
+    ``device``, once per (length, cp)."""
+    return torch.cat([cached_positions(length, cp, r) for r in range(cp)]).to(device)
