@@ -52,7 +52,7 @@ STAGING = ("lightning_4d/faults/agreement.py",
            "lightning_4d/context_parallel/sequence_mask.py:pads",
            "lightning_4d/context_parallel/sequence_mask.py:splits_documents",
            # the masks' device checks, read a step later (on CUDA from pinned memory behind an event)
-           "lightning_4d/context_parallel/apply.py:_read_checks")
+           "lightning_4d/context_parallel/masks.py:read")
 # Reads torch itself makes of a tensor it built on the host, named by (file, function) of the frame that reads:
 # DTensor computes a strided shard's offsets (sequence parallelism's all-gather before the LM head) from a CPU
 # ``torch.arange``. Counted as staging for whoever called torch.

@@ -2,10 +2,11 @@
 global (:mod:`.positions`), and attention runs as ring attention (:mod:`.ring_attention`) through an interception
 of ``scaled_dot_product_attention`` (:mod:`.apply`); what it cannot reach is refused first (:mod:`.reachability`)."""
 
-from lightning_4d.context_parallel.apply import ContextParallel, SequencePositions, is_causal_mask, sequence_positions
+from lightning_4d.context_parallel.apply import ContextParallel, SequencePositions, sequence_positions
 from lightning_4d.context_parallel.attention_kernels import attention_kernels
 from lightning_4d.context_parallel.batches import sequence_paths
 from lightning_4d.context_parallel.config import COMM_MODES, ContextParallelConfig, check_sequence_length
+from lightning_4d.context_parallel.masks import is_causal_mask
 from lightning_4d.context_parallel.positions import find_position_buffers, find_position_modules
 from lightning_4d.context_parallel.reachability import check_attention_reachable
 from lightning_4d.context_parallel.ring_attention import ring_attention

@@ -37,8 +37,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
-from lightning_4d.context_parallel.masks import (AttentionLayer, Reading, SequenceFacts, agrees, attention_layer,
-                                                explain, unmasked)
+from lightning_4d.context_parallel.masks import AttentionLayer, MaskReadings, SequenceFacts, attention_layer, unmasked
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
 from lightning_4d.context_parallel.ring_attention import ring_attention
 from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
@@ -119,22 +118,6 @@ def _check_a2a_heads(module: nn.Module, cp: int, tp: int) -> None:
 # ----------------------------------------------------------------------------------------- attention
 
 
-def is_causal_mask(mask: Tensor, length: int) -> bool:
-    """Whether ``mask`` is the plain lower-triangular mask of a ``length``-token self-attention.
-
-    Boolean masks must be True exactly on and below the diagonal; additive masks 0 there and -inf (or the
-    dtype's lowest value, which Hugging Face uses) above it.
-    """
-    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
-        return False
-    allowed = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == allowed).all())
-    if not mask.is_floating_point():
-        return False
-    return bool(torch.where(allowed, mask == 0, mask <= torch.finfo(mask.dtype).min).all())
-
-
 @torch.compiler.disable
 def _ring_attention(owner: ContextParallel, *args: Any, **kwargs: Any) -> Any:
     """The exchange with the other cp ranks cannot be traced: a compiled block runs it eagerly, as one piece
@@ -196,11 +179,7 @@ class ContextParallel:
         self._facts: Optional[SequenceFacts] = None  # the whole sequences' padding and documents, this step
         self._explained: dict[int, tuple[Tensor, int, Optional[AttentionLayer], tuple[bool, Optional[SequenceMask]]]] = {}
         self._layer: Optional[AttentionLayer] = None  # the Hugging Face attention module running
-        # What each kind of mask the model builds is made of (explained once), the device flags checking this
-        # step's masks against it, and those flags staged for reading at the next step (:meth:`_read_checks`).
-        self._readings: dict[tuple, Reading] = {}
-        self._checks: list[tuple[Tensor, tuple]] = []
-        self._staged: list[tuple[Tensor, Optional[Any], list[tuple]]] = []
+        self._readings = MaskReadings(tuple(sorted(set(self.sliding_windows.values()))), document_key)
         self._sharded_shapes: dict[str, tuple[int, ...]] = {}  # the last sharded batch's entries, whole
         self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
         self._seq_len = 0
@@ -237,8 +216,8 @@ class ContextParallel:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._stage_checks()
-        self._read_checks()  # the last step's masks
+        self._readings.stage()
+        self._readings.read()  # the last step's masks
 
     # -------------------------------------------------------------------------------------- batches
 
@@ -247,8 +226,8 @@ class ContextParallel:
         ``keep_whole``: keep ``batch`` as :attr:`whole_batch` (for the step check, which runs the step on it).
         ``host``: the same batch as the data loader gave it, before it went to the device: the masks' decisions
         are taken on its padding and documents, so that the host never reads them back from the device."""
-        self._read_checks()  # the last step's masks, checked on the device: their flags are in host memory by now
-        self._stage_checks()  # any made since (a recomputation during backward), read at the next batch
+        self._readings.read()  # the last step's masks, checked on the device: their flags are in host memory by now
+        self._readings.stage()  # any made since (a recomputation during backward), read at the next batch
         paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
         check_sequence_length(length, self.size, self.sequence_parallel,
                               where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
@@ -347,7 +326,7 @@ class ContextParallel:
             self._active = False
             for owner, name, original in swapped:
                 compat.buffers_of(owner)[name] = original
-            self._stage_checks()
+            self._readings.stage()
         if not self._verified:
             if self.attention_calls == calls:
                 error = RuntimeError(
@@ -537,81 +516,15 @@ class ContextParallel:
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:
         """``(is_causal, SequenceMask or None)`` over the whole sequence for a mask the model built on its shard.
         Models build a mask per forward and pass it to every layer: it is looked at once per layer kind, not per
-        call. The first mask of a kind (attention layer, dtype, rank, which facts the batch has) is explained by
-        reading it; later ones are checked against that reading on the device, the check read at the next batch
-        (:meth:`_read_checks`), so that a step's host never waits for its masks."""
+        call; what it is made of, :class:`~.masks.MaskReadings`."""
         key = id(attn_mask)
         cached = self._explained.get(key)
         version = compat.tensor_version(attn_mask)
         if cached is not None and cached[0] is attn_mask and cached[1] == version and cached[2] == self._layer:
             return cached[3]
-        kind = (self._layer, attn_mask.dtype, attn_mask.dim(), self._facts.kinds)
-        reading = self._readings.get(kind)
-        if reading is None:
-            reading = self._readings[kind] = self._explain(attn_mask, local)
-        else:
-            self._checks.append((agrees(attn_mask, local, self._facts, reading), kind))
+        reading = self._readings.of(attn_mask, local, self._facts, self._layer)
         found = self._facts.mask(reading, attn_mask.size(0) if attn_mask.dim() == 4 else 1, self._seq_len)
         plain = found.window is None and found.key_valid is None and found.documents is None
         meaning = (found.causal, None) if plain else (False, found)
         self._explained[key] = (attn_mask, version, self._layer, meaning)
         return meaning
-
-    def _explain(self, attn_mask: Tensor, local: int) -> Reading:
-        windowed = self._layer is not None and self._layer.window is not None
-        if self._facts.empty and not windowed and is_causal_mask(attn_mask, local):
-            return Reading(True, None, False, None)
-        # a shard without padding (or whose window spans it) can look causal: the facts decide
-        found = explain(attn_mask, local, self._facts, self._layer, tuple(sorted(set(self.sliding_windows.values()))))
-        if found is None:
-            raise ValueError(
-                f"scaled_dot_product_attention got an attn_mask of shape {tuple(attn_mask.shape)}"
-                f" ({attn_mask.dtype}) that context parallelism cannot carry over to the whole sequence: no"
-                " combination of causal order, the layer's sliding window, the batch's padding"
-                " ('attention_mask'), packed documents (restarting 'position_ids', or the document ids named"
-                f" by cp_document_key={self.document_key!r}) gives that mask on this rank's shard. A bias or a"
-                " pattern of the model's own has no meaning on a shard: use cp=1, or pass the padding or"
-                " document ids the mask comes from in the batch under those names.")
-        return found
-
-    def _document_source(self, candidate: str) -> str:
-        return "restarting 'position_ids'" if candidate == "position_ids" else f"{self.document_key!r}"
-
-    def _stage_checks(self) -> None:
-        """This step's mask checks on their way to host memory (on CUDA: pinned, behind an event)."""
-        if not self._checks:
-            return
-        flags, kinds = torch.stack([flag for flag, _ in self._checks]), [kind for _, kind in self._checks]
-        self._checks = []
-        event = None
-        if flags.is_cuda:
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            flags = host
-        self._staged.append((flags, event, kinds))
-
-    def _read_checks(self) -> None:
-        """Raise if a staged mask check failed: a mask of a kind explained before is no longer what its reading
-        says (the model built it from other facts). It waits at most for the device to finish the forward that
-        made the flags, a step back."""
-        staged, self._staged = self._staged, []
-        for flags, event, kinds in staged:
-            if event is not None:
-                event.synchronize()
-            failed = [kind for kind, ok in zip(kinds, flags.tolist()) if not ok]
-            if failed:
-                reading = self._readings.pop(failed[0])
-                layer, dtype, dims, _ = failed[0]
-                used = ([f"causal order{f' with a window of {reading.window}' if reading.window else ''}"]
-                        if reading.causal else []) + (["the batch's padding ('attention_mask')"] if reading.padded
-                                                      else [])
-                used += [f"its documents ({self._document_source(reading.documents)})"] if reading.documents else []
-                raise ValueError(
-                    f"Context parallelism read the {dims}-d {dtype} attention masks of"
-                    f" {layer or 'an attention call'} the first time as made of {', '.join(used) or 'nothing'}, and"
-                    " checks every later one against that on the device: the mask of the last step is not made of"
-                    " those, so that step's attention differs from what one process computes. The model leaves"
-                    " out a fact the batch offers, which its first batch could not show: leave it out of the batch"
-                    " too (the tensor named above), or use cp=1.")

@@ -24,15 +24,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
 
-__all__ = ["AttentionLayer", "Reading", "SequenceFacts", "agrees", "attention_layer", "explain", "packed_documents",
-           "simplest", "unmasked"]
+__all__ = ["AttentionLayer", "MaskReadings", "Reading", "SequenceFacts", "agrees", "attention_layer", "explain",
+           "is_causal_mask", "packed_documents", "simplest", "unmasked"]
 
 
 def packed_documents(position_ids: Tensor) -> Tensor:
@@ -200,6 +200,103 @@ def agrees(mask: Tensor, length: int, facts: SequenceFacts, reading: Reading) ->
     if seen is None:
         return torch.zeros((), dtype=torch.bool, device=mask.device)
     return seen[1] & _agrees(seen[0], facts.candidates(seen[0].size(0)), reading)
+
+
+def is_causal_mask(mask: Tensor, length: int) -> bool:
+    """Whether ``mask`` is the plain lower-triangular mask of a ``length``-token self-attention.
+
+    Boolean masks must be True exactly on and below the diagonal; additive masks 0 there and -inf (or the
+    dtype's lowest value, which Hugging Face uses) above it.
+    """
+    if mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length):
+        return False
+    allowed = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == allowed).all())
+    if not mask.is_floating_point():
+        return False
+    return bool(torch.where(allowed, mask == 0, mask <= torch.finfo(mask.dtype).min).all())
+
+
+class MaskReadings:
+    """What each kind of mask a model builds (attention layer, dtype, rank, which facts the batch has) is made
+    of. The first mask of a kind is explained by reading it; later ones are checked against that reading on the
+    device (:func:`agrees`), and the flags go to host memory at the end of the forward (:meth:`stage`, on CUDA
+    pinned and behind an event) and are read at the next batch (:meth:`read`): a step's host never waits for
+    its masks. ``windows``: the sliding windows the model's configs declare; ``document_key``: cp_document_key."""
+
+    def __init__(self, windows: tuple[int, ...], document_key: Optional[str]) -> None:
+        self.windows, self.document_key = windows, document_key
+        self._readings: dict[tuple, Reading] = {}
+        self._checks: list[tuple[Tensor, tuple]] = []  # this step's device flags, with the kind each checks
+        self._staged: list[tuple[Tensor, Optional[Any], list[tuple]]] = []  # (flags, CUDA event or None, kinds)
+
+    def of(self, mask: Tensor, length: int, facts: SequenceFacts, layer: Optional[AttentionLayer]) -> Reading:
+        """The reading of ``mask``, a [.., length, length] mask built on a shard."""
+        kind = (layer, mask.dtype, mask.dim(), facts.kinds)
+        reading = self._readings.get(kind)
+        if reading is None:
+            reading = self._readings[kind] = self._explain(mask, length, facts, layer)
+        else:
+            self._checks.append((agrees(mask, length, facts, reading), kind))
+        return reading
+
+    def _explain(self, mask: Tensor, length: int, facts: SequenceFacts, layer: Optional[AttentionLayer]) -> Reading:
+        windowed = layer is not None and layer.window is not None
+        if facts.empty and not windowed and is_causal_mask(mask, length):
+            return Reading(True, None, False, None)
+        # a shard without padding (or whose window spans it) can look causal: the facts decide
+        found = explain(mask, length, facts, layer, self.windows)
+        if found is None:
+            raise ValueError(
+                f"scaled_dot_product_attention got an attn_mask of shape {tuple(mask.shape)}"
+                f" ({mask.dtype}) that context parallelism cannot carry over to the whole sequence: no"
+                " combination of causal order, the layer's sliding window, the batch's padding"
+                " ('attention_mask'), packed documents (restarting 'position_ids', or the document ids named"
+                f" by cp_document_key={self.document_key!r}) gives that mask on this rank's shard. A bias or a"
+                " pattern of the model's own has no meaning on a shard: use cp=1, or pass the padding or"
+                " document ids the mask comes from in the batch under those names.")
+        return found
+
+    def stage(self) -> None:
+        """This step's mask checks on their way to host memory (on CUDA: pinned, behind an event)."""
+        if not self._checks:
+            return
+        flags, kinds = torch.stack([flag for flag, _ in self._checks]), [kind for _, kind in self._checks]
+        self._checks = []
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self._staged.append((flags, event, kinds))
+
+    def read(self) -> None:
+        """Raise if a staged check failed: a mask of a kind explained before is no longer what its reading says
+        (the model built it from other facts). It waits at most for the device to finish the forward that made
+        the flags, a step back."""
+        staged, self._staged = self._staged, []
+        for flags, event, kinds in staged:
+            if event is not None:
+                event.synchronize()
+            failed = [kind for kind, ok in zip(kinds, flags.tolist()) if not ok]
+            if failed:
+                reading = self._readings.pop(failed[0])
+                layer, dtype, dims, _ = failed[0]
+                used = ([f"causal order{f' with a window of {reading.window}' if reading.window else ''}"]
+                        if reading.causal else []) + (["the batch's padding ('attention_mask')"] if reading.padded
+                                                      else [])
+                source = "restarting 'position_ids'" if reading.documents == "position_ids" else repr(self.document_key)
+                used += [f"its documents ({source})"] if reading.documents else []
+                raise ValueError(
+                    f"Context parallelism read the {dims}-d {dtype} attention masks of"
+                    f" {layer or 'an attention call'} the first time as made of {', '.join(used) or 'nothing'}, and"
+                    " checks every later one against that on the device: the mask of the last step is not made of"
+                    " those, so that step's attention differs from what one process computes. The model leaves"
+                    " out a fact the batch offers, which its first batch could not show: leave it out of the batch"
+                    " too (the tensor named above), or use cp=1.")
 
 
 def simplest(mask: SequenceMask, length: int) -> SequenceMask:
