@@ -2,9 +2,11 @@
 
     OMP_NUM_THREADS=1 python bench/logits.py [--seq 1024 4096 16384] [--vocab 32000 128000]
                                              [--layouts single tp2 cp2] [--steps 3] [--rounds 1]
+                                             [--batch 1] [--pp-schedule 1f1b]
 
 A Hugging Face Llama (hidden 128, 2 layers, 4 heads, fp32, SGD) trains on batches of one sequence of each
-``--seq`` tokens, with the step everyone writes (``logits = self.model(input_ids=x).logits``, then
+``--seq`` tokens (``--batch`` of them under a pipeline layout, ``pp2``, which splits them into micro-batches
+and runs them by ``--pp-schedule``), with the step everyone writes (``logits = self.model(input_ids=x).logits``, then
 ``F.cross_entropy(logits.view(-1, V), y.view(-1))``), under ``FourDStrategy`` at each layout with
 ``fuse_lm_loss`` on and off, for ``--steps`` training steps. Per run and rank: the peak resident memory above
 what the process held when ``fit`` started (``lightning_4d.observability.telemetry.PeakMemory``; the script runs
@@ -61,20 +63,22 @@ class Llama(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def measure(spec: str, seq: int, vocab: int, fused: bool, steps: int) -> dict:
+def measure(spec: str, seq: int, vocab: int, fused: bool, steps: int, batch: int = 1,
+            pp_schedule: str = "1f1b") -> dict:
     pl.seed_everything(0, verbose=False)
     module = Llama(vocab)
-    loader = DataLoader(random_tokens(steps, seq, vocab), batch_size=1)
+    loader = DataLoader(random_tokens(steps * batch, seq, vocab), batch_size=batch)
+    pipeline = {"pp_schedule": pp_schedule, "pp_microbatches": batch} if "pp" in layout(spec) else {}
     gc.collect()
     memory = PeakMemory(torch.device("cpu"))
     probe = StepTimes(memory)
     n = processes(spec)
     trainer = quiet_trainer(accelerator=accelerator(n), devices=n, max_steps=steps, callbacks=[probe],
-                            strategy=FourDStrategy(**layout(spec), fuse_lm_loss=fused))
+                            strategy=FourDStrategy(**layout(spec), **pipeline, fuse_lm_loss=fused))
     memory.start()
     trainer.fit(module, loader)
     later = [statistics.median(r["wall"][1:]) for r in probe.ranks]
-    return {"layout": spec, "seq": seq, "vocab": vocab, "fused": fused,
+    return {"layout": spec, "seq": seq, "vocab": vocab, "fused": fused, "batch": batch, **pipeline,
             "peak_mib": max(r["peak"] for r in probe.ranks) / 2**20,
             "step_s": max(later), "cpu_s": max(statistics.median(r["cpu"][1:]) for r in probe.ranks)}
 
@@ -112,6 +116,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-logits-gib", type=float, default=4.0)
     parser.add_argument("--fused", type=int, nargs="+", default=[1, 0])
+    parser.add_argument("--batch", type=int, default=1, help="sequences per batch (pp layouts: per micro-batch one)")
+    parser.add_argument("--pp-schedule", default="1f1b")
     args = parser.parse_args()
     if args.worker:
         rows = []
@@ -124,13 +130,15 @@ def main() -> None:
                                          "skipped": f"unfused logits {_logits_gib(spec, seq, vocab):.1f} GiB per"
                                                     f" rank > --max-logits-gib {args.max_logits_gib}"})
                             continue
-                        rows.append(measure(spec, seq, vocab, bool(fused), args.steps))
+                        rows.append(measure(spec, seq, vocab, bool(fused), args.steps, args.batch,
+                                            args.pp_schedule))
         write_rows(rows, args.out)
         return
     rows = []
     for round_ in range(args.rounds):
         worker_args = ["--steps", str(args.steps), "--seq", *map(str, args.seq), "--vocab", *map(str, args.vocab),
-                       "--max-logits-gib", str(args.max_logits_gib), "--fused", *map(str, args.fused)]
+                       "--max-logits-gib", str(args.max_logits_gib), "--fused", *map(str, args.fused),
+                       "--batch", str(args.batch), "--pp-schedule", args.pp_schedule]
         for row in run_layouts(__file__, args.layouts, worker_args, TIMEOUT_S, CPU_MALLOC_ENV):
             rows.append(dict(row, round=round_))
     payload = {"command": command("logits.py"), "hidden": HIDDEN, "layers": LAYERS, "steps": args.steps,

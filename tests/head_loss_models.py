@@ -59,7 +59,9 @@ class FusedHeadCount(Callback):
 
     def parity_extras(self, trainer):
         fused = getattr(getattr(trainer.strategy, "parallel", None), "head_loss", None)
-        counts = torch.tensor([fused.fused if fused else 0, fused.fallbacks if fused else 0, int(fused is not None)])
+        counts = torch.tensor([fused.fused if fused else 0, fused.fallbacks if fused else 0, int(fused is not None),
+                               int(fused is not None and fused.gradients_in_backward)])
         if dist.is_initialized():
             dist.all_reduce(counts)
-        return {"fused": int(counts[0]), "fallbacks": int(counts[1]), "fused_heads": int(counts[2])}
+        return {"fused": int(counts[0]), "fallbacks": int(counts[1]), "fused_heads": int(counts[2]),
+                "gradients_in_backward": int(counts[3])}

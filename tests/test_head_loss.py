@@ -3,16 +3,20 @@
 In-process: every loss chain people write (``view``/``reshape``/``float``/slicing/boolean masks, cross entropy
 with ``ignore_index``, class weights, label smoothing and each reduction, ``nll_loss(log_softmax(...))``) gives
 the unfused loss and gradients within fp32 round-off (1e-6 relative), also under bf16 autocast (compared with
-the unfused bf16 path), and no tensor of the step holds more than a chunk of logits (the unfused step does: so
-the test can fail). Other uses get the logits whole; in-place changes and use after the step are refused.
+the unfused bf16 path), with the gradients formed in forward or in backward, and no tensor of the step holds more
+than a chunk of logits (the unfused step does: so the test can fail); formed in backward, the forward keeps no
+gradient for it. Other uses get the logits whole; in-place changes and use after the step are refused.
 
 Multi-process (``tests/parity.py``): Hugging Face Llama and Qwen2 with ``labels=`` and with the explicit cross
 entropy, a nanoGPT head tied to its embedding, litgpt's and torchtitan's heads, on one device, dp=2, cp=2,
-pp=2, dp_shard=2, tp=2 and dp2 x pp2 x cp2, against one unfused process: per-step loss, logged metrics and
+pp=2 (1F1B and GPipe, whose last stage forms the head's gradients in backward), dp_shard=2, tp=2 and dp2 x pp2 x
+cp2, against one unfused process: per-step loss, logged metrics and
 final weights within 1e-5 (fp32, SGD), with activation checkpointing and compile too. A probe counts the
 chunked cross entropies on every rank, so a case that silently fell back fails; under tp each rank computes its
 share of the vocabulary (with class weights, label smoothing and an accuracy beside).
 """
+
+import gc
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.head_placement import MadeTensors
 from lightning_4d.numerics import head_loss
 from tests.parity import Case, assert_parity, reference, report_difference, train_layout
 
@@ -69,45 +74,50 @@ def _changed_in_place(logits):
     return logits
 
 
-def _run(fused: bool, chain, *, tied=False, bias=False, chunk_tokens=7, autocast=False, seed=0):
+def _run(fused: bool, chain, *, tied=False, bias=False, chunk_tokens=7, autocast=False, seed=0, in_backward=False):
     torch.manual_seed(seed)
     model = _Toy(tied, bias)
     x, y = torch.randint(0, V, (3, 11)), torch.randint(0, V, (3, 11))
     y[0, :4] = -100
     owner = head_loss.ChunkedHeadLoss("lm_head", model.lm_head, chunk_tokens * V) if fused else None
+    if owner is not None:
+        owner.gradients_in_backward = in_backward
     with head_loss.step_scope(owner), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         loss = chain(model(x), y)
         loss.backward()
     return loss.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()}, owner
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["gradients_in_forward", "gradients_in_backward"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("name", list(CHAINS))
-def test_a_chain_to_the_loss_gives_the_unfused_numbers(name, tied):
+def test_a_chain_to_the_loss_gives_the_unfused_numbers(name, tied, in_backward):
     expected, expected_grads, _ = _run(False, CHAINS[name], tied=tied, bias=not tied)
-    got, grads, owner = _run(True, CHAINS[name], tied=tied, bias=not tied)
+    got, grads, owner = _run(True, CHAINS[name], tied=tied, bias=not tied, in_backward=in_backward)
     assert (owner.fused, owner.fallbacks) == (1, 0), (owner.fused, owner.fallbacks)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     for n in expected_grads:
         torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-6, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("in_backward", [False, True], ids=["gradients_in_forward", "gradients_in_backward"])
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 33, 1000])
-def test_any_chunk_size_gives_the_unfused_numbers(chunk_tokens):
+def test_any_chunk_size_gives_the_unfused_numbers(chunk_tokens, in_backward):
     expected, expected_grads, _ = _run(False, CHAINS["smoothing"])
-    got, grads, _ = _run(True, CHAINS["smoothing"], chunk_tokens=chunk_tokens)
+    got, grads, _ = _run(True, CHAINS["smoothing"], chunk_tokens=chunk_tokens, in_backward=in_backward)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     for n in expected_grads:
         torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-6, atol=1e-6)
 
 
-def test_bf16_autocast_computes_as_the_unfused_path():
+@pytest.mark.parametrize("in_backward", [False, True], ids=["gradients_in_forward", "gradients_in_backward"])
+def test_bf16_autocast_computes_as_the_unfused_path(in_backward):
     """Each chunk runs the unfused path's ops under the same autocast (bf16 logits, the cast, an fp32 loss): the
     loss agrees to fp32 round-off; a weight gradient is a sum of per-chunk bf16 products instead of one, so it
     and backward's scale is applied after the bf16 products instead of before, so each gradient is checked to be
     as close to the fp32 gradient as the unfused bf16 one is: relative error norms within 2x."""
     expected, expected_grads, _ = _run(False, CHAINS["shift_reshape_float"], autocast=True)
-    got, grads, _ = _run(True, CHAINS["shift_reshape_float"], autocast=True)
+    got, grads, _ = _run(True, CHAINS["shift_reshape_float"], autocast=True, in_backward=in_backward)
     _, exact, _ = _run(False, CHAINS["shift_reshape_float"])
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     for n in expected_grads:
@@ -140,6 +150,40 @@ def test_the_logits_never_exist_whole():
             _run(fused, CHAINS["shift_reshape_float"])
         largest[fused] = probe.largest
     assert largest[False] >= 30 * V and largest[True] <= max(7 * V, V * H), largest
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_formed_in_backward_keep_nothing_from_the_forward(reduction):
+    """What GPipe's last stage needs, which runs every micro-batch's forward before any backward: formed in
+    forward, each micro-batch's loss keeps the head's weight gradient (V x H) and its rows' until backward;
+    formed in backward (``gradients_in_backward``), the forward keeps nothing but its inputs (views of them) and
+    a mean's token count, and backward then gives the same gradients as the unfused step."""
+    kept = {}
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        model = _Toy()
+        x, y = torch.randint(0, V, (3, 11)), torch.randint(0, V, (3, 11))
+        owner = head_loss.ChunkedHeadLoss("lm_head", model.lm_head, 7 * V)
+        owner.gradients_in_backward = in_backward
+        with head_loss.step_scope(owner):
+            hidden = torch.tanh(model.body(model.emb(x))).detach().requires_grad_()
+            with MadeTensors() as probe:
+                loss = F.cross_entropy(model.lm_head(hidden).view(-1, V), y.view(-1), reduction=reduction)
+            gc.collect()
+            inputs = {hidden.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
+            kept[in_backward] = sorted(tuple(t.shape) for t in (ref() for ref in probe.made) if t is not None
+                                       and t is not loss and t.untyped_storage().data_ptr() not in inputs)
+            loss.backward()
+        torch.testing.assert_close(model.lm_head.weight.grad, _unfused_head_grad(model, hidden, y, reduction),
+                                   rtol=1e-6, atol=1e-7)
+    assert (V, H) in kept[False] and (33, H) in kept[False], kept
+    assert all(shape == () for shape in kept[True]), kept  # a mean's token count at most
+
+
+def _unfused_head_grad(model, hidden, y, reduction):
+    weight = model.lm_head.weight.detach().requires_grad_()
+    F.cross_entropy(F.linear(hidden.detach(), weight).view(-1, V), y.view(-1), reduction=reduction).backward()
+    return weight.grad
 
 
 def test_other_uses_get_the_logits_whole_and_say_so_once():
@@ -213,6 +257,8 @@ TWO = [
     Case("llama_labels_cp2", module=LABELS, module_kwargs=LLAMA, strategy={"cp": 2}, **SFT),
     Case("qwen2_labels_dp_shard2", module=LABELS, module_kwargs=QWEN, strategy={"dp_shard": 2}, **SFT),
     Case("qwen2_ce_pp2", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2}, **SFT),
+    # GPipe: every micro-batch's forward before any backward, so the head forms its gradients in backward
+    Case("qwen2_ce_pp2_gpipe", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2, "pp_schedule": "gpipe"}, **SFT),
     Case("nanogpt_tied_cp2", module="tests.lm_models:NanoGPT", strategy={"cp": 2}, **SFT),
     Case("nanogpt_tied_dp_shard2", module="tests.lm_models:NanoGPT", strategy={"dp_shard": 2}, **SFT),
     # the head an FSDP unit of its own, kept gathered from its forward to its backward
@@ -267,6 +313,7 @@ def test_a_layout_with_the_fused_head_matches_one_unfused_process(layouts, name)
     # one chunked cross entropy per step (per micro-batch under pp, on its last stage), on every rank that
     # holds the head; an accuracy's argmax is the only use that computed the logits whole
     assert extras["fused_heads"] >= 1 and extras["fused"] >= case.max_steps, extras
+    assert extras["gradients_in_backward"] == (extras["fused_heads"] if "gpipe" in name else 0), extras
     if "accuracy" in name:
         assert extras["fallbacks"] >= case.max_steps, extras
     else:

@@ -20,6 +20,7 @@ from lightning_4d.context_parallel.config import ContextParallelConfig
 from lightning_4d.pipeline import SCHEDULES, PipelineConfig, PipelinePlan
 from lightning_4d.pipeline.microbatch import split_batch
 from lightning_4d.planner import PP_SCHEDULES, Layout, Model, Training, layout_problems
+from lightning_4d.planner.estimate import FORWARDS_FIRST
 from lightning_4d.tensor_parallel import TensorParallelConfig, plan_tensor_parallel
 from lightning_4d.tensor_parallel.discovery import find_regions
 from tests.lm_models import HFCausalLM, NanoGPT, tiny_gpt
@@ -151,6 +152,7 @@ def test_planner_and_runtime_agree(row):
 
 def test_planner_schedules_are_the_pipelines():
     assert sorted(PP_SCHEDULES) == sorted(SCHEDULES)
+    assert sorted(FORWARDS_FIRST) == sorted(name for name, spec in SCHEDULES.items() if spec.forwards_first)
 
 
 def test_planner_counts_heads_as_tensor_parallelism_does():

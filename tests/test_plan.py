@@ -464,3 +464,15 @@ def test_the_logits_are_counted_with_and_without_the_fused_head_loss(capsys):
     assert logits[False][dp2] == 4096 * 32000 * 8
     assert logits[True][dp2] == 2**22 * 12 + 4096 * 128 * 4 + 32000 * 128 * 4
     assert all(logits[True][k] < logits[False][k] / 10 for k in logits[True]), logits
+    # GPipe's last stage holds every micro-batch's forward: the head forms its gradients in backward, keeping none
+    kept = {}
+    for schedule in ("gpipe", "1f1b"):  # a global batch of 4: pp=2's 4 micro-batches of one sequence each
+        assert main([*sizes[:-2], "4", "--json", "--pp-schedule", schedule]) == 0
+        layouts = json.loads(capsys.readouterr().out)["layouts"]
+        kept[schedule] = {str(tuple(r["layout"].values())): r["memory_bytes"]["logits"] for r in layouts
+                          if r["layout"]["pp"] == 2}
+    pp2 = list(kept["gpipe"])
+    assert pp2 and set(pp2) == set(kept["1f1b"]), kept
+    for key in pp2:
+        assert kept["gpipe"][key] == 2**22 * 12, (key, kept)
+        assert kept["1f1b"][key] > kept["gpipe"][key], (key, kept)

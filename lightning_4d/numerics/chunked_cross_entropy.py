@@ -2,7 +2,10 @@
 
 :class:`ChunkedCrossEntropy` takes the head's input rows, weight and bias, what was applied to each row of the
 logits (``row_ops``) and ``F.cross_entropy``'s arguments. Each chunk's gradients with respect to the rows and
-the weights are formed while its loss is, so backward only scales them; under tensor parallelism (a ``head``
+the weights are formed while its loss is, so backward only scales them. That holds a weight-sized gradient from
+the forward to the backward, so where many forwards run before their backwards (a pipeline's GPipe schedule)
+the head is asked to form them in backward instead (``in_backward``), from each chunk's logits computed again:
+one more matmul per chunk, nothing held in between. Under tensor parallelism (a ``head``
 with a process group) each rank computes its share of the vocabulary, with two all-reduces per chunk
 (:func:`vocabulary_parallel_cross_entropy`). :mod:`.head_loss` decides when a loss is one of these.
 
@@ -25,46 +28,53 @@ from lightning_4d.numerics.token_losses import valid_count
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Cross entropy of ``linear(rows, weight, bias)`` (then ``row_ops``) against ``target``, a chunk of rows at a
     time. With ``reduction`` ``"sum"`` or ``"mean"`` each chunk's gradients are formed with its loss and backward
-    scales them; with ``"none"`` (a gradient per token) backward computes each chunk's logits again."""
+    scales them; with ``"none"`` (a gradient per token), or when ``options`` ask for it (``in_backward``), backward
+    computes each chunk's logits again and forms them there."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, target, class_weight, options):
-        head, row_ops, ignore_index, smoothing, reduction = options
-        ctx.options = options
+        head, row_ops, ignore_index, smoothing, reduction, in_backward = options
+        ctx.options, ctx.count = options, None
         per_token = reduction == "none"
         chunks = _Chunks(head, rows, weight, bias, ctx.needs_input_grad[:3], row_ops, class_weight, ignore_index,
                          smoothing)
-        losses = []
-        for part in chunks.parts():
-            with torch.enable_grad():
-                loss = chunks.loss(part, target[part], "none" if per_token else "sum")
-                if not per_token:
-                    chunks.add_gradients(part, loss)
-            losses.append(loss.detach())
-        if per_token:
+        if per_token or in_backward:  # the loss alone now; backward computes each chunk's logits again
+            losses = [chunks.loss(part, target[part], "none" if per_token else "sum") for part in chunks.parts()]
             ctx.save_for_backward(rows, weight, bias, target, class_weight)
-            return torch.cat(losses) if losses else rows.new_zeros(0)
+            if per_token:
+                return torch.cat(losses) if losses else rows.new_zeros(0)
+        else:
+            losses = []
+            for part in chunks.parts():
+                with torch.enable_grad():
+                    loss = chunks.loss(part, target[part], "sum")
+                    chunks.add_gradients(part, loss)
+                losses.append(loss.detach())
+            ctx.grads = chunks.gradients()
         total = torch.stack([t.float() for t in losses]).sum() if losses else rows.new_zeros((), dtype=torch.float32)
         dtype = losses[0].dtype if losses else rows.dtype
-        grads = chunks.gradients()
         if reduction == "mean":
-            count = valid_count(target, ignore_index, class_weight, torch.float32)
-            total = total / count
-            grads = [g / count.to(g.dtype) if g is not None else None for g in grads]
-        ctx.grads = grads
+            ctx.count = valid_count(target, ignore_index, class_weight, torch.float32)
+            total = total / ctx.count
+            if not in_backward:
+                ctx.grads = [g / ctx.count.to(g.dtype) if g is not None else None for g in ctx.grads]
         return total.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        head, row_ops, ignore_index, smoothing, reduction = ctx.options
-        if reduction != "none":  # (a zero-bubble schedule runs backward twice: for the input, then the weights)
+        head, row_ops, ignore_index, smoothing, reduction, in_backward = ctx.options
+        if reduction != "none" and not in_backward:  # (a zero-bubble schedule runs backward twice: for the input,
+            # then the weights)
             return (*(g * grad.to(g.dtype) if g is not None else None for g in ctx.grads), None, None, None)
         rows, weight, bias, target, class_weight = ctx.saved_tensors
+        if ctx.count is not None:  # a mean: each token's share of the upstream gradient
+            grad = grad / ctx.count.to(grad.dtype)
         chunks = _Chunks(head, rows, weight, bias, ctx.needs_input_grad[:3], row_ops, class_weight, ignore_index,
                          smoothing)
         for part in chunks.parts():
             with torch.enable_grad():
-                chunks.add_gradients(part, chunks.loss(part, target[part], "none"), grad[part])
+                loss = chunks.loss(part, target[part], "none" if reduction == "none" else "sum")
+                chunks.add_gradients(part, loss, grad[part] if reduction == "none" else grad.to(loss.dtype))
         return (*chunks.gradients(), None, None, None)
 
 

@@ -77,6 +77,9 @@ class ChunkedHeadLoss:
     def __init__(self, name: str, head: nn.Linear, chunk_elements: Optional[int] = None) -> None:
         self.name, self.head = name, head
         self.chunk_elements = chunk_elements  # None: see MIN_CHUNK_ELEMENTS
+        # Form the gradients in backward from the chunks' logits again, instead of with the loss: set where many
+        # forwards run before their backwards (GPipe), which would each hold a weight-sized gradient until then.
+        self.gradients_in_backward = False
         self.open: list[_Head] = []  # this step's deferred heads, closed by :meth:`close`
         self.fused = 0  # cross entropies computed in chunks
         self.fallbacks = 0  # uses that computed the logits whole
@@ -469,7 +472,7 @@ def _fused_loss(func: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
     head.owner.fused += 1
 
     def compute(reduction: str) -> Tensor:
-        options = (head, logits._row_ops, call["ignore_index"], smoothing, reduction)
+        options = (head, logits._row_ops, call["ignore_index"], smoothing, reduction, head.owner.gradients_in_backward)
         return ChunkedCrossEntropy.apply(rows, head.weight, head.bias, target, weight, options)
 
     return weighed(compute, call["reduction"], target, call["ignore_index"], weight)  # a token mean: weighed

@@ -22,16 +22,17 @@ class ScheduleSpec(NamedTuple):
     cls: type
     v_shape: bool  # stages go down the ranks and back up (rank 0 holds the first and the last stage)
     stages_per_rank: Optional[int]  # fixed by the schedule; None: ``pp_virtual_stages`` (default 2)
+    forwards_first: bool  # each stage runs every micro-batch's forward before the first backward: all are held
 
 
 SCHEDULES = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, False, 1),
-    "1f1b": ScheduleSpec(Schedule1F1B, False, 1),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, False, None),
-    "looped_bfs": ScheduleSpec(ScheduleLoopedBFS, False, None),
-    "interleaved_zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, False, None),
-    "zbv_zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, True, 2),
-    "dualpipev": ScheduleSpec(ScheduleDualPipeV, True, 2),
+    "gpipe": ScheduleSpec(ScheduleGPipe, False, 1, True),
+    "1f1b": ScheduleSpec(Schedule1F1B, False, 1, False),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, False, None, False),
+    "looped_bfs": ScheduleSpec(ScheduleLoopedBFS, False, None, True),
+    "interleaved_zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, False, None, False),
+    "zbv_zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, True, 2, False),
+    "dualpipev": ScheduleSpec(ScheduleDualPipeV, True, 2, False),
 }
 
 

@@ -30,7 +30,8 @@ Memory per device, on the pipeline stage that needs most:
   (``FourDStrategy(fuse_lm_loss=True)``, :mod:`lightning_4d.numerics.head_loss`), one chunk's logits, fp32
   softmax and gradient (a chunk holds as many logits as the head's input has elements, at least 2^22), plus
   the gradients formed in forward and kept for backward: the head's input rows' and its weight's (its share
-  under tp). With ``activation_checkpointing`` a checkpointed block keeps only its input
+  under tp); under GPipe and looped BFS, whose last stage holds every micro-batch, the head forms them in
+  backward instead, so none are kept. With ``activation_checkpointing`` a checkpointed block keeps only its input
   (``"selective"``: its input and its matmuls' outputs), the stage's checkpointed blocks are all of them
   (``"full"``, ``"selective"``) or ``layers // n`` (``"every_n"``), and backward adds one block's full
   activations while it recomputes it.
@@ -88,6 +89,8 @@ BUILDS = ("whole", "meta")
 BROADCAST_BUCKET_BYTES = 64 * 2**20
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble",
                 "dualpipev")
+# Those whose stages run every micro-batch's forward before the first backward (``ScheduleSpec.forwards_first``).
+FORWARDS_FIRST = ("gpipe", "looped_bfs")
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,7 @@ def estimate(model: Model, training: Training, layout: Layout) -> Estimate:
     for stage, layers in enumerate(stage_layers):
         params = _stage_params(model, layout, stage, layers)
         # GPipe and looped BFS run every forward first; the others start backward after a warm-up.
-        in_flight = m if training.pp_schedule in ("gpipe", "looped_bfs") else min(layout.pp - stage, m)
+        in_flight = m if training.pp_schedule in FORWARDS_FIRST else min(layout.pp - stage, m)
         checkpointed = _checkpointed(training, layers)
         activations = in_flight * (checkpointed * kept + (layers - checkpointed) * per_layer)
         if checkpointed:  # backward recomputes one checkpointed block at a time, which then keeps everything
@@ -389,6 +392,8 @@ def logits_bytes(model: Model, training: Training, layout: Layout, gbytes: float
     if not (training.fuse_lm_loss if fused is None else fused):
         return tokens * vocab * (e + 4)  # the logits and their fp32 log-softmax
     chunk = min(tokens * vocab, max(MIN_CHUNK_ELEMENTS, tokens * model.hidden))  # logits per chunk
+    if layout.pp > 1 and training.pp_schedule in FORWARDS_FIRST:
+        return chunk * (e + 4 + 4)  # the gradients are formed in backward: none kept from the forward
     return chunk * (e + 4 + 4) + tokens * model.hidden * e + model.vocab * model.hidden / layout.tp * gbytes
 
 
