@@ -63,8 +63,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         head, row_ops, ignore_index, smoothing, reduction, in_backward = ctx.options
-        if reduction != "none" and not in_backward:  # (a zero-bubble schedule runs backward twice: for the input,
-            # then the weights)
+        if reduction != "none" and not in_backward:
+            # formed in forward (a zero-bubble schedule calls backward twice: for the input, then the weights)
             return (*(g * grad.to(g.dtype) if g is not None else None for g in ctx.grads), None, None, None)
         rows, weight, bias, target, class_weight = ctx.saved_tensors
         if ctx.count is not None:  # a mean: each token's share of the upstream gradient
