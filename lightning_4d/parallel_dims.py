@@ -34,6 +34,9 @@ EXPERT_MESH_DIMS = ("ep_pp", "ep_replica", "ep", "ep_tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
 # ModelParallelStrategy's dimension names, answered by the same mesh (``self.device_mesh["data_parallel"]``).
 LIGHTNING_MESH_DIMS = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
+# The meshes this process built, by (layout, device type, Lightning's names), for its default process group
+# (under "world"): see ParallelDims.build.
+_BUILT: dict[object, object] = {}
 
 Size = Union[int, Literal["auto"]]
 
@@ -224,7 +227,22 @@ class ParallelDims:
     def build(self, device_type: str, lightning_names: bool = False) -> ParallelMesh:
         """Every process group of the layout (a collective call: every rank builds every group in one order).
         ``lightning_names``: the mesh also answers ModelParallelStrategy's ``data_parallel`` and ``tensor_parallel``
-        (for a module whose ``configure_model`` slices them); each is one more process group to create."""
+        (for a module whose ``configure_model`` slices them); each is one more process group to create.
+
+        A process builds a layout once per default process group and hands the same mesh to every later
+        ``fit``, ``validate``, ``test`` or ``predict`` (and Trainer) with that layout: new groups each time would
+        each keep their threads and sockets (gloo) or communicators and device buffers (NCCL) until the process
+        exits. Every rank runs the same entry points in the same order, so all of them build or all reuse."""
+        world = dist.group.WORLD
+        key = (self, device_type, lightning_names)
+        if _BUILT.get("world") is not world:  # a new default group (the old one was destroyed): its meshes are gone
+            _BUILT.clear()
+            _BUILT["world"] = world
+        if key not in _BUILT:
+            _BUILT[key] = self._build(device_type, lightning_names)
+        return _BUILT[key]
+
+    def _build(self, device_type: str, lightning_names: bool) -> ParallelMesh:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=DEVICE_MESH_DIMS)
         flat = {"dp": compat.flatten_mesh(mesh, ("dp_replicate", "dp_shard"), "dp"),

@@ -1,8 +1,10 @@
 """The composition without a Trainer: ``parallelize`` a module in plain torch, train it by hand, and get the
 numbers of one process; its plans are pure and say what each rank holds."""
 
+import json
 import os
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -127,3 +129,32 @@ def test_parallelize_without_a_trainer_trains_as_one_process(tmp_path):
             torch.testing.assert_close(torch.tensor(got["weights"][key]), ref, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{name}: {key}: {m}")
     assert "pipeline plan: pp=2" in records["nanogpt-pp2-tp2"]["plan"]
+
+
+def _mesh_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
+    """Build layouts as every fit, validate, test and predict does: each layout's groups once per default group."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    first = ParallelDims.resolve(world_size, dp=2).build("cpu")
+    again = ParallelDims.resolve(world_size, dp=2).build("cpu")  # a later entry point, or another Trainer
+    other = ParallelDims.resolve(world_size, pp=2).build("cpu")
+    dp = torch.ones(1)
+    dist.all_reduce(dp, group=again.group("dp"))
+    dist.destroy_process_group()  # a new default group: its layouts are built again, on it
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    fresh = ParallelDims.resolve(world_size, dp=2).build("cpu")
+    after = torch.ones(1)
+    dist.all_reduce(after, group=fresh.group("dp"))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "reused": again is first and again.group("dp") is first.group("dp"), "other_layout_new": other is not first,
+        "rebuilt_after_new_world": fresh is not first, "sums": [dp.item(), after.item()]}))
+    dist.destroy_process_group()
+
+
+def test_a_layout_is_built_once_per_process_group_and_reused():
+    """Lightning calls ``setup_environment`` on every fit, validate, test and predict; building the layout each
+    time created more process groups per call (6 at pp=2 on gloo, each with its threads and sockets; on NCCL
+    communicators and their buffers), kept until the process exits."""
+    for result in spawn(_mesh_worker, 2, 120, free_port()):
+        assert result == {"reused": True, "other_layout_new": True, "rebuilt_after_new_world": True,
+                          "sums": [2.0, 2.0]}, result
