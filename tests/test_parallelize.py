@@ -131,7 +131,7 @@ def test_parallelize_without_a_trainer_trains_as_one_process(tmp_path):
     assert "pipeline plan: pp=2" in records["nanogpt-pp2-tp2"]["plan"]
 
 
-def _mesh_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
+def _mesh_worker(rank: int, world_size: int, out_dir: str, port: int, second_port: int) -> None:
     """Build layouts as every fit, validate, test and predict does: each layout's groups once per default group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -141,6 +141,7 @@ def _mesh_worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
     dp = torch.ones(1)
     dist.all_reduce(dp, group=again.group("dp"))
     dist.destroy_process_group()  # a new default group: its layouts are built again, on it
+    os.environ["MASTER_PORT"] = str(second_port)  # a new store (rendezvous again on the first port can hang)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     fresh = ParallelDims.resolve(world_size, dp=2).build("cpu")
     after = torch.ones(1)
@@ -155,6 +156,8 @@ def test_a_layout_is_built_once_per_process_group_and_reused():
     """Lightning calls ``setup_environment`` on every fit, validate, test and predict; building the layout each
     time created more process groups per call (6 at pp=2 on gloo, each with its threads and sockets; on NCCL
     communicators and their buffers), kept until the process exits."""
-    for result in spawn(_mesh_worker, 2, 120, free_port()):
+    first = free_port()
+    second = next(port for port in iter(free_port, None) if port != first)
+    for result in spawn(_mesh_worker, 2, 120, first, second):
         assert result == {"reused": True, "other_layout_new": True, "rebuilt_after_new_world": True,
                           "sums": [2.0, 2.0]}, result
