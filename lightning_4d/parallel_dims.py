@@ -34,9 +34,15 @@ EXPERT_MESH_DIMS = ("ep_pp", "ep_replica", "ep", "ep_tp")
 GROUP_NAMES = ("dp", "pp", "cp", "tp", "dp_cp")
 # ModelParallelStrategy's dimension names, answered by the same mesh (``self.device_mesh["data_parallel"]``).
 LIGHTNING_MESH_DIMS = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_parallel": ("tp",)}
-# The meshes this process built, by (layout, device type, Lightning's names), for its default process group
-# (under "world"): see ParallelDims.build.
-_BUILT: dict[object, object] = {}
+
+
+class _BuiltMeshes:
+    """The meshes this process built, by (layout, device type, Lightning's names), for one default process group
+    (see :meth:`ParallelDims.build`)."""
+
+    world: object = None
+    meshes: dict[tuple, "ParallelMesh"] = {}
+
 
 Size = Union[int, Literal["auto"]]
 
@@ -233,14 +239,12 @@ class ParallelDims:
         ``fit``, ``validate``, ``test`` or ``predict`` (and Trainer) with that layout: new groups each time would
         each keep their threads and sockets (gloo) or communicators and device buffers (NCCL) until the process
         exits. Every rank runs the same entry points in the same order, so all of them build or all reuse."""
-        world = dist.group.WORLD
+        if _BuiltMeshes.world is not dist.group.WORLD:  # a new default group (the old one was destroyed)
+            _BuiltMeshes.world, _BuiltMeshes.meshes = dist.group.WORLD, {}
         key = (self, device_type, lightning_names)
-        if _BUILT.get("world") is not world:  # a new default group (the old one was destroyed): its meshes are gone
-            _BUILT.clear()
-            _BUILT["world"] = world
-        if key not in _BUILT:
-            _BUILT[key] = self._build(device_type, lightning_names)
-        return _BUILT[key]
+        if key not in _BuiltMeshes.meshes:
+            _BuiltMeshes.meshes[key] = self._build(device_type, lightning_names)
+        return _BuiltMeshes.meshes[key]
 
     def _build(self, device_type: str, lightning_names: bool) -> ParallelMesh:
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
