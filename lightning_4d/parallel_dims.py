@@ -40,7 +40,7 @@ class _BuiltMeshes:
     """The meshes this process built, by (layout, device type, Lightning's names), for one default process group
     (see :meth:`ParallelDims.build`)."""
 
-    world: object = None
+    world: Optional[dist.ProcessGroup] = None
     meshes: dict[tuple, "ParallelMesh"] = {}
 
 
