@@ -464,7 +464,7 @@ def _fused_loss(func: Any, args: tuple, kwargs: dict) -> Optional[Tensor]:
     if func is F.nll_loss and "log_softmax" not in kinds:
         return None  # nll of anything but log-probabilities is not a cross entropy
     if logits._head.group is not None and "log_softmax" in kinds and "elementwise" in kinds[kinds.index("log_softmax"):]:
-        return None  # an op of log-probabilities computed over a share of the vocabulary would not be the same  # nll of anything but log-probabilities is not a cross entropy
+        return None  # an op of log-probabilities computed over a share of the vocabulary would not be the same
     head = logits._head
     rows = head.rows if logits._identity else head.rows.index_select(0, logits._index.reshape(-1))
     smoothing = call.get("label_smoothing", 0.0)
