@@ -4,20 +4,25 @@ FourDStrategy against the same torch schedule driven by hand on hand-split stage
     OMP_NUM_THREADS=1 python bench/pp.py [--pp 2 4] [--steps 8] [--rounds 3] [--schedules gpipe 1f1b ...]
                                          [--ablation]
 
-For each pipeline size the script starts itself with ``--worker`` (Lightning's launcher then starts the
-other ranks). Each rank trains the example GPT through ``Trainer(strategy=FourDStrategy(pp=...))`` for every
-schedule and micro-batch count, and, in the same processes, the same ``torch.distributed.pipelining``
-schedule class on stages cut by hand (embedding + blocks, blocks, blocks + norm + head, cross entropy as the
-schedule's loss), with the same optimizer. Step time is the median after two warm-up steps, of the slowest
-rank. The hand-driven comparison runs at ``m = 2p`` for every schedule; there the runs alternate for
-``--rounds`` rounds and each keeps its best. CPU time per step (summed over ranks) is reported next to wall
-time: on a machine shared with other jobs it is the steadier measure of extra work. The machine's speed also
-drifts over minutes, which the best of each moves with; the paired overhead is the median over rounds of each
-round's FourD step against the hand-driven step of the same round, seconds apart. The step-by-step overhead pairs
-closer still: in each round one more run takes FourD's steps and hand-driven steps in turn (a hand step after each
-FourD step, in the same processes), and it is the median over every pair of the rounds of FourD's step against
-the hand step that follows it, milliseconds later. ``--ablation`` adds such runs of FourD without its fused LM
-head, without token-weighted losses, and without both (``ABLATION``): what each costs against the hand stages.
+For each pipeline size the script starts itself with ``--worker`` (Lightning's launcher then starts the other
+ranks). Each rank trains the example GPT through ``Trainer(strategy=FourDStrategy(pp=...))`` for every schedule and
+micro-batch count, and, in the same processes, the same ``torch.distributed.pipelining`` schedule class on stages
+cut by hand (embedding + blocks, blocks, blocks + norm + head, cross entropy as the schedule's loss), with the same
+optimizer. Step time is the median after two warm-up steps, of the slowest rank. The hand-driven comparison runs at
+``m = 2p`` for every schedule; there the runs alternate for ``--rounds`` rounds and each keeps its best. CPU time
+per step (summed over ranks) is reported next to wall time: on a machine shared with other jobs it is the steadier
+measure of extra work. The machine's speed also drifts over minutes, which the best of each moves with; the paired
+overhead is the median over rounds of each round's FourD step against the hand-driven step of the same round,
+seconds apart. A step's time runs from its start to its end; its period, from its start to the next step's start,
+also holds what runs between the steps (for FourD, Lightning's loop): the paired period overhead is how much longer
+per step a long run takes. The step-by-step overhead pairs closer still: in each round one more run takes FourD's
+steps and hand-driven steps in turn (a hand step after each even FourD step and before each odd one, in the same
+processes), and it is the median over every pair of the rounds of FourD's step against the hand step beside it,
+milliseconds apart, with a 95% bootstrap interval of that median over the pairs, and the medians of the pairs in
+either order (``_fourd_first``, ``_hand_first``): which side runs first moves a pair's ratio by several points
+(``docs/performance.md``), so neither order alone is the overhead. ``--ablation`` adds such runs of FourD without
+its fused LM head, without token-weighted losses, and without both (``ABLATION``): what each costs against the hand
+stages.
 
 At ``m = 2p`` FourD runs twice: with its defaults, and with the LM head computed as the hand stages compute it
 (``fuse_lm_loss=False``: the logits whole, then the cross entropy). The second is the pipeline's own overhead,
@@ -31,6 +36,7 @@ is ``1 - busy / step time``, averaged over ranks. Theory for GPipe and 1F1B: ``(
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -85,26 +91,31 @@ def _data(steps: int) -> TensorDataset:
 
 
 class _Steps(Callback):
-    """Per-step wall time, stage busy time and CPU time, after warm-up. With ``beside``, after each step one step
-    of that hand-driven pipeline, timed apart: the two steps of a pair run milliseconds apart."""
+    """Per-step wall time, stage busy time and CPU time, after warm-up. With ``beside``, one step of that
+    hand-driven pipeline next to each step, timed apart: after the even steps, before the odd ones, so that neither
+    side always runs first. The two steps of a pair run milliseconds apart."""
 
     def __init__(self, beside: "_HandPipeline | None" = None) -> None:
-        self.samples: list[tuple[float, float, float]] = []
+        self.samples: list[tuple[float, float, float, float]] = []
         self.beside = beside
+        self._start = (0.0, 0.0)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.beside is not None and batch_idx % 2:
+            self.beside.step(batch_idx)
         _busy[0] = 0.0
-        self._start = (time.perf_counter(), time.process_time())
+        self._previous, self._start = self._start[0], (time.perf_counter(), time.process_time())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx >= WARMUP:
-            self.samples.append((time.perf_counter() - self._start[0], _busy[0], time.process_time() - self._start[1]))
-        if self.beside is not None:
+        if batch_idx >= WARMUP:  # the period: from the step before's start, Lightning's work between batches too
+            self.samples.append((time.perf_counter() - self._start[0], _busy[0], time.process_time() - self._start[1],
+                                 self._start[0] - self._previous))
+        if self.beside is not None and not batch_idx % 2:
             self.beside.step(batch_idx)
 
 
 def run_fourd(pp: int, schedule: str, micro: int, steps: int, beside: "_HandPipeline | None" = None,
-              **options) -> list[tuple[float, float, float]]:
+              **options) -> list[tuple[float, float, float, float]]:
     pl.seed_everything(0, verbose=False)
     timer = _Steps(beside)
     trainer = quiet_trainer(accelerator="cpu", devices=pp, max_steps=WARMUP + steps, callbacks=[timer],
@@ -154,20 +165,23 @@ class _HandPipeline:
         self.schedule = spec.cls(stages if spec.stages_per_rank != 1 else stages[0], micro, loss_fn=_loss)
         self.optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=3e-3, betas=(0.9, 0.95))
         self.data = _data(WARMUP + steps).tensors
-        self.samples: list[tuple[float, float, float]] = []
+        self.samples: list[tuple[float, float, float, float]] = []
+        self._previous = 0.0
 
     def step(self, step: int) -> None:
         x, y = (t[step * BATCH:(step + 1) * BATCH] for t in self.data)
         _busy[0] = 0.0
         start = (time.perf_counter(), time.process_time())
+        previous, self._previous = self._previous, start[0]
         self.optimizer.zero_grad()
         self.schedule.step(x, target=y)
         self.optimizer.step()
         if step >= WARMUP:
-            self.samples.append((time.perf_counter() - start[0], _busy[0], time.process_time() - start[1]))
+            self.samples.append((time.perf_counter() - start[0], _busy[0], time.process_time() - start[1],
+                                 start[0] - previous))
 
 
-def run_by_hand(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float]]:
+def run_by_hand(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[float, float, float, float]]:
     hand = _HandPipeline(pp, schedule, micro, steps)
     for step in range(WARMUP + steps):
         hand.step(step)
@@ -176,22 +190,32 @@ def run_by_hand(pp: int, schedule: str, micro: int, steps: int) -> list[tuple[fl
 
 def run_interleaved(pp: int, schedule: str, micro: int, steps: int, **options) -> list[float]:
     """FourD's step and a hand-driven step in turn, in one run: each pair's ratio minus one, the slower rank's
-    step on both sides. Pairs milliseconds apart leave out the drift of the machine that separate runs see."""
+    step on both sides. Pairs milliseconds apart leave out the drift of the machine that separate runs see;
+    which side runs first alternates from pair to pair."""
     hand = _HandPipeline(pp, schedule, micro, steps)
     fourd = run_fourd(pp, schedule, micro, steps, beside=hand, **options)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, [[t for t, _, _ in fourd], [t for t, _, _ in hand.samples]])
+    dist.all_gather_object(everyone, [[t for t, *_ in fourd], [t for t, *_ in hand.samples]])
     return [max(r[0][i] for r in everyone) / max(r[1][i] for r in everyone) - 1 for i in range(steps)]
 
 
-def _summary(samples: list[tuple[float, float, float]]) -> dict[str, float]:
-    """This rank's medians, then over ranks: the slowest step time, the mean bubble, the total CPU time."""
-    mine = [statistics.median(t for t, _, _ in samples), 1 - statistics.median(b / t for t, b, _ in samples),
-            statistics.median(c for _, _, c in samples)]
+def interval(values: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% interval of the median of ``values`` (pairs drawn again with replacement, percentile bootstrap): how
+    far the step-by-step overhead could move with other pairs of the same run."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]]
+
+
+def _summary(samples: list[tuple[float, float, float, float]]) -> dict[str, float]:
+    """This rank's medians, then over ranks: the slowest step time, the mean bubble, the total CPU time, the
+    slowest period (step start to step start)."""
+    mine = [statistics.median(t for t, *_ in samples), 1 - statistics.median(b / t for t, b, *_ in samples),
+            statistics.median(c for _, _, c, _ in samples), statistics.median(p for *_, p in samples)]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {"step_s": max(r[0] for r in everyone), "bubble": statistics.fmean(r[1] for r in everyone),
-            "cpu_s": sum(r[2] for r in everyone)}
+            "cpu_s": sum(r[2] for r in everyone), "period_s": max(r[3] for r in everyone)}
 
 
 def theory(schedule: str, pp: int, micro: int) -> float | None:
@@ -232,9 +256,17 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], ablation: boo
                     # each round's runs follow each other within seconds: their ratio leaves out the machine's drift
                     row[f"overhead_wall_paired{suffix}"] = statistics.median(
                         r[name]["step_s"] / r["by_hand"]["step_s"] - 1 for r in by_round)
+                    # the same from periods: what a run of many steps takes per step, Lightning's loop included
+                    row[f"overhead_period_paired{suffix}"] = statistics.median(
+                        r[name]["period_s"] / r["by_hand"]["period_s"] - 1 for r in by_round)
                 for variant, by_pair in pairs.items():
                     key = "overhead_wall_interleaved" + (f"_{variant}" if variant else "")
                     row[key] = statistics.median(o for r in by_pair for o in r)
+                    row[f"{key}_interval"] = interval([o for r in by_pair for o in r])
+                    # the pairs whose FourD step ran first, and those whose hand step did: how much the order moves it
+                    for order, first in (("fourd_first", 0), ("hand_first", 1)):
+                        row[f"{key}_{order}"] = statistics.median(
+                            o for r in by_pair for i, o in enumerate(r) if (WARMUP + i) % 2 == first)
                     row[f"{key}_rounds"] = [statistics.median(r) for r in by_pair]
             rows.append(row)
     write_rows(rows, out)

@@ -38,6 +38,14 @@ def _tp(payload: dict) -> str:
               f" CPU time **{payload['fourd_over_hand_written_cpu_time']:.3f}**")
 
 
+def _overhead(row: dict, key: str) -> str:
+    """``+4.1%``, with its interval where one was computed: ``+4.1% (3.2 to 5.0)``."""
+    if key not in row:
+        return ""
+    low_high = row.get(f"{key}_interval")
+    return f"{row[key]:+.1%}" + (f" ({low_high[0]:+.1%} to {low_high[1]:+.1%})" if low_high else "")
+
+
 def _pp(payload: dict) -> str:
     rows = []
     for r in payload["results"]:
@@ -45,12 +53,13 @@ def _pp(payload: dict) -> str:
         rows.append([str(r["pp"]), r["schedule"], str(r["microbatches"]), f"{r['fourd_step_s']:.3f}",
                      f"{r['fourd_bubble']:.2f}", "" if r["theory_bubble"] is None else f"{r['theory_bubble']:.2f}",
                      f"{r['by_hand_step_s']:.3f}" if hand else "", f"{r['by_hand_bubble']:.2f}" if hand else "",
-                     *(f"{r[key]:+.1%}" if key in r else "" for key in (
-                         "overhead_wall", "overhead_cpu", "overhead_wall_paired", "overhead_wall_interleaved",
-                         "overhead_wall_unfused", "overhead_cpu_unfused", "overhead_wall_paired_unfused"))])
+                     *(_overhead(r, key) for key in (
+                         "overhead_wall", "overhead_cpu", "overhead_wall_paired", "overhead_period_paired",
+                         "overhead_wall_interleaved", "overhead_wall_unfused", "overhead_cpu_unfused",
+                         "overhead_wall_paired_unfused"))])
     return _rows(["pp", "schedule", "m", "step (s)", "bubble, measured", "bubble, theory", "by hand: step (s)",
-                  "bubble", "overhead, wall", "overhead, CPU", "overhead, wall, paired",
-                  "overhead, wall, step by step", "head unfused: overhead, wall",
+                  "bubble", "overhead, wall", "overhead, CPU", "overhead, wall, paired", "overhead, period, paired",
+                  "overhead, wall, step by step (95% interval)", "head unfused: overhead, wall",
                   "overhead, CPU", "overhead, wall, paired"], rows)
 
 
