@@ -39,7 +39,7 @@ def _tp(payload: dict) -> str:
 
 
 def _overhead(row: dict, key: str) -> str:
-    """``+4.1%``, with its interval where one was computed: ``+4.1% (3.2 to 5.0)``."""
+    """``+4.1%``, with its interval where one was computed: ``+4.1% (+3.2% to +5.0%)``."""
     if key not in row:
         return ""
     low_high = row.get(f"{key}_interval")
