@@ -110,6 +110,7 @@ def _model_parallel():
 
 def run(name: str, out: Path) -> None:
     build, strategy = LAYOUTS[name]
+    print(f"host_sync_script: {name}", flush=True)  # a failed launch's log shows which layout failed
     pl.seed_everything(0, verbose=False)
     counter = CountSteps(first=3, last=8)
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD,
