@@ -34,8 +34,9 @@ READ_OPS = {"_local_scalar_dense", "equal", "nonzero", "masked_select", "unique"
 OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list")
 BARRIERS = ("barrier", "monitored_barrier")
-TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                      "broadcast", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv")
+TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                      "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "gather", "scatter",
+                      "all_to_all", "all_to_all_single", "send", "recv")
 ASYNC_POINT_TO_POINT = ("batch_isend_irecv",)  # isend/irecv stay as they are: P2POp checks their identity
 PACKAGES = ("lightning_4d", "lightning", "transformers", "peft")
 
@@ -66,8 +67,13 @@ STRATEGY_API = {"reduce", "all_gather", "barrier", "broadcast", "reduce_boolean_
 
 def origin(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
     """(package, "path:function") of the innermost frame outside torch and this file; the example models under
-    ``lightning_4d/demos/`` count as a user's model ("other"), and the Strategy API as its caller."""
+    ``lightning_4d/demos/`` count as a user's model ("other"), the Strategy API as its caller, and what torch's
+    FSDP calls itself as torch's."""
     here = os.path.abspath(__file__)
+    caller = next((f for f in reversed(stack) if os.path.abspath(f.filename) != here), None)
+    if caller is not None and "/torch/distributed/fsdp/" in caller.filename.replace("\\", "/"):
+        # FSDP's own all-gathers and reduce-scatters (on GPUs they run on its streams): torch's, whoever ran it
+        return "torch", f"torch/distributed/fsdp/{os.path.basename(caller.filename)}:{caller.name}"
     for frame in reversed(stack):
         path = frame.filename.replace("\\", "/")
         if "/torch/" in path or os.path.abspath(frame.filename) == here or path.endswith("/contextlib.py"):
