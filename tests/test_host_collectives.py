@@ -68,8 +68,10 @@ def _worker(out: Path) -> None:
     import torch.distributed._functional_collectives as functional
 
     from lightning_4d import _compat as compat
+    from lightning_4d.faults.report import destroy_process_groups_at_exit
 
     dist.init_process_group("gloo")
+    destroy_process_groups_at_exit()  # the exit order FourDStrategy's runs have (docs/troubleshooting.md)
     group, rank = dist.group.WORLD, dist.get_rank()
     found = {}
     for name, case in _cases(rank).items():
@@ -86,7 +88,6 @@ def _worker(out: Path) -> None:
             same = same and torch.equal(grads[0], grads[1])
         found[name] = "same" if same else f"differs: {mine} vs {reference}, gradients {grads}"
     (out / f"rank{rank}.json").write_text(json.dumps(found))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
