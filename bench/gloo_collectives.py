@@ -28,12 +28,12 @@ HEAP = re.compile(r"(malloc\(\).*|free\(\).*|double free.*|corrupted.*|Segmentat
 
 def _step_collectives(path: str):
     """(differentiable all-gather, all-gather, differentiable reduce-scatter) for ``path``."""
+    from lightning_4d import _compat as compat
     if path == "functional":
-        import torch.distributed._functional_collectives as functional
+        functional = compat.functional_collectives()
         return (lambda x, g: functional.all_gather_tensor_autograd(x, 0, g),
                 lambda x, g: functional.all_gather_tensor(x, 0, g),
                 lambda x, g: functional.reduce_scatter_tensor_autograd(x, "sum", 0, g))
-    from lightning_4d import _compat as compat
     return (lambda x, g: compat.all_gather_in_stream(x, g, differentiable=True),
             lambda x, g: compat.all_gather_in_stream(x, g),
             compat.reduce_scatter_in_stream)
