@@ -26,6 +26,8 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 from torch.utils.data import DataLoader
 
+from lightning_4d import _host_collectives as host
+
 __all__ = [
     "OpOverloadPacket", "all_gather_ddp_if_available", "keystr", "sync_ddp_if_available", "tree_flatten",
     "tree_flatten_with_path", "tree_map",
@@ -71,63 +73,10 @@ def functional_collectives() -> Any:
 def all_reduce_in_stream(tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
     """``tensor`` reduced over ``group`` (``op``: "sum", "max", "min") as a new tensor, by torch's functional
     collective: the result is waited for where it is first used, as a dependency between device streams (on
-    NCCL the host never waits), and torch.compile traces it. On the CPU, c10d's (:func:`_on_host`)."""
-    if _on_host(tensor):
-        out = tensor.clone()
-        dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True).wait()
-        return out
+    NCCL the host never waits), and torch.compile traces it. On the CPU, c10d's (``_host_collectives``)."""
+    if host.on_host(tensor):
+        return host.reduced(tensor, op, group)
     return functional_collectives().all_reduce(tensor, op, group)
-
-
-# --- collectives of CPU tensors (gloo)
-#
-# torch's functional collectives on gloo now and then corrupt the heap ("malloc(): unaligned tcache chunk
-# detected", "free(): invalid pointer": SIGABRT; or SIGSEGV) or lose a message (a timeout): 6 of 20 launches of 1000
-# ep=2 steps failed through them on torch 2.13, 0 of 20 through these (tests/expert_parallel_stress.py,
-# docs/troubleshooting.md). Their point, a wait the device stream makes instead of the host, has no use on gloo,
-# which runs every collective on the host: CPU tensors take c10d's collectives, launched asynchronously and waited
-# for at once.
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def _on_host(tensor: torch.Tensor) -> bool:
-    """A CPU tensor: its collective runs on gloo, through c10d (see above)."""
-    return tensor.device.type == "cpu"
-
-
-def _gathered(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    tensor = tensor.contiguous()
-    out = tensor.new_empty((dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:]))
-    dist.all_gather_single(out, tensor, group=group, async_op=True).wait()
-    return out
-
-
-def _scattered(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    tensor = tensor.contiguous()
-    out = tensor.new_empty((tensor.shape[0] // dist.get_world_size(group), *tensor.shape[1:]))
-    dist.reduce_scatter_single(out, tensor, group=group, async_op=True).wait()
-    return out
-
-
-def _exchanged(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    tensor = tensor.contiguous()
-    out = torch.empty_like(tensor)
-    dist.all_to_all_single(out, tensor, group=group, async_op=True).wait()
-    return out
-
-
-class _OnHost(torch.autograd.Function):
-    """A collective of CPU tensors (``there``) whose backward is another (``back``, the gradient's way back)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: Any, there: Callable, back: Callable) -> torch.Tensor:
-        ctx.group, ctx.back = group, back
-        return there(tensor, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return ctx.back(grad, ctx.group), None, None, None
 
 
 # torch's entries that F.cross_entropy and F.nll_loss end in, looked up on ``torch._C._nn`` at every call (so a
@@ -154,9 +103,10 @@ def reduction_code(reduction: str) -> int:
 def all_gather_in_stream(tensor: torch.Tensor, group: Any, differentiable: bool = False) -> torch.Tensor:
     """``tensor`` gathered over ``group`` along dim 0 (rank order) by torch's functional collective, waited for
     where first used; ``differentiable``: its backward is the reduce-scatter (sum) of the gradient. On the CPU,
-    c10d's (:func:`_on_host`)."""
-    if _on_host(tensor):
-        return _OnHost.apply(tensor, group, _gathered, _scattered) if differentiable else _gathered(tensor, group)
+    c10d's (``_host_collectives``)."""
+    if host.on_host(tensor):
+        return host.Differentiable.apply(tensor, group, host.gathered, host.scattered) if differentiable \
+            else host.gathered(tensor, group)
     functional = functional_collectives()
     gather = functional.all_gather_tensor_autograd if differentiable else functional.all_gather_tensor
     return gather(tensor, 0, group)
@@ -165,18 +115,18 @@ def all_gather_in_stream(tensor: torch.Tensor, group: Any, differentiable: bool 
 def all_to_all_in_stream(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Equal chunks of ``tensor``'s dim 0 exchanged over ``group`` (chunk ``j`` to rank ``j``) by torch's functional
     collective, waited for where first used; its backward sends the gradient back the same way. On the CPU,
-    c10d's (:func:`_on_host`)."""
-    if _on_host(tensor):
-        return _OnHost.apply(tensor, group, _exchanged, _exchanged)
+    c10d's (``_host_collectives``)."""
+    if host.on_host(tensor):
+        return host.Differentiable.apply(tensor, group, host.exchanged, host.exchanged)
     return functional_collectives().all_to_all_single_autograd(tensor.contiguous(), None, None, group)
 
 
 def reduce_scatter_in_stream(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """``tensor`` summed over ``group``, each rank keeping its block of dim 0, by torch's functional collective
     (waited for where first used); its backward is the all-gather of the gradient. On the CPU, c10d's
-    (:func:`_on_host`)."""
-    if _on_host(tensor):
-        return _OnHost.apply(tensor, group, _scattered, _gathered)
+    (``_host_collectives``)."""
+    if host.on_host(tensor):
+        return host.Differentiable.apply(tensor, group, host.scattered, host.gathered)
     return functional_collectives().reduce_scatter_tensor_autograd(tensor, "sum", 0, group)
 
 
