@@ -7,10 +7,13 @@
 steps): the step's wall time, split into the time before the torch schedule's ``step`` (for the hand loop:
 ``zero_grad``; for FourD: Lightning's step start, splitting the batch, setting gradients aside), the schedule
 and the time after it (for the hand loop: the optimizer step; for FourD: the results exchange, committing
-gradients, the optimizer step and Lightning's step end); the CPU time inside its stages' forward calls (F) and
-backward calls (B: the input's and, for the zero-bubble schedules, the weights' half) and in the whole
-schedule; and the wall time spent posting sends and receives (``isend`` / ``irecv`` return at once unless the
-process waits for a core or a lock of the transport). The same CPU times per stage follow (F, B for the input,
+gradients, the optimizer step and Lightning's step end); the CPU time of the step's own thread inside its
+stages' forward calls (F) and backward calls (B: the input's and, for the zero-bubble schedules, the weights'
+half) and in the whole schedule (gloo's I/O threads, which the process's CPU time would add in, are left out);
+the wall time spent posting sends and receives (``isend`` / ``irecv`` return at once unless the process waits
+for a core or a lock of the transport); and, for FourD, three parts of the time after the schedule: the last
+stage's results reaching every stage (``exchange``), the step's ``self.log`` calls replayed through Lightning
+(``replay``) and the gradients committed in Lightning's ``backward`` (``commit``). The same CPU times per stage follow (F, B for the input,
 W for the weights): they show which stage's work differs. Three runs alternate for ``--rounds`` rounds in the
 same processes: FourD with its defaults, FourD with neither token-weighted losses nor the fused LM head
 (``loss_normalization="replica"``, ``fuse_lm_loss=False``: the hand stages' arithmetic), and the hand-driven
@@ -35,7 +38,10 @@ from torch.utils.data import DataLoader  # noqa: E402
 from bench import pp  # noqa: E402
 from bench.common import command, quiet_trainer, run_worker, write, write_rows  # noqa: E402
 from lightning_4d import FourDStrategy  # noqa: E402
+from lightning_4d.numerics.step_logging import StepLogs  # noqa: E402
 from lightning_4d.pipeline import SCHEDULES, PipelineConfig  # noqa: E402
+from lightning_4d.pipeline.results import ResultExchange  # noqa: E402
+from lightning_4d.pipeline.runner import PipelineRunner  # noqa: E402
 
 TIMEOUT_S = 1800
 RUNS = {"fourd": {}, "fourd_plain": {"loss_normalization": "replica", "fuse_lm_loss": False}, "by_hand": None}
@@ -45,16 +51,18 @@ RUNS = {"fourd": {}, "fourd_plain": {"loss_normalization": "replica", "fuse_lm_l
 _cpu: dict[tuple[str, int], float] = {}
 _posting = [0.0]
 _marks: list[tuple] = []
+# This step's wall seconds in FourD's parts after the schedule (see the module docstring).
+_parts = {"exchange": [0.0], "replay": [0.0], "commit": [0.0]}
 
 
 def _cpu_timed(method, kind: str):
     def run(stage, *args, **kwargs):
-        start = time.process_time()
+        start = time.thread_time()
         try:
             return method(stage, *args, **kwargs)
         finally:
             key = (kind, stage.stage_index)
-            _cpu[key] = _cpu.get(key, 0.0) + time.process_time() - start
+            _cpu[key] = _cpu.get(key, 0.0) + time.thread_time() - start
 
     return run
 
@@ -66,6 +74,9 @@ PipelineStage.backward_weight_one_chunk = _cpu_timed(PipelineStage.backward_weig
 # modules get the same wrapper).
 dist.isend = c10d.isend = pp._timed(c10d.isend, _posting)
 dist.irecv = c10d.irecv = pp._timed(c10d.irecv, _posting)
+ResultExchange.exchange = pp._timed(ResultExchange.exchange, _parts["exchange"])
+StepLogs.replay = pp._timed(StepLogs.replay, _parts["replay"])
+PipelineRunner.commit_gradients = pp._timed(PipelineRunner.commit_gradients, _parts["commit"])
 
 
 def _time_schedule(cls) -> None:
@@ -74,11 +85,11 @@ def _time_schedule(cls) -> None:
     def timed(self, *args, **kwargs):
         _cpu.clear()
         _posting[0] = 0.0
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             return step(self, *args, **kwargs)
         finally:
-            _marks.append(("schedule", wall, time.perf_counter(), time.process_time() - cpu, dict(_cpu),
+            _marks.append(("schedule", wall, time.perf_counter(), time.thread_time() - cpu, dict(_cpu),
                            _posting[0]))
 
     cls.step = timed
@@ -86,10 +97,12 @@ def _time_schedule(cls) -> None:
 
 class _StepEnd(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        for part in _parts.values():
+            part[0] = 0.0
         _marks.append(("start", time.perf_counter()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        _marks.append(("end", time.perf_counter()))
+        _marks.append(("end", time.perf_counter(), {name: part[0] for name, part in _parts.items()}))
 
 
 def _hand_step_timed(step):
@@ -122,15 +135,17 @@ def _by_hand(pp_size: int, schedule: str, micro: int, steps: int) -> list[dict]:
 def _samples() -> list[dict[str, float]]:
     """Each step's figures from its marks: the step's start, its schedule, the step's end."""
     marks = {kind: [m for m in _marks if m[0] == kind] for kind in ("start", "schedule", "end")}
-    return [_sample(start[1], s, end[1]) for start, s, end in zip(marks["start"], marks["schedule"], marks["end"])]
+    return [_sample(start[1], s, end) for start, s, end in zip(marks["start"], marks["schedule"], marks["end"])]
 
 
-def _sample(begin: float, schedule: tuple, end: float) -> dict[str, float]:
-    """One step's figures; per stage as ``F<stage>`` and so on."""
+def _sample(begin: float, schedule: tuple, end: tuple) -> dict[str, float]:
+    """One step's figures; per stage as ``F<stage>`` and so on; FourD's parts after the schedule (none by hand)."""
     _, start, stop, cpu, by_stage, posting = schedule
+    _, finish, *parts = end
     sample = {"F": sum(t for (kind, _), t in by_stage.items() if kind == "F"),
               "B": sum(t for (kind, _), t in by_stage.items() if kind != "F"), "before": start - begin,
-              "wall": stop - start, "cpu": cpu, "posting": posting, "after": end - stop, "step": end - begin}
+              "wall": stop - start, "cpu": cpu, "posting": posting, "after": finish - stop, "step": finish - begin,
+              **(parts[0] if parts else dict.fromkeys(_parts, 0.0))}
     return {**sample, **{f"{kind}{stage}": t for (kind, stage), t in by_stage.items()}}
 
 
@@ -166,11 +181,12 @@ def main() -> None:
                                  str(args.microbatches), "--steps", str(args.steps), "--rounds", str(args.rounds)],
                       TIMEOUT_S)
     print("| round | run | rank | step (ms) | before the schedule (ms) | schedule (ms) | after the schedule (ms) |"
-          " F (ms CPU) | B (ms CPU) | schedule (ms CPU) | posting (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " F (ms CPU) | B (ms CPU) | schedule (ms CPU) | posting (ms) | exchange (ms) | replay (ms) | commit (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['round']} | {r['run']} | {r['rank']} | {r['step']:.1f} | {r['before']:.1f} | {r['wall']:.1f} |"
-              f" {r['after']:.1f} | {r['F']:.1f} | {r['B']:.1f} | {r['cpu']:.1f} | {r['posting']:.1f} |")
+              f" {r['after']:.1f} | {r['F']:.1f} | {r['B']:.1f} | {r['cpu']:.1f} | {r['posting']:.1f} |"
+              f" {r['exchange']:.2f} | {r['replay']:.2f} | {r['commit']:.2f} |")
     print("\n| round | run | stage | F (ms CPU) | B (ms CPU) | W (ms CPU) |\n|---|---|---|---|---|---|")
     by_stage = sorted((r["round"], list(RUNS).index(r["run"]), int(key[1:]), r) for r in rows for key in r
                       if key[0] == "F" and key[1:].isdigit())
