@@ -24,6 +24,13 @@ either order (``_fourd_first``, ``_hand_first``): which side runs first moves a 
 its fused LM head, without token-weighted losses, and without both (``ABLATION``): what each costs against the hand
 stages.
 
+A control measures what each estimate reads with no overhead at all: the hand-driven pipeline against itself. In
+each round at ``m = 2p`` a second separate hand-driven run (``hand_control``, first in the round, so three runs
+from the hand-driven run it is compared with, where FourD's run is two) gives the separate-run estimates
+(``overhead_*_control``: best of each, paired, period), and a run of two hand-driven copies in turn gives the
+step-by-step one (``overhead_wall_interleaved_control``). How far these stray from zero is how much of a
+FourD figure the machine alone can make.
+
 At ``m = 2p`` FourD runs twice: with its defaults, and with the LM head computed as the hand stages compute it
 (``fuse_lm_loss=False``: the logits whole, then the cross entropy). The second is the pipeline's own overhead,
 the same arithmetic on both sides; the first adds the fused head's, a memory feature whose time is measured on
@@ -199,6 +206,18 @@ def run_interleaved(pp: int, schedule: str, micro: int, steps: int, **options) -
     return [max(r[0][i] for r in everyone) / max(r[1][i] for r in everyone) - 1 for i in range(steps)]
 
 
+def run_interleaved_control(pp: int, schedule: str, micro: int, steps: int) -> list[float]:
+    """The same pairs with the hand-driven pipeline on both sides (a second copy in place of FourD): what the
+    step-by-step estimate reads when there is no overhead at all, its noise and any bias of the pairing."""
+    first, second = _HandPipeline(pp, schedule, micro, steps), _HandPipeline(pp, schedule, micro, steps)
+    for step in range(WARMUP + steps):
+        for hand in ((first, second) if step % 2 == 0 else (second, first)):
+            hand.step(step)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [[t for t, *_ in first.samples], [t for t, *_ in second.samples]])
+    return [max(r[0][i] for r in everyone) / max(r[1][i] for r in everyone) - 1 for i in range(steps)]
+
+
 def interval(values: list[float], resamples: int = 2000, seed: int = 0) -> list[float]:
     """A 95% interval of the median of ``values`` (pairs drawn again with replacement, percentile bootstrap): how
     far the step-by-step overhead could move with other pairs of the same run."""
@@ -233,11 +252,14 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], ablation: boo
                 continue  # the schedule needs more micro-batches than this
             runs = {"fourd": lambda: run_fourd(pp, schedule, micro, steps)}
             if micro == 2 * pp:
+                # the control: a hand-driven run three runs before the one FourD is compared with (FourD's is two)
+                runs = {"hand_control": lambda: run_by_hand(pp, schedule, micro, steps), **runs}
                 runs["fourd_unfused"] = lambda: run_fourd(pp, schedule, micro, steps, fuse_lm_loss=False)
                 runs["by_hand"] = lambda: run_by_hand(pp, schedule, micro, steps)
             best: dict[str, dict[str, float]] = {}
             by_round: list[dict[str, dict[str, float]]] = []
             pairs: dict[str, list[list[float]]] = {v: [] for v in variants}  # per round, each pair's overhead
+            control_pairs: list[list[float]] = []
             for _ in range(rounds if micro == 2 * pp else 1):
                 by_round.append({})
                 for name, run in runs.items():
@@ -247,10 +269,11 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], ablation: boo
                 if micro == 2 * pp:
                     for variant, options in variants.items():
                         pairs[variant].append(run_interleaved(pp, schedule, micro, steps, **options))
+                    control_pairs.append(run_interleaved_control(pp, schedule, micro, steps))
             row = {"pp": pp, "schedule": schedule, "microbatches": micro, "theory_bubble": theory(schedule, pp, micro),
                    **{f"{name}_{key}": value for name, result in best.items() for key, value in result.items()}}
             if "by_hand" in best:
-                for name, suffix in (("fourd", ""), ("fourd_unfused", "_unfused")):
+                for name, suffix in (("fourd", ""), ("fourd_unfused", "_unfused"), ("hand_control", "_control")):
                     row[f"overhead_wall{suffix}"] = best[name]["step_s"] / best["by_hand"]["step_s"] - 1
                     row[f"overhead_cpu{suffix}"] = best[name]["cpu_s"] / best["by_hand"]["cpu_s"] - 1
                     # each round's runs follow each other within seconds: their ratio leaves out the machine's drift
@@ -268,6 +291,9 @@ def worker(pp: int, steps: int, rounds: int, schedules: list[str], ablation: boo
                         row[f"{key}_{order}"] = statistics.median(
                             o for r in by_pair for i, o in enumerate(r) if (WARMUP + i) % 2 == first)
                     row[f"{key}_rounds"] = [statistics.median(r) for r in by_pair]
+                control = [o for r in control_pairs for o in r]
+                row["overhead_wall_interleaved_control"] = statistics.median(control)
+                row["overhead_wall_interleaved_control_interval"] = interval(control)
             rows.append(row)
     write_rows(rows, out)
 

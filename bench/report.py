@@ -56,11 +56,13 @@ def _pp(payload: dict) -> str:
                      *(_overhead(r, key) for key in (
                          "overhead_wall", "overhead_cpu", "overhead_wall_paired", "overhead_period_paired",
                          "overhead_wall_interleaved", "overhead_wall_unfused", "overhead_cpu_unfused",
-                         "overhead_wall_paired_unfused"))])
+                         "overhead_wall_paired_unfused", "overhead_wall_paired_control",
+                         "overhead_period_paired_control", "overhead_wall_interleaved_control"))])
     return _rows(["pp", "schedule", "m", "step (s)", "bubble, measured", "bubble, theory", "by hand: step (s)",
                   "bubble", "overhead, wall", "overhead, CPU", "overhead, wall, paired", "overhead, period, paired",
                   "overhead, wall, step by step (95% interval)", "head unfused: overhead, wall",
-                  "overhead, CPU", "overhead, wall, paired"], rows)
+                  "overhead, CPU", "overhead, wall, paired", "control (hand against hand): wall, paired",
+                  "period, paired", "step by step (95% interval)"], rows)
 
 
 def _cp_name(row: dict) -> str:
