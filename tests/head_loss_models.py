@@ -1,5 +1,5 @@
 """Modules whose LM-head logits reach a loss as people write it, for the fused head-loss tests (issue #39);
-nothing here but ``HeldGradientsLimit`` knows lightning_4d.
+nothing here knows lightning_4d.
 
 - ``LabelsLM(family)``: a Hugging Face model of the zoo trained through its own loss (``labels=``; the labels
   are the next tokens already, passed as ``shift_labels`` too, as context parallelism requires).
@@ -9,8 +9,6 @@ nothing here but ``HeldGradientsLimit`` knows lightning_4d.
 - ``AccuracyLM(family)``: the cross entropy and, from the same logits, an accuracy it logs.
 - ``FusedHeadCount``: a probe that reports, summed over the ranks, how many cross entropies were computed in
   chunks and how many uses computed the logits whole.
-- ``HeldGradientsLimit``: sets lightning_4d's limit on the head gradients a pipeline holds between forwards and
-  backwards to 0 before the strategy lays the module out, so that a tiny head forms them in backward.
 """
 
 import torch
@@ -67,18 +65,3 @@ class FusedHeadCount(Callback):
             dist.all_reduce(counts)
         return {"fused": int(counts[0]), "fallbacks": int(counts[1]), "fused_heads": int(counts[2]),
                 "gradients_in_backward": int(counts[3])}
-
-
-class HeldGradientsLimit(Callback):
-    """Before the strategy's setup (Lightning calls callbacks' ``setup`` first): no held head gradients allowed;
-    the limit back at ``teardown`` (the cases of a launch share the process)."""
-
-    def setup(self, trainer, pl_module, stage):
-        from lightning_4d.numerics import head_loss
-
-        self.limit, head_loss.HELD_GRADIENT_ELEMENTS = head_loss.HELD_GRADIENT_ELEMENTS, 0
-
-    def teardown(self, trainer, pl_module, stage):
-        from lightning_4d.numerics import head_loss
-
-        head_loss.HELD_GRADIENT_ELEMENTS = self.limit

@@ -110,17 +110,6 @@ def test_any_chunk_size_gives_the_unfused_numbers(chunk_tokens, in_backward):
         torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-6, atol=1e-6)
 
 
-def test_a_head_forms_its_gradients_in_backward_when_the_held_ones_would_pass_the_limit():
-    """A schedule running ``forwards`` forwards first would hold as many weight gradients: up to
-    HELD_GRADIENT_ELEMENTS in all they are formed with the loss, past it in backward."""
-    head = nn.Linear(128, 256, bias=False)  # 2^15 elements: 2^22 / 2^15 = 128 forwards fit
-    owner = head_loss.ChunkedHeadLoss("lm_head", head)
-    for forwards, in_backward in ((1, False), (4, False), (128, False), (129, True)):
-        owner.forwards_before_backwards(forwards)
-        assert owner.gradients_in_backward is in_backward, (forwards, owner.gradients_in_backward)
-    owner.remove()
-
-
 @pytest.mark.parametrize("in_backward", [False, True], ids=["gradients_in_forward", "gradients_in_backward"])
 def test_bf16_autocast_computes_as_the_unfused_path(in_backward):
     """Each chunk runs the unfused path's ops under the same autocast (bf16 logits, the cast, an fp32 loss): the
@@ -255,7 +244,6 @@ def test_fuse_lm_loss_must_be_a_bool():
 # ------------------------------------------------------------------------------------------ layouts
 
 PROBE = ["tests.head_loss_models:FusedHeadCount"]
-IN_BACKWARD = "tests.head_loss_models:HeldGradientsLimit"
 SFT = dict(data="tests.fine_tuning_models:sft_data", max_steps=3, callbacks=PROBE)
 LLAMA, QWEN = {"family": "llama"}, {"family": "qwen2"}
 ZOO = "tests.zoo_models:HFZooLM"
@@ -269,10 +257,8 @@ TWO = [
     Case("llama_labels_cp2", module=LABELS, module_kwargs=LLAMA, strategy={"cp": 2}, **SFT),
     Case("qwen2_labels_dp_shard2", module=LABELS, module_kwargs=QWEN, strategy={"dp_shard": 2}, **SFT),
     Case("qwen2_ce_pp2", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2}, **SFT),
-    # GPipe: every micro-batch's forward before any backward; a head whose 4 weight gradients would pass
-    # head_loss.HELD_GRADIENT_ELEMENTS (set to 0 here) forms them in backward
-    Case("qwen2_ce_pp2_gpipe_gradients_in_backward", module=ZOO, module_kwargs=QWEN,
-         strategy={"pp": 2, "pp_schedule": "gpipe"}, **dict(SFT, callbacks=PROBE + [IN_BACKWARD])),
+    # GPipe: every micro-batch's forward before any backward, so the head forms its gradients in backward
+    Case("qwen2_ce_pp2_gpipe", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2, "pp_schedule": "gpipe"}, **SFT),
     Case("nanogpt_tied_cp2", module="tests.lm_models:NanoGPT", strategy={"cp": 2}, **SFT),
     Case("nanogpt_tied_dp_shard2", module="tests.lm_models:NanoGPT", strategy={"dp_shard": 2}, **SFT),
     # the head an FSDP unit of its own, kept gathered from its forward to its backward
@@ -285,9 +271,7 @@ TWO = [
          strategy={"pp": 2}, **SFT),
     Case("torchtitan_dp2", module="tests.head_loss_models:library_lm", module_kwargs={"family": "torchtitan_llama3"},
          strategy={"dp": 2}, **SFT),
-    # a small head under GPipe keeps forming them with the loss
-    Case("shifted_pp2_gpipe", module="tests.head_loss_models:ShiftedLM", module_kwargs=LLAMA,
-         strategy={"pp": 2, "pp_schedule": "gpipe"}, **SFT),
+    Case("shifted_pp2", module="tests.head_loss_models:ShiftedLM", module_kwargs=LLAMA, strategy={"pp": 2}, **SFT),
     Case("smoothed_dp_shard2", module=SMOOTHED, module_kwargs=LLAMA, strategy={"dp_shard": 2}, **SFT),
     Case("smoothed_cp2", module=SMOOTHED, module_kwargs=QWEN, strategy={"cp": 2}, **SFT),
     Case("accuracy_cp2", module="tests.head_loss_models:AccuracyLM", module_kwargs=LLAMA, strategy={"cp": 2},
@@ -329,7 +313,7 @@ def test_a_layout_with_the_fused_head_matches_one_unfused_process(layouts, name)
     # one chunked cross entropy per step (per micro-batch under pp, on its last stage), on every rank that
     # holds the head; an accuracy's argmax is the only use that computed the logits whole
     assert extras["fused_heads"] >= 1 and extras["fused"] >= case.max_steps, extras
-    assert extras["gradients_in_backward"] == (extras["fused_heads"] if "in_backward" in name else 0), extras
+    assert extras["gradients_in_backward"] == (extras["fused_heads"] if "gpipe" in name else 0), extras
     if "accuracy" in name:
         assert extras["fallbacks"] >= case.max_steps, extras
     else:

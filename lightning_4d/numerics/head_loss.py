@@ -39,11 +39,6 @@ from lightning_4d.numerics.token_losses import weighed
 # Logits per chunk: as many as the head's input has elements (a chunk's logits then take about the memory its
 # input already does), and at least MIN_CHUNK_ELEMENTS (16 MiB in fp32), so that short sequences are few chunks.
 MIN_CHUNK_ELEMENTS = 1 << 22
-# Where every micro-batch's forward runs before any backward (GPipe, looped BFS), forming the gradients with the
-# loss holds a weight-sized gradient per micro-batch until its backward; past this many elements in all, the head
-# forms them in backward instead, from each chunk's logits computed again (one more matmul per chunk). Up to it
-# they take no more than one chunk's logits: a small head keeps the cheaper forward.
-HELD_GRADIENT_ELEMENTS = MIN_CHUNK_ELEMENTS
 _local = threading.local()
 
 
@@ -82,8 +77,8 @@ class ChunkedHeadLoss:
     def __init__(self, name: str, head: nn.Linear, chunk_elements: Optional[int] = None) -> None:
         self.name, self.head = name, head
         self.chunk_elements = chunk_elements  # None: see MIN_CHUNK_ELEMENTS
-        # Form the gradients in backward from the chunks' logits again, instead of with the loss: see
-        # :meth:`forwards_before_backwards`.
+        # Form the gradients in backward from the chunks' logits again, instead of with the loss: set where many
+        # forwards run before their backwards (GPipe), which would each hold a weight-sized gradient until then.
         self.gradients_in_backward = False
         self.open: list[_Head] = []  # this step's deferred heads, closed by :meth:`close`
         self.fused = 0  # cross entropies computed in chunks
@@ -108,14 +103,6 @@ class ChunkedHeadLoss:
         self.open.append(deferred)
         index = torch.arange(input[..., 0].numel(), device=input.device).view(input.shape[:-1])
         return DeferredLogits._make(deferred, index, (), deferred.dtype, identity=True)
-
-    def forwards_before_backwards(self, forwards: int) -> None:
-        """``forwards`` micro-batches run their forwards before their backwards (a pipeline schedule's): form the
-        gradients in backward when holding as many weight-sized gradients (this rank's rows of the vocabulary)
-        would pass :data:`HELD_GRADIENT_ELEMENTS`."""
-        weight = self.head.weight
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
-        self.gradients_in_backward = forwards * local.numel() > HELD_GRADIENT_ELEMENTS
 
     def chunk_tokens(self, rows: Tensor, columns: int) -> int:
         """Tokens per chunk for ``rows`` (tokens x hidden) against ``columns`` vocabulary entries on this rank."""

@@ -30,8 +30,8 @@ Memory per device, on the pipeline stage that needs most:
   (``FourDStrategy(fuse_lm_loss=True)``, :mod:`lightning_4d.numerics.head_loss`), one chunk's logits, fp32
   softmax and gradient (a chunk holds as many logits as the head's input has elements, at least 2^22), plus
   the gradients formed in forward and kept for backward: the head's input rows' and its weight's (its share
-  under tp); under GPipe and looped BFS, whose last stage holds every micro-batch, ``m`` of them, unless
-  ``m`` weight gradients would pass 2^22 elements: then the head forms them in backward, so none are kept. With ``activation_checkpointing`` a checkpointed block keeps only its input
+  under tp); under GPipe and looped BFS, whose last stage holds every micro-batch, the head forms them in
+  backward instead, so none are kept. With ``activation_checkpointing`` a checkpointed block keeps only its input
   (``"selective"``: its input and its matmuls' outputs), the stage's checkpointed blocks are all of them
   (``"full"``, ``"selective"``) or ``layers // n`` (``"every_n"``), and backward adds one block's full
   activations while it recomputes it.
@@ -70,7 +70,6 @@ from lightning_4d.planner.model_sizes import Model, PlanError, check_positive, d
 
 AC_MODES = ("none", "full", "every_n", "selective")  # lightning_4d.memory.activation_checkpointing.MODES
 MIN_CHUNK_ELEMENTS = 1 << 22  # lightning_4d.numerics.head_loss.MIN_CHUNK_ELEMENTS
-HELD_GRADIENT_ELEMENTS = MIN_CHUNK_ELEMENTS  # lightning_4d.numerics.head_loss.HELD_GRADIENT_ELEMENTS
 # Bytes per element: (parameters, gradients, activations).
 PRECISIONS = {
     "32-true": (4, 4, 4),
@@ -393,12 +392,9 @@ def logits_bytes(model: Model, training: Training, layout: Layout, gbytes: float
     if not (training.fuse_lm_loss if fused is None else fused):
         return tokens * vocab * (e + 4)  # the logits and their fp32 log-softmax
     chunk = min(tokens * vocab, max(MIN_CHUNK_ELEMENTS, tokens * model.hidden))  # logits per chunk
-    held = 1  # micro-batches whose head gradients, formed with the loss, wait for their backward
     if layout.pp > 1 and training.pp_schedule in FORWARDS_FIRST:
-        held = _microbatches(training, layout)
-        if held * vocab * model.hidden > HELD_GRADIENT_ELEMENTS:
-            return chunk * (e + 4 + 4)  # the gradients are formed in backward: none kept from the forward
-    return chunk * (e + 4 + 4) + held * (tokens * model.hidden * e + vocab * model.hidden * gbytes)
+        return chunk * (e + 4 + 4)  # the gradients are formed in backward: none kept from the forward
+    return chunk * (e + 4 + 4) + tokens * model.hidden * e + model.vocab * model.hidden / layout.tp * gbytes
 
 
 def _setup_bytes(model: Model, training: Training, share: float) -> dict[str, float]:
