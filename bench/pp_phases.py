@@ -14,10 +14,10 @@ the wall time spent posting sends and receives (``isend`` / ``irecv`` return at 
 for a core or a lock of the transport); and, for FourD, three parts of the time after the schedule: the last
 stage's results reaching every stage (``exchange``), the step's ``self.log`` calls replayed through Lightning
 (``replay``) and the gradients committed in Lightning's ``backward`` (``commit``). The same CPU times per stage
-follow (F, B for the input, W for the weights): they show which stage's work differs. Three runs alternate for ``--rounds`` rounds in the
-same processes: FourD with its defaults, FourD with neither token-weighted losses nor the fused LM head
-(``loss_normalization="replica"``, ``fuse_lm_loss=False``: the hand stages' arithmetic), and the hand-driven
-stages of ``bench/pp.py``.
+follow (F, B for the input, W for the weights): they show which stage's work differs. Three runs alternate for
+``--rounds`` rounds in the same processes: FourD with its defaults, FourD with neither token-weighted losses nor
+the fused LM head (``loss_normalization="replica"``, ``fuse_lm_loss=False``: the hand stages' arithmetic), and
+the hand-driven stages of ``bench/pp.py``.
 """
 
 import argparse
