@@ -126,6 +126,24 @@ def test_bf16_autocast_computes_as_the_unfused_path(in_backward):
         assert fused_error <= 2 * unfused_error + 1e-7, (n, fused_error, unfused_error)
 
 
+def test_a_small_head_runs_as_written_only_under_a_forwards_first_schedule():
+    """GPipe with 4 micro-batches: a plain head's logits (10 tokens x V) are computed whole while the four
+    micro-batches' fit in one chunk (MIN_CHUNK_ELEMENTS), deferred past that and under 1F1B."""
+    model = _Toy()
+    owner = head_loss.install(model, "lm_head")
+    x = torch.randint(0, V, (2, 5))
+    for forwards_first, whole in ((True, head_loss.MIN_CHUNK_ELEMENTS // 4), (False, 0)):
+        owner.schedule(forwards_first, 4)
+        assert (owner.gradients_in_backward, owner.whole_elements) == (forwards_first, whole)
+        with head_loss.step_scope(owner):
+            assert (type(model(x)) is torch.Tensor) == forwards_first
+    owner.schedule(True, head_loss.MIN_CHUNK_ELEMENTS // (10 * V) + 1)  # the micro-batches' logits: past a chunk
+    with head_loss.step_scope(owner):
+        assert isinstance(model(x), head_loss.DeferredLogits)
+    assert "at most 1,048,576 elements are computed whole" in head_loss.describe("lm_head", model, False, 2**20)
+    assert "computed whole" not in head_loss.describe("lm_head", model, True, 2**20)  # a tensor-parallel head
+
+
 class _Largest(TorchDispatchMode):
     """The largest tensor any op of the step produced."""
 
@@ -257,8 +275,12 @@ TWO = [
     Case("llama_labels_cp2", module=LABELS, module_kwargs=LLAMA, strategy={"cp": 2}, **SFT),
     Case("qwen2_labels_dp_shard2", module=LABELS, module_kwargs=QWEN, strategy={"dp_shard": 2}, **SFT),
     Case("qwen2_ce_pp2", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2}, **SFT),
-    # GPipe: every micro-batch's forward before any backward, so the head forms its gradients in backward
-    Case("qwen2_ce_pp2_gpipe", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2, "pp_schedule": "gpipe"}, **SFT),
+    # GPipe: every micro-batch's forward before any backward, so the head forms its gradients in backward; a
+    # head this small runs as written there unless told otherwise (ChunkedEvenWhenSmall)
+    Case("qwen2_ce_pp2_gpipe", module=ZOO, module_kwargs=QWEN, strategy={"pp": 2, "pp_schedule": "gpipe"},
+         **dict(SFT, callbacks=PROBE + ["tests.head_loss_models:ChunkedEvenWhenSmall"])),
+    Case("qwen2_ce_pp2_gpipe_small_head", module=ZOO, module_kwargs=QWEN,
+         strategy={"pp": 2, "pp_schedule": "gpipe"}, **SFT),
     Case("nanogpt_tied_cp2", module="tests.lm_models:NanoGPT", strategy={"cp": 2}, **SFT),
     Case("nanogpt_tied_dp_shard2", module="tests.lm_models:NanoGPT", strategy={"dp_shard": 2}, **SFT),
     # the head an FSDP unit of its own, kept gathered from its forward to its backward
@@ -289,7 +311,8 @@ TWO = [
 EIGHT = [Case("llama_labels_dp2_pp2_cp2", module=LABELS, module_kwargs=LLAMA, strategy={"dp": 2, "pp": 2, "cp": 2},
               **SFT)]
 CASES = {c.name: c for c in ONE + TWO + EIGHT}
-NOT_FUSED = {"llama_unfused_dp2", "llama_labels_dp_shard2_reshard"}  # no chunked cross entropy expected
+# no chunked cross entropy expected
+NOT_FUSED = {"llama_unfused_dp2", "llama_labels_dp_shard2_reshard", "qwen2_ce_pp2_gpipe_small_head"}
 
 
 @pytest.fixture(scope="module")

@@ -476,3 +476,13 @@ def test_the_logits_are_counted_with_and_without_the_fused_head_loss(capsys):
     for key in pp2:
         assert kept["gpipe"][key] == 2**22 * 12, (key, kept)
         assert kept["1f1b"][key] > kept["gpipe"][key], (key, kept)
+    # a head whose 4 micro-batches' logits together fit in one chunk (2^20 each: 256 tokens x 4,096) runs
+    # unfused under GPipe: the logits and their log-softmax; one token more per micro-batch, chunked again
+    for seq, unfused in ((256, True), (257, False)):  # pp=2 of 2 devices: a micro-batch is one sequence
+        small = ["--devices", "2", "--layers", "2", "--hidden", "128", "--heads", "4", "--vocab", "4096", "--seq",
+                 str(seq), "--global-batch", "4", "--pp-schedule", "gpipe", "--json"]
+        assert main(small) == 0
+        got = {str(tuple(r["layout"].values())): r["memory_bytes"]["logits"]
+               for r in json.loads(capsys.readouterr().out)["layouts"] if r["layout"]["pp"] == 2 and
+               r["layout"]["tp"] == 1}
+        assert got and all((v == seq * 4096 * 8) == unfused for v in got.values()), (seq, got)

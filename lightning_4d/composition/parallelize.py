@@ -147,10 +147,12 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
     if lm_head is not None:  # after tp (its column-wise style passes deferred logits), before FSDP shards the weight
         styled = plans.tensor is not None and plans.tensor.enabled and lm_head in plans.tensor.styles
         parallel.head_loss = head_loss.install(module, lm_head, styled)
-        if parallel.head_loss is not None and plans.pipeline is not None:
-            # every micro-batch's forward before any backward: no weight-sized gradient held per micro-batch
-            parallel.head_loss.gradients_in_backward = plans.pipeline.config.spec.forwards_first
-        rank_zero_info(head_loss.describe(lm_head, module, styled))
+        forwards_first = plans.pipeline is not None and plans.pipeline.config.spec.forwards_first
+        microbatches = plans.pipeline.config.num_microbatches if plans.pipeline is not None else 1
+        if parallel.head_loss is not None:
+            parallel.head_loss.schedule(forwards_first, microbatches)
+        whole = head_loss.whole_logits_elements(forwards_first, microbatches)
+        rank_zero_info(head_loss.describe(lm_head, module, styled, whole))
     if mesh.dims.ep_enabled:  # after tp, before compile, checkpointing and FSDP: experts split over ep
         parallel.expert_params, parallel.expert_dispatch = apply_expert_parallel(module, mesh.experts)
         replaced = replaced_expert_lists(module)

@@ -16,6 +16,12 @@ them computed whole, as without fusion: correct first, and the first such use sa
 place is refused (a copy would lose the change). When the step ends, logits returned in its output are computed
 whole and any other deferred logits are closed: using one after the step raises instead of reading weights the
 optimizer has changed since.
+
+Under a pipeline schedule that runs every micro-batch's forward before any backward (GPipe, looped BFS), the
+gradients are formed in backward from each chunk's logits computed again, so that no micro-batch holds a
+weight-sized gradient until then. That costs one more head matmul per micro-batch, on the schedule's critical
+path; so a plain head whose logits, every micro-batch's together, fit in one chunk runs as written there: whole
+logits then take no more memory than one chunk would (:meth:`ChunkedHeadLoss.schedule`).
 """
 
 from __future__ import annotations
@@ -80,6 +86,10 @@ class ChunkedHeadLoss:
         # Form the gradients in backward from the chunks' logits again, instead of with the loss: set where many
         # forwards run before their backwards (GPipe), which would each hold a weight-sized gradient until then.
         self.gradients_in_backward = False
+        # Logits per micro-batch up to which the head runs as written (0: none): set beside gradients_in_backward,
+        # where chunks would compute the head again in backward, on the schedule's critical path, to save memory
+        # that every micro-batch's logits, held whole from forward to backward, would not fill a chunk of.
+        self.whole_elements = 0
         self.open: list[_Head] = []  # this step's deferred heads, closed by :meth:`close`
         self.fused = 0  # cross entropies computed in chunks
         self.fallbacks = 0  # uses that computed the logits whole
@@ -97,12 +107,20 @@ class ChunkedHeadLoss:
         # Outside a step, inside a torch.compile of the user's own (its graph cannot hold deferred logits), or a
         # head whose weights are neither plain nor split by tensor parallelism's column-wise style: as written.
         if (getattr(_local, "depth", 0) == 0 or torch.compiler.is_compiling() or input.dim() < 1
-                or not (plain or _vocabulary_sharded(input, weight, bias))):
+                or not (plain or _vocabulary_sharded(input, weight, bias))
+                or (plain and input[..., 0].numel() * weight.shape[0] <= self.whole_elements)):
             return nn.Linear.forward(self.head, input)
         deferred = _Head(self, input, weight, bias)
         self.open.append(deferred)
         index = torch.arange(input[..., 0].numel(), device=input.device).view(input.shape[:-1])
         return DeferredLogits._make(deferred, index, (), deferred.dtype, identity=True)
+
+    def schedule(self, forwards_first: bool, microbatches: int) -> None:
+        """A pipeline schedule's: where every micro-batch's forward runs before any backward (GPipe, looped BFS),
+        form the gradients in backward (none weight-sized held per micro-batch) and leave a plain head whose
+        logits, every micro-batch's together, fit in one chunk as written (:func:`whole_logits_elements`)."""
+        self.gradients_in_backward = forwards_first
+        self.whole_elements = whole_logits_elements(forwards_first, microbatches)
 
     def chunk_tokens(self, rows: Tensor, columns: int) -> int:
         """Tokens per chunk for ``rows`` (tokens x hidden) against ``columns`` vocabulary entries on this rank."""
@@ -510,8 +528,16 @@ def install(module: nn.Module, name: str, styled: bool = False) -> Optional[Chun
     return ChunkedHeadLoss(name, head)
 
 
-def describe(name: str, module: nn.Module, styled: bool) -> str:
-    """The start-up line: which head is fused, or why not."""
+def whole_logits_elements(forwards_first: bool, microbatches: int) -> int:
+    """Logits per micro-batch up to which a plain head runs unfused under a pipeline schedule: under one that
+    runs every forward first, as many as leave all ``microbatches``' logits within one chunk's
+    (``MIN_CHUNK_ELEMENTS``); otherwise none (there, the fused path computes the head once)."""
+    return MIN_CHUNK_ELEMENTS // microbatches if forwards_first else 0
+
+
+def describe(name: str, module: nn.Module, styled: bool, whole_elements: int = 0) -> str:
+    """The start-up line: which head is fused, or why not (``whole_elements``: see
+    :meth:`ChunkedHeadLoss.schedule`)."""
     try:
         weight = getattr(module.get_submodule(name), "weight", None)
     except AttributeError:  # a pipeline stage before the last: the line says what the last stage does
@@ -520,9 +546,13 @@ def describe(name: str, module: nn.Module, styled: bool) -> str:
         return (f"fuse_lm_loss: the LM head {name} is not fused: its tensor-parallel layout is the module's own"
                 " (configure_model), which keeps its logits as that layout makes them.")
     sharded = ", each rank over its share of the vocabulary" if styled else ""
+    small = "" if styled or not whole_elements else (
+        f" Under this pipeline schedule a micro-batch's logits of at most {whole_elements:,} elements are computed"
+        " whole, as without fusion: every micro-batch's together fit in one chunk, and chunks would compute the"
+        " head again in backward.")
     return (f"fuse_lm_loss: the LM head {name} is fused with its cross entropy{sharded}: its logits are computed"
             " in chunks about the size of its input, never whole, when they only reach a token loss"
-            " (FourDStrategy(fuse_lm_loss=False) turns it off).")
+            f" (FourDStrategy(fuse_lm_loss=False) turns it off).{small}")
 
 
 @contextmanager

@@ -31,7 +31,8 @@ Memory per device, on the pipeline stage that needs most:
   softmax and gradient (a chunk holds as many logits as the head's input has elements, at least 2^22), plus
   the gradients formed in forward and kept for backward: the head's input rows' and its weight's (its share
   under tp); under GPipe and looped BFS, whose last stage holds every micro-batch, the head forms them in
-  backward instead, so none are kept. With ``activation_checkpointing`` a checkpointed block keeps only its input
+  backward instead, so none are kept, and a head without tp whose logits, all micro-batches' together, fit
+  in one chunk runs unfused there. With ``activation_checkpointing`` a checkpointed block keeps only its input
   (``"selective"``: its input and its matmuls' outputs), the stage's checkpointed blocks are all of them
   (``"full"``, ``"selective"``) or ``layers // n`` (``"every_n"``), and backward adds one block's full
   activations while it recomputes it.
@@ -393,6 +394,8 @@ def logits_bytes(model: Model, training: Training, layout: Layout, gbytes: float
         return tokens * vocab * (e + 4)  # the logits and their fp32 log-softmax
     chunk = min(tokens * vocab, max(MIN_CHUNK_ELEMENTS, tokens * model.hidden))  # logits per chunk
     if layout.pp > 1 and training.pp_schedule in FORWARDS_FIRST:
+        if layout.tp == 1 and tokens * vocab * _microbatches(training, layout) <= MIN_CHUNK_ELEMENTS:
+            return tokens * vocab * (e + 4)  # every micro-batch's logits fit in a chunk: the head runs unfused
         return chunk * (e + 4 + 4)  # the gradients are formed in backward: none kept from the forward
     return chunk * (e + 4 + 4) + tokens * model.hidden * e + model.vocab * model.hidden / layout.tp * gbytes
 
