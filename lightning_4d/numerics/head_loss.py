@@ -86,9 +86,9 @@ class ChunkedHeadLoss:
         # Form the gradients in backward from the chunks' logits again, instead of with the loss: set where many
         # forwards run before their backwards (GPipe), which would each hold a weight-sized gradient until then.
         self.gradients_in_backward = False
-        # Logits per micro-batch up to which the head runs as written (0: none): set beside gradients_in_backward,
-        # where chunks would compute the head again in backward, on the schedule's critical path, to save memory
-        # that every micro-batch's logits, held whole from forward to backward, would not fill a chunk of.
+        # Logits per micro-batch up to which the head runs as written (0: none). Set beside gradients_in_backward,
+        # where chunks would compute the head again in backward, on the schedule's critical path, while every
+        # micro-batch's logits, held whole from forward to backward, would fit in one chunk's memory.
         self.whole_elements = 0
         self.open: list[_Head] = []  # this step's deferred heads, closed by :meth:`close`
         self.fused = 0  # cross entropies computed in chunks
