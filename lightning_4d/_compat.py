@@ -635,3 +635,30 @@ def module_function_replaced(owners: list[Any], name: str, replacement: Any) -> 
     finally:
         for owner, original in saved:
             setattr(owner, name, original)
+
+
+def host_state_dict(tensors: dict[str, Any], pin_memory: bool) -> dict[str, Any]:
+    """New host tensors shaped as ``tensors`` (a DTensor keeps its placements), for asynchronous checkpoint staging:
+    the structure torch's own asynchronous save stages into."""
+    from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+    return _create_cpu_state_dict(tensors, pin_memory=pin_memory)
+
+
+def copy_state_dict(tensors: dict[str, Any], into: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
+    """``tensors`` copied into the buffers of :func:`host_state_dict`; other values taken as they are."""
+    from torch.distributed._state_dict_utils import _copy_state_dict
+
+    return _copy_state_dict(tensors, into, non_blocking=non_blocking, type_check=False)
+
+
+def route_checkpoint_links(callbacks: list[Any], link: Callable[[Any, str, str], None]) -> None:
+    """``ModelCheckpoint(save_last="link")`` links ``last`` with a static method of its own; routed per instance
+    to ``link(trainer, target, path)``, so that the strategy makes the link once the target is complete."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            if not callable(getattr(type(callback), "_link_checkpoint", None)):
+                raise RuntimeError("lightning's ModelCheckpoint has no _link_checkpoint: update lightning_4d/_compat.py")
+            callback._link_checkpoint = link

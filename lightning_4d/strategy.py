@@ -25,6 +25,7 @@ from lightning_4d import _compat as compat, checkpoint
 from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.callbacks import attach_prediction_writers, check_weight_averaging
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders
+from lightning_4d.checkpoint.writer import CheckpointWriter, honored_checkpoint_io
 from lightning_4d.composition.parallel_model import ParallelModel
 from lightning_4d.composition.parallelize import check_before_launch, parallelize, parallelized
 from lightning_4d.context_parallel import ContextParallelConfig
@@ -33,6 +34,7 @@ from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_f
                                         param_dtype_for)
 from lightning_4d.data_parallel.batchnorm import batchnorm_statistics, restore_batchnorm
 from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
+from lightning_4d.faults.preemption import Preempted
 from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, check_start_method
@@ -88,6 +90,9 @@ class FourDStrategy(ModelParallelStrategy):
             replicated weights bit-identical and issue the same collectives.
         telemetry: add the :class:`~lightning_4d.observability.telemetry.Telemetry` callback.
         broadcast_buffers: broadcast buffers within each replica before every training step, as DDP does.
+        async_save: checkpoint saves block the step only while each rank copies its shard into host memory; the
+            writing goes on in the background (also with ``Trainer(plugins=[AsyncCheckpointIO()])``); see
+            :mod:`lightning_4d.checkpoint.writer`.
         start_method: ``"popen"`` runs the script again per rank (as DDP does); ``"fork"`` (CPU) forks them.
     """
 
@@ -111,7 +116,8 @@ class FourDStrategy(ModelParallelStrategy):
         loss_normalization: Literal["tokens", "batch", "replica"] = "tokens", fuse_lm_loss: bool = True,
         activation_checkpointing: str = "none", activation_checkpointing_every: int = 2,
         compile: Union[bool, dict] = False, debug: bool = False, debug_steps: int = 2, telemetry: bool = False,
-        broadcast_buffers: bool = True, start_method: Literal["popen", "fork"] = "popen", **unknown: Any,
+        broadcast_buffers: bool = True, start_method: Literal["popen", "fork"] = "popen", async_save: bool = False,
+        **unknown: Any,
     ) -> None:
         refuse_unknown(FourDStrategy.__init__, unknown)
         self.collective_timeouts = CollectiveTimeouts(init_timeout, timeout)  # read by FaultTolerance
@@ -153,6 +159,9 @@ class FourDStrategy(ModelParallelStrategy):
         check_start_method(start_method)
         self.start_method, self._fork_launcher = start_method, None
         self._desync: Optional[DesyncMonitor] = None
+        if not isinstance(async_save, bool):
+            raise ValueError(f"async_save={async_save!r}: use True (saves write in the background) or False.")
+        self.async_save, self.checkpoints = async_save, None  # the CheckpointWriter, made in setup_environment
 
     @property
     @override
@@ -167,6 +176,7 @@ class FourDStrategy(ModelParallelStrategy):
         super().set_world_ranks()
         # Runs at Trainer construction in the launching process: bad sizes fail before any process starts.
         self.parallel_dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self._sizes)
+        self.async_save = honored_checkpoint_io(self.checkpoint_io) or self.async_save
 
     @override
     def setup_environment(self) -> None:
@@ -184,6 +194,11 @@ class FourDStrategy(ModelParallelStrategy):
         self._desync = attach_observability(self, trainer.callbacks, self._desync)  # debug and telemetry
         attach_prediction_writers(trainer.callbacks)  # one writing rank per replica
         attach_fault_tolerance(self)  # preemption, heartbeats, uneven data, batch shapes, buffers
+        if self.checkpoints is None:  # the background writer's own group: training's collectives never wait on it
+            group = dist.new_group(backend="gloo") if self.async_save and dist.get_world_size() > 1 else None
+            self.checkpoints = CheckpointWriter(self.async_save, self.global_rank == 0, self.reduce_boolean_decision,
+                                                group, pin_memory=self.root_device.type == "cuda")
+        compat.route_checkpoint_links(trainer.callbacks, self._link_checkpoint)
 
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""
@@ -205,6 +220,7 @@ class FourDStrategy(ModelParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         module = self.lightning_module
         self._train_loaders.consumed(batch_idx + 1, module.trainer.num_training_batches)
+        self.checkpoints.raise_if_failed()
         # Lightning's own rule: automatic optimization zeroes the gradients right after the first training_step
         # of each accumulation window (unless the module replaces optimizer_zero_grad).
         self._gradients_zeroed = (module.automatic_optimization and not is_overridden("optimizer_zero_grad", module)
@@ -330,7 +346,12 @@ class FourDStrategy(ModelParallelStrategy):
         if storage_options is not None:  # written with torch.distributed.checkpoint, not a CheckpointIO
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...): not supported, it writes DCP shards.")
         with self.collective_timeouts.long():
-            checkpoint.save(checkpoint_dict, self.broadcast(str(filepath)), is_writer=self.global_rank == 0)
+            self.checkpoints.save(checkpoint_dict, self.broadcast(str(filepath)))
+
+    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        """ModelCheckpoint's ``save_last="link"``: ``linkpath`` points at ``filepath`` once that is complete."""
+        self.checkpoints.link(filepath, linkpath)
+        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -340,15 +361,18 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.global_rank == 0:
-            checkpoint.remove(filepath)
+        self.checkpoints.remove(filepath)  # once the save in flight is in place
 
     @override
     def on_exception(self, exception: BaseException) -> None:  # the first failure, named on every rank
+        if self.checkpoints is not None and not isinstance(exception, Preempted):
+            self.checkpoints.abandon()  # a save in flight may wait on a rank that is gone
         report_failure(self.global_rank, exception, self.world_size)
 
     @override
     def teardown(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.finish()
         if self._desync is not None:
             self._desync.stop_tracing()
         if self.parallel is not None:

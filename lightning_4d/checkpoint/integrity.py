@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 CHECKSUM_FILE = "checksums.json"
+META_FILE = "meta.pt"  # Lightning's own state in a checkpoint directory (:mod:`.sharded`)
 _CHUNK = 16 << 20
 
 class CorruptCheckpointError(ValueError):
@@ -39,9 +40,10 @@ def _fingerprint(file: Path) -> dict[str, Any]:
     return {"size": file.stat().st_size, "crc32": _crc32(file)}
 
 
-def _write_checksums(directory: Path, is_writer: bool) -> None:
-    """Collective: each rank checksums the shard files it wrote (``__<rank>_*``); the writer also its own
-    index and ``meta.pt``, gathers everyone's and writes ``checksums.json``."""
+def _write_checksums(directory: Path, is_writer: bool, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Collective over ``group`` (default: the world): each rank checksums the shard files it wrote
+    (``__<rank>_*``); the writer also its own index and ``meta.pt``, gathers everyone's (only the writer holds
+    them all, as DCP's coordinator holds every plan) and writes ``checksums.json``."""
     rank = dist.get_rank() if dist.is_initialized() else None
     mine = {}
     for file in sorted(directory.iterdir()):
@@ -51,13 +53,23 @@ def _write_checksums(directory: Path, is_writer: bool) -> None:
         if own_shard or (is_writer and not file.name.startswith("__")):
             mine[file.name] = _fingerprint(file)
     everyone: list[Any] = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group) if is_writer else None
+        dist.gather_object(mine, everyone, dst=0, group=group)  # the writer is global rank 0
     if is_writer:
-        merged = {name: value for part in everyone for name, value in part.items()}
-        text = json.dumps({"algorithm": "crc32", "files": dict(sorted(merged.items()))}, indent=1)
-        (directory / CHECKSUM_FILE).write_text(text)
+        _save_checksums(directory, {name: value for part in everyone for name, value in part.items()})
+
+
+def _save_checksums(directory: Path, files: Mapping[str, Any]) -> None:
+    text = json.dumps({"algorithm": "crc32", "files": dict(sorted(files.items()))}, indent=1)
+    (directory / CHECKSUM_FILE).write_text(text)
+
+
+def _copy_checksums(source: Path, directory: Path) -> None:
+    """``directory`` holds ``source``'s files (linked) but its own ``meta.pt``: the same checksums, that one new."""
+    files = dict(expected_files(source) or {})
+    files[META_FILE] = _fingerprint(directory / META_FILE)
+    _save_checksums(directory, files)
 
 
 def _tensors_by_file(directory: Path) -> dict[str, list[str]]:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,9 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from lightning_4d.checkpoint.integrity import _write_checksums, verify_collective
+from lightning_4d.checkpoint.integrity import CHECKSUM_FILE, META_FILE, _copy_checksums, _write_checksums, verify_collective
 
-META_FILE = "meta.pt"
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"
 
@@ -136,31 +136,92 @@ def _barrier() -> None:
 
 
 def save(checkpoint: dict[str, Any], path: str | os.PathLike, is_writer: bool) -> None:
-    """Collective: every rank calls it with the same ``path``."""
+    """Collective: every rank calls it with the same ``path``; returns when the checkpoint is complete there."""
     path = Path(path)
-    partial = path.with_name(path.name + PARTIAL_SUFFIX)
-    if is_writer and partial.exists():
-        shutil.rmtree(partial)
+    partial = partial_path(path)
+    if is_writer:
+        remove(partial)  # an interrupted save's leftover
     _barrier()
-    checkpoint = dict(checkpoint)
-    tensors = {"state_dict": checkpoint.pop("state_dict")}
-    for index, state in enumerate(checkpoint.pop("optimizer_states", [])):
+    tensors, meta = split(checkpoint)
+    write(tensors, meta, partial, is_writer)
+    _barrier()
+    if is_writer:
+        publish(partial, path)
+    _barrier()
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(path.name + PARTIAL_SUFFIX)
+
+
+def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint as DCP's tensors (``state_dict``, ``optimizer_<i>``) and the rest (``meta.pt``)."""
+    meta = dict(checkpoint)
+    tensors = {"state_dict": meta.pop("state_dict")}
+    for index, state in enumerate(meta.pop("optimizer_states", [])):
         tensors[f"optimizer_{index}"] = state
-    dcp.save(tensors, checkpoint_id=partial)
+    return tensors, meta
+
+
+# Repeated saves of the same layout reuse DCP's plans (the coordinator's gather and scatter of every rank's plan
+# shrink to an empty message per rank once nothing changed).
+def _planner() -> DefaultSavePlanner:
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
+def write(tensors: dict[str, Any], meta: dict[str, Any], partial: Path, is_writer: bool,
+          group: Optional[dist.ProcessGroup] = None) -> None:
+    """Collective over ``group``: every rank's shards, the writer's ``meta.pt``, and every file's checksum,
+    into the ``.partial`` directory. When it returns on the writer, every rank's files are written."""
+    dcp.save(tensors, checkpoint_id=partial, planner=_planner(), process_group=group)
     if is_writer:
-        torch.save(_plain(checkpoint), partial / META_FILE)
-    _write_checksums(partial, is_writer)
-    _barrier()
-    if is_writer:
-        # Overwriting (``last.ckpt``): the old checkpoint steps aside before the new one takes its name, so a
-        # crash here leaves a complete checkpoint under one of the two names, never a half-deleted one.
-        replaced = path.with_name(path.name + REPLACED_SUFFIX)
-        if path.exists():
-            remove(replaced)
-            path.rename(replaced)
-        partial.rename(path)
+        torch.save(_plain(meta), partial / META_FILE)
+    _write_checksums(partial, is_writer, group)
+
+
+def publish(partial: Path, path: Path) -> None:
+    """The writer renames a complete ``.partial`` directory into place. Overwriting (``last.ckpt``): the old
+    checkpoint steps aside before the new one takes its name, so a crash here leaves a complete checkpoint
+    under one of the two names, never a half-deleted one."""
+    replaced = path.with_name(path.name + REPLACED_SUFFIX)
+    if path.exists() or path.is_symlink():
         remove(replaced)
-    _barrier()
+        path.rename(replaced)
+    partial.rename(path)
+    remove(replaced)
+
+
+def publish_copy(source: Path, path: Path, meta: dict[str, Any]) -> None:
+    """The writer publishes, under ``path``, a checkpoint of the tensors ``source`` holds and its own
+    ``meta``: the shard files hard-linked (copied where the file system has no hard links), not written again."""
+    partial = partial_path(path)
+    remove(partial)
+    partial.mkdir()
+    for file in source.iterdir():
+        if file.name not in (META_FILE, CHECKSUM_FILE):
+            try:
+                os.link(file, partial / file.name)
+            except OSError:
+                shutil.copy2(file, partial / file.name)
+    torch.save(_plain(meta), partial / META_FILE)
+    _copy_checksums(source, partial)
+    publish(partial, path)
+
+
+def publish_symlink(target: Path, path: Path) -> None:
+    """The writer points ``path`` at ``target`` (ModelCheckpoint's ``save_last="link"``) in one rename, so
+    that ``path`` is never missing or dangling on the way."""
+    temporary = path.with_name(path.name + ".link")
+    remove(temporary)
+    os.symlink(os.path.relpath(target, path.parent), temporary)
+    if path.is_dir() and not path.is_symlink():
+        replaced = path.with_name(path.name + REPLACED_SUFFIX)
+        remove(replaced)
+        path.rename(replaced)
+        temporary.rename(path)
+        remove(replaced)
+    else:
+        os.replace(temporary, path)
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

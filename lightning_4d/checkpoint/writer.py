@@ -1,0 +1,256 @@
+"""Checkpoint saves that never stop training, and are never written twice.
+
+:class:`CheckpointWriter` is where the strategy sends Lightning's saves, removals and links.
+
+- **Synchronous** (the default): a save returns when the checkpoint is complete under its name (:func:`.sharded.save`).
+- **Asynchronous** (``FourDStrategy(async_save=True)``, or Lightning's ``AsyncCheckpointIO`` plugin): the step waits
+  only while each rank copies what it holds into host buffers, allocated on the first save and reused (pinned on
+  CUDA). A thread then writes the shards with DCP over a process group of its own (the training thread's
+  collectives never queue behind it), checksums them and gathers the checksums to rank 0, which renames the
+  ``.partial`` directory into place. DCP's last step gathers every rank's write result to rank 0, so the rename
+  comes after every rank's files are written, and no training step waits for that agreement. At most one save is
+  in flight: the next one waits for it, and rank 0 says so once.
+- **Nothing visible early**: Lightning's ``ModelCheckpoint`` removes superseded top-k checkpoints and links ``last``
+  right after a save returns. While a save is in flight those wait for it and run, in order, once it is in place;
+  links and copies before removals. A crash at any point leaves the previous complete checkpoint the newest one.
+- **Not twice**: a save of exactly what the previous save holds (``save_last=True`` right after a top-k save of the
+  same step: no tensor changed in between, and every rank agrees) hard-links the previous directory's shard files
+  and writes only its own ``meta.pt``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lightning_4d import _compat as compat
+from lightning_4d.checkpoint import sharded
+
+
+def honored_checkpoint_io(checkpoint_io: Any) -> bool:
+    """Whether the Trainer's checkpoint IO plugin asks for asynchronous saves (Lightning's ``AsyncCheckpointIO``
+    around its default IO). Any other plugin the strategy cannot honor, since it writes DCP shards itself, is
+    refused here, at Trainer construction, instead of being silently ignored."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    inner = checkpoint_io.checkpoint_io if isinstance(checkpoint_io, AsyncCheckpointIO) else checkpoint_io
+    if inner is not None and type(inner) is not TorchCheckpointIO:
+        raise ValueError(
+            f"Trainer(plugins=[{type(checkpoint_io).__name__}(...)]): FourDStrategy writes its checkpoints as sharded"
+            f" torch.distributed.checkpoint directories itself and cannot save through {type(inner).__name__}."
+            " Remove the plugin; for saves that do not stop training use FourDStrategy(async_save=True) or"
+            " Trainer(plugins=[AsyncCheckpointIO()]).")
+    return isinstance(checkpoint_io, AsyncCheckpointIO)
+
+
+class HostStaging:
+    """Host copies of one rank's checkpoint tensors. Allocated on the first save (pinned on CUDA) and reused while
+    the tensors keep their names, shapes and placements, so staging costs one copy, not an allocation, per save."""
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self.buffers: Optional[dict[str, Any]] = None
+        self._layout: Optional[list[tuple]] = None
+        self.allocations = 0
+
+    def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        layout = _layout(tensors)
+        if layout != self._layout:
+            self.buffers, self._layout = None, None  # the old buffers go before the new ones come
+            self.buffers, self._layout = compat.host_state_dict(tensors, self.pin_memory), layout
+            self.allocations += 1
+        staged = compat.copy_state_dict(tensors, self.buffers, non_blocking=self.pin_memory)
+        if self.pin_memory:
+            torch.cuda.current_stream().synchronize()  # the copies are done before the step goes on
+        return staged
+
+
+def _leaves(tree: Any, prefix: str = ""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _leaves(value, f"{prefix}{index}.")
+    else:
+        yield prefix, tree
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _layout(tensors: dict[str, Any]) -> list[tuple]:
+    return [(key, tuple(value.shape), value.dtype, tuple(_local(value).shape),
+             getattr(value, "placements", None)) for key, value in _leaves(tensors) if isinstance(value, torch.Tensor)]
+
+
+def _fingerprint(tensors: dict[str, Any]) -> list[tuple]:
+    """What identifies a save's contents without reading them: each tensor's memory and in-place version (every
+    optimizer step and every ``copy_`` bumps it), and every other value (learning rates) as it is."""
+    return [(key, _local(value).data_ptr(), compat.tensor_version(_local(value)))
+            if isinstance(value, torch.Tensor) else (key, repr(value)) for key, value in _leaves(tensors)]
+
+
+@dataclass
+class _Flight:
+    """One save being written in the background, and what waits for it to be in place (rank 0's)."""
+
+    path: Path
+    thread: Optional[threading.Thread] = None
+    error: Optional[BaseException] = None
+    published: bool = False
+    waiting: list[Callable[[], None]] = field(default_factory=list)
+    removals: list[Path] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def after(self, action: Optional[Callable[[], None]] = None, removal: Optional[Path] = None) -> bool:
+        """Queue ``action`` or ``removal`` behind the save; False when it is already in place (do it now)."""
+        with self.lock:
+            if self.published:
+                return False
+            self.waiting += [action] if action else []
+            self.removals += [removal] if removal else []
+            return True
+
+    def run_waiting(self) -> None:
+        """Links and copies first, then removals: a removed checkpoint is never the newest complete one."""
+        while True:
+            with self.lock:
+                actions, removals = self.waiting, self.removals
+                self.waiting, self.removals = [], []
+                if not actions and not removals:
+                    self.published = True
+                    return
+            for action in actions:
+                action()
+            for path in removals:
+                sharded.remove(path)
+
+
+@dataclass
+class _Saved:
+    path: Path
+    fingerprint: list[tuple]
+    tensors: dict[str, Any]  # held so that no tensor it names is freed and its memory reused by another
+
+
+class CheckpointWriter:
+    """Lightning's saves, removals and links for one strategy (see the module doc). ``agree(bool)``: a collective
+    that is True when it is True on every rank; ``group``: the background writer's process group (asynchronous)."""
+
+    def __init__(self, asynchronous: bool, is_writer: bool, agree: Callable[[bool], bool],
+                 group: Optional[dist.ProcessGroup] = None, pin_memory: bool = False) -> None:
+        self.asynchronous, self.is_writer, self.agree, self.group = asynchronous, is_writer, agree, group
+        self.staging = HostStaging(pin_memory) if asynchronous else None
+        self._flight: Optional[_Flight] = None
+        self._saved: Optional[_Saved] = None
+        self._abandoned = False
+        self._said_waited = False
+        self.blocked_seconds: list[float] = []  # per save, how long the caller waited (benchmarks read it)
+        if asynchronous:
+            atexit.register(self.finish)  # a save after fit is complete before the process leaves
+
+    def save(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Collective: every rank calls it with the same ``path``."""
+        started = time.perf_counter()
+        path = Path(path)
+        tensors, meta = sharded.split(checkpoint)
+        fingerprint = _fingerprint(tensors)
+        same = self.agree(self._saved is not None and self._saved.fingerprint == fingerprint
+                          and self._saved.path != path)
+        if same:
+            source = self._saved.path
+            if self.is_writer:
+                meta = copy.deepcopy(meta)
+                self._when_in_place(lambda: sharded.publish_copy(source, path, meta))
+        elif self.asynchronous:
+            self._launch(tensors, meta, path)
+        else:
+            sharded.save(checkpoint, path, self.is_writer)
+        self._saved = _Saved(path, fingerprint, tensors)
+        self.blocked_seconds.append(time.perf_counter() - started)
+
+    def link(self, target: str, path: str) -> None:
+        """ModelCheckpoint's ``save_last="link"`` (rank 0's part): ``path`` points at ``target`` once it is complete."""
+        if self.is_writer:
+            self._when_in_place(lambda: sharded.publish_symlink(Path(target), Path(path)))
+
+    def remove(self, path: str) -> None:
+        """A superseded checkpoint (rank 0's part), removed once the save in flight is in place."""
+        if self.is_writer and not (self._flight is not None and self._flight.after(removal=Path(path))):
+            sharded.remove(path)
+        if self._saved is not None and self._saved.path == Path(path):
+            self._saved = None  # nothing to link to any more
+
+    def _when_in_place(self, action: Callable[[], None]) -> None:
+        if not (self._flight is not None and self._flight.after(action)):
+            action()
+
+    def _launch(self, tensors: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+        self.wait(say=True)
+        staged = self.staging.stage(tensors)
+        meta = copy.deepcopy(meta) if self.is_writer else {}
+        flight = self._flight = _Flight(path)
+        flight.thread = threading.Thread(target=self._write, args=(flight, staged, meta), daemon=True,
+                                         name="lightning-4d checkpoint writer")
+        flight.thread.start()
+
+    def _write(self, flight: _Flight, staged: dict[str, Any], meta: dict[str, Any]) -> None:
+        try:
+            partial = sharded.partial_path(flight.path)
+            if self.is_writer:
+                sharded.remove(partial)  # an interrupted save's leftover, gone before any rank writes there
+            dist.barrier(group=self.group)
+            sharded.write(staged, meta, partial, self.is_writer, self.group)
+            if self.is_writer:
+                sharded.publish(partial, flight.path)
+                flight.run_waiting()
+        except BaseException as error:  # noqa: BLE001  raised on the training thread (raise_if_failed, wait)
+            flight.error = error
+
+    def raise_if_failed(self) -> None:
+        """A background write that failed fails the run at the next step (a host check, no collective)."""
+        if self._flight is not None and self._flight.error is not None:
+            self.wait()
+
+    def wait(self, say: bool = False) -> None:
+        """Until the save in flight is in place; its error, if it failed, is raised here. ``say``: rank 0 says
+        (once per run) that a new save had to wait for the previous one."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        started = time.perf_counter()
+        flight.thread.join()
+        if flight.error is not None:
+            raise RuntimeError(f"Writing the checkpoint {flight.path} in the background failed on rank"
+                               f" {dist.get_rank() if dist.is_initialized() else 0}: {flight.error!r}. The previous"
+                               " complete checkpoint is the newest one.") from flight.error
+        waited = time.perf_counter() - started
+        if say and waited > 0.01 and self.is_writer and not self._said_waited:
+            self._said_waited = True
+            print(f"[lightning-4d] a checkpoint save waited {waited:.1f} s for the previous one ({flight.path.name}) to"
+                  " finish writing: at most one save is in flight. Checkpoint less often to train without waiting"
+                  " (said once).", file=sys.stderr, flush=True)
+
+    def abandon(self) -> None:
+        """The run failed: a save in flight may wait on a rank that is gone, so nobody waits for it (its
+        ``.partial`` directory stays behind and is never mistaken for a checkpoint)."""
+        self._abandoned = True
+
+    def finish(self) -> None:
+        """The end of a fit, or of the process: the save in flight is in place before it ends."""
+        if not self._abandoned:
+            self.wait()
