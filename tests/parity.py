@@ -111,6 +111,7 @@ def make_trainer(case: Case, *, distributed: bool, devices: int = 1, num_nodes: 
         callbacks=callbacks,
     )
     options.update(case.trainer)
+    options["plugins"] = [_load(spec)() for spec in options.get("plugins", [])]  # "module:factory" each
     if distributed:
         options["strategy"] = _load(case.strategy_class)(**case.strategy)
     return pl.Trainer(**options)

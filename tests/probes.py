@@ -131,7 +131,9 @@ def classifier_zeroing_in_place():
 
 
 class DieWhileSaving(Callback):
-    """Rank 1 is killed (SIGKILL) while writing its shard of the third checkpoint save: half a file on disk."""
+    """Rank 1 is killed (SIGKILL) while writing its shard of the second checkpoint written (``last.ckpt`` of the
+    same step shares the first one's files): half a file on disk. Under ``async_save`` the write, and the kill,
+    happen in the background writer while training goes on."""
 
     def on_fit_start(self, trainer, pl_module):
         if trainer.global_rank != 1:
@@ -146,9 +148,12 @@ class DieWhileSaving(Callback):
         original, saves = FileSystemWriter.write_data, itertools.count(1)
 
         def write_data(writer, plan, planner):
-            if next(saves) == 3:
+            if next(saves) == 2:
                 (Path(writer.path) / "__1_0.distcp").write_bytes(b"\0" * 1000)
-                print(f"killing rank 1 while it writes {writer.path}", flush=True)
+                import threading
+
+                print(f"killing rank 1 while it writes {writer.path} (thread: {threading.current_thread().name})",
+                      flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(writer, plan, planner)
 

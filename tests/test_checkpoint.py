@@ -83,16 +83,19 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_from(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_from(tmp_path, async_save):
     """tp=2, a checkpoint every 2 steps plus last.ckpt. Rank 1 is killed (SIGKILL) while it writes its shard of
-    step 4: the step-2 checkpoints stay complete; the half-written one is a ``.partial`` directory that neither
+    step 4 (with ``async_save``, in the background writer while training goes on): the step-2 checkpoints stay
+    complete and ``last.ckpt`` is still step 2's; the half-written one is a ``.partial`` directory that neither
     ``ckpt_path="last"`` nor a ``*.ckpt`` glob finds, and that cannot be loaded by mistake. Resuming from
     "last" in one process continues as the uninterrupted single-process run (1e-5)."""
     case = Case("killed", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data",
-                strategy={"tp": 2}, max_steps=6, resume_at=2, save_last=True,
+                strategy={"tp": 2, "async_save": async_save}, max_steps=6, resume_at=2, save_last=True,
                 callbacks=["tests.probes:DieWhileSaving"])
     result = run_layout([case], 2, timeout=240, workdir=str(tmp_path), grace=60)
-    assert "killing rank 1 while it writes" in result.output, result.output[-4000:]
+    thread = "lightning-4d checkpoint writer" if async_save else "MainThread"
+    assert f"step=4.ckpt.partial (thread: {thread})" in result.output, result.output[-4000:]
     assert result.returncodes[1] == -9 and result.returncodes[0] > 0, (result.returncodes, result.output[-4000:])
 
     folder = tmp_path / "killed"
@@ -103,6 +106,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
     assert (half_written / "__1_0.distcp").stat().st_size == 1000 and not (half_written / checkpoint.META_FILE).exists()
     with pytest.raises(FileNotFoundError, match="interrupted save and cannot be resumed from"):
         checkpoint.load(half_written, tiny_gpt(), [])
+    assert checkpoint.read_meta(folder / "last.ckpt")["global_step"] == 2
 
     resumed = train(replace(case, strategy={}, max_steps=4, resume_at=None, resume_from="last", callbacks=[]),
                     distributed=True, workdir=str(tmp_path))

@@ -213,7 +213,8 @@ class CheckpointWriter:
             partial = sharded.partial_path(flight.path)
             if self.is_writer:
                 sharded.remove(partial)  # an interrupted save's leftover, gone before any rank writes there
-            dist.barrier(group=self.group)
+            if dist.is_initialized():
+                dist.barrier(group=self.group)
             sharded.write(staged, meta, partial, self.is_writer, self.group)
             if self.is_writer:
                 sharded.publish(partial, flight.path)

@@ -1,0 +1,211 @@
+"""Asynchronous checkpoint saves (``FourDStrategy(async_save=True)``, Lightning's ``AsyncCheckpointIO``) and
+``last`` written once (:mod:`lightning_4d.checkpoint.writer`).
+
+In one process, on the writer itself: a save in flight is invisible (no directory under its name, removals and
+links held back) until its write is complete; the next save waits for it and says so once; staging reuses its host
+buffers; a failed background write fails the next step; a save of unchanged tensors hard-links the previous one's
+files and an in-place change makes it write them again. In one 2-process launch, dp_shard=2, tp=2 and pp=2 each
+save at step 2 with ``save_last=True``, synchronously and asynchronously (pp=2 through the ``AsyncCheckpointIO``
+plugin): every resumed run equals its uninterrupted run bit for bit and one process within 1e-5, and the async
+checkpoints hold the same tensors and loop state as the synchronous ones. (2x2x2 and loading an async checkpoint
+in another layout and by export: tests/test_resharding.py; a rank killed during a background write:
+tests/test_checkpoint.py.)
+"""
+
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_4d import FourDStrategy, checkpoint
+from lightning_4d.checkpoint import sharded
+from lightning_4d.checkpoint.export import read_checkpoint
+from lightning_4d.checkpoint.writer import CheckpointWriter
+from tests.parity import Case, assert_exact_resume, assert_parity, reference, train_layout
+
+
+def _state(scale: float = 1.0) -> dict:
+    torch.manual_seed(0)
+    return {"state_dict": {"w": torch.randn(64, 32) * scale, "b": torch.randn(32)},
+            "optimizer_states": [{"state.w.exp_avg": torch.zeros(64, 32), "param_groups.w.lr": 0.1}],
+            "global_step": 3}
+
+
+def _writer(**options) -> CheckpointWriter:
+    return CheckpointWriter(asynchronous=True, is_writer=True, agree=lambda decision: decision, **options)
+
+
+@pytest.fixture
+def slow_write(monkeypatch):
+    """Background writes wait until the test releases them."""
+    release = threading.Event()
+    write = sharded.write
+
+    def held(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():  # a synchronous save is not held
+            assert release.wait(60), "the test never released the write"
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(sharded, "write", held)
+    return release
+
+
+def test_a_save_in_flight_stays_invisible_with_its_removals_and_links_until_complete(tmp_path, slow_write):
+    writer, state = _writer(), _state()
+    old, new, link = tmp_path / "step=1.ckpt", tmp_path / "step=2.ckpt", tmp_path / "last.ckpt"
+    sharded.save(_state(2.0), old, is_writer=True)
+    writer.save(state, str(new))
+    writer.link(str(new), str(link))
+    writer.remove(str(old))
+    assert not new.exists() and old.exists() and not link.exists()  # nothing seen before the write is complete
+    slow_write.set()
+    writer.finish()
+    assert not old.exists() and link.is_symlink() and link.resolve() == new.resolve()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]  # no .partial left
+    loaded = read_checkpoint(link)
+    assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and loaded["global_step"] == 3
+    assert checkpoint.verify(new) == []
+
+
+def test_the_next_save_waits_for_the_one_in_flight_and_says_so_once(tmp_path, slow_write, capfd):
+    writer = _writer()
+    writer.save(_state(), str(tmp_path / "a.ckpt"))
+    threading.Timer(0.3, slow_write.set).start()
+    writer.save(_state(3.0), str(tmp_path / "b.ckpt"))  # waits for a's write
+    assert (tmp_path / "a.ckpt").is_dir()
+    writer.save(_state(4.0), str(tmp_path / "c.ckpt"))
+    writer.finish()
+    said = capfd.readouterr().err
+    assert said.count("at most one save is in flight") == 1, said
+    assert writer.blocked_seconds[1] >= 0.2  # the second save waited; none else had to
+    assert all((tmp_path / name).is_dir() for name in ("a.ckpt", "b.ckpt", "c.ckpt"))
+
+
+def test_staging_reuses_its_host_buffers_and_copies_the_values_of_the_moment(tmp_path):
+    writer, state = _writer(), _state()
+    buffers = []
+    for step in range(4):
+        state["state_dict"]["w"].add_(1.0)  # the values at each save, not those of later steps
+        writer.save(state, str(tmp_path / f"step={step}.ckpt"))
+        buffers.append(writer.staging.buffers["state_dict"]["w"].data_ptr())
+        state["state_dict"]["w"].add_(100.0)  # training goes on while the write runs
+        writer.wait()
+    assert writer.staging.allocations == 1 and len(set(buffers)) == 1
+    first = read_checkpoint(tmp_path / "step=0.ckpt")["state_dict"]["w"]
+    torch.testing.assert_close(first, _state()["state_dict"]["w"] + 1.0, rtol=0, atol=0)
+    state["state_dict"]["w"] = torch.zeros(8)  # another shape: new buffers
+    writer.save(state, str(tmp_path / "other.ckpt"))
+    writer.finish()
+    assert writer.staging.allocations == 2
+
+
+def test_a_failed_background_write_fails_the_next_step_naming_the_checkpoint(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(sharded, "write", broken)
+    writer = _writer()
+    writer.save(_state(), str(tmp_path / "step=2.ckpt"))
+    writer._flight.thread.join()
+    with pytest.raises(RuntimeError, match=r"step=2.ckpt in the background failed on rank 0: OSError\('No space"):
+        writer.raise_if_failed()
+    assert not (tmp_path / "step=2.ckpt").exists()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_of_unchanged_tensors_links_the_files_and_a_change_writes_them(tmp_path, asynchronous):
+    writer = CheckpointWriter(asynchronous, is_writer=True, agree=lambda decision: decision)
+    state = _state()
+    writer.save(state, str(tmp_path / "step=2.ckpt"))
+    writer.save(dict(state, global_step=4), str(tmp_path / "last.ckpt"))  # ModelCheckpoint's save_last
+    writer.wait()
+    shard = "__0_0.distcp"
+    assert os.path.samefile(tmp_path / "step=2.ckpt" / shard, tmp_path / "last.ckpt" / shard)
+    assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4 and checkpoint.verify(tmp_path / "last.ckpt") == []
+    writer.remove(str(tmp_path / "step=2.ckpt"))
+    writer.wait()
+    assert torch.equal(read_checkpoint(tmp_path / "last.ckpt")["state_dict"]["w"], state["state_dict"]["w"])
+    state["state_dict"]["w"].mul_(2)  # an optimizer step: written again, not linked
+    writer.save(state, str(tmp_path / "step=3.ckpt"))
+    writer.save(dict(state, optimizer_states=[{"state.w.exp_avg": state["optimizer_states"][0]["state.w.exp_avg"],
+                                               "param_groups.w.lr": 0.05}]), str(tmp_path / "step=3b.ckpt"))
+    writer.finish()  # a learning rate that changed is a change too
+    assert not os.path.samefile(tmp_path / "last.ckpt" / shard, tmp_path / "step=3.ckpt" / shard)
+    assert not os.path.samefile(tmp_path / "step=3.ckpt" / shard, tmp_path / "step=3b.ckpt" / shard)
+    assert torch.equal(read_checkpoint(tmp_path / "step=3.ckpt")["state_dict"]["w"], state["state_dict"]["w"])
+
+
+class _OtherIO(pl.plugins.TorchCheckpointIO):
+    pass
+
+
+def test_a_checkpoint_io_plugin_is_honored_or_refused_at_construction():
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=FourDStrategy(), plugins=[AsyncCheckpointIO()],
+                         logger=False)
+    assert trainer.strategy.async_save is True
+    with pytest.raises(ValueError, match=r"cannot save through _OtherIO\. Remove the plugin; .*async_save=True"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=FourDStrategy(), plugins=[_OtherIO()], logger=False)
+
+
+SAVE = 2
+BASE = Case("gpt", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data", max_steps=4,
+            resume_at=SAVE, save_last=True)
+LAYOUTS = {"dp_shard2": {"dp_shard": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+PLUGIN = {"plugins": ["lightning.pytorch.plugins.io:AsyncCheckpointIO"]}
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for name, layout in LAYOUTS.items():
+        cases.append(replace(BASE, name=f"{name}_sync", strategy=layout))
+        asynchronous = dict(strategy=layout, trainer=PLUGIN) if name == "pp2" else dict(strategy=dict(layout, async_save=True))
+        cases.append(replace(BASE, name=f"{name}_async", **asynchronous))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("async")
+    return workdir, train_layout(_cases(), 2, timeout=400, workdir=str(workdir))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_async_saves_hold_what_sync_saves_hold_and_resume_exactly(saved, layout):
+    workdir, records = saved
+    for mode in ("sync", "async"):
+        record = records[f"{layout}_{mode}"]
+        assert_exact_resume(record)
+        assert_parity(BASE, reference(BASE), record)
+    for name in (f"epoch=0-step={SAVE}.ckpt", "last.ckpt"):
+        sync, asynchronous = (read_checkpoint(workdir / f"{layout}_{mode}" / name) for mode in ("sync", "async"))
+        assert sync["state_dict"].keys() == asynchronous["state_dict"].keys()
+        for key, value in sync["state_dict"].items():
+            assert torch.equal(value, asynchronous["state_dict"][key]), (layout, name, key)
+        assert sync["loops"] == asynchronous["loops"] and sync["global_step"] == asynchronous["global_step"]
+    # optimizer state too: every tensor of the two directories, read as DCP reads them
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = []
+    for mode in ("sync", "async"):
+        dcp_to_torch_save(workdir / f"{layout}_{mode}" / f"epoch=0-step={SAVE}.ckpt", workdir / f"{layout}_{mode}.pt")
+        whole.append(torch.load(workdir / f"{layout}_{mode}.pt", weights_only=True))
+    flat = [_flat(tree) for tree in whole]
+    assert flat[0].keys() == flat[1].keys() and any(".momentum_buffer" in key for key in flat[0]), sorted(flat[0])[:8]
+    for key, value in flat[0].items():
+        assert torch.equal(value, flat[1][key]) if isinstance(value, torch.Tensor) else value == flat[1][key], key
+    # last.ckpt (of the last step, 4) was not written a second time: its shard files are the step's
+    async_dir = workdir / f"{layout}_async"
+    assert os.path.samefile(async_dir / "last.ckpt" / ".metadata", async_dir / "epoch=0-step=4.ckpt" / ".metadata")
+    assert not list(async_dir.glob("*.partial"))
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        return {key: value for name, item in tree.items() for key, value in _flat(item, f"{prefix}{name}.").items()}
+    return {prefix: tree}
