@@ -1,6 +1,7 @@
 """A checkpoint saved in one layout resumes in another, optimizer state included, as one process would go on.
 
-Layout pairs (dp x pp x cp x tp): one process -> 2x2x1x2, 2x2x1x2 -> 1x1x2x2, 2x2x1x2 -> one process; and with
+Layout pairs (dp x pp x cp x tp): one process -> 2x2x1x2, 2x2x1x2 -> 1x1x2x2 (also from a checkpoint written
+asynchronously), 2x2x1x2 -> one process; and with
 sharded data parallelism: one process -> dp_shard=4 -> 2x1x1x2 -> dp_shard=4, dp_shard=4 -> one process. The model
 is the Hugging Face Llama from a tiny config (grouped K/V heads, sharded by kv-head under tensor parallelism),
 trained with SGD, momentum 0.9: a resume that lost or misplaced a momentum buffer would move its weights by a
@@ -45,14 +46,15 @@ def runs(tmp_path_factory):
     # One process (FourDStrategy on one device), here: saves at step 2 and resumes from it in a new Trainer.
     records = {"one": train(_case("one", resume_at=SAVE), distributed=True, workdir=str(workdir))}
 
-    eight = [_case("A", strategy=A, resume_at=SAVE), _case("one_to_A", strategy=A, resume_from=ckpt("one"))]
+    eight = [_case("A", strategy=A, resume_at=SAVE), _case("one_to_A", strategy=A, resume_from=ckpt("one")),
+             _case("A_async", strategy=dict(A, async_save=True), resume_at=SAVE)]  # written in the background
     records.update(train_layout(eight, 8, timeout=420, workdir=str(workdir)))
 
     # The 2x2x1x2 checkpoint as one plain file: starts training, without optimizer state, in 1x1x2x2 and in
     # one process; the two runs must agree with each other.
     plain = export_checkpoint(ckpt("A"), workdir / "A.ckpt")
     from_plain = dict(max_steps=SAVE)
-    four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")),
+    four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")), _case("A_async_to_B", strategy=B, resume_from=ckpt("A_async")),
             _case("plain_to_B", strategy=dict(B, init_from=str(plain)), **from_plain),
             # Sharded data parallelism and back: dp_shard=4 <-> 2 replicas x tp=2 <-> one process.
             _case("C", strategy=C, resume_at=SAVE), _case("one_to_C", strategy=C, resume_from=ckpt("one")),
@@ -66,13 +68,14 @@ def runs(tmp_path_factory):
     return ckpt, records
 
 
-@pytest.mark.parametrize("name", ["one_to_A", "A_to_B", "A_to_one", "one_to_C", "C_to_D", "D_to_C", "C_to_one"])
+@pytest.mark.parametrize("name", ["one_to_A", "A_to_B", "A_async_to_B", "A_to_one", "one_to_C", "C_to_D", "D_to_C",
+                                  "C_to_one"])
 def test_a_checkpoint_resumes_in_another_layout_as_one_process_goes_on(runs, name):
     _, records = runs
     assert_parity(_case(name), after_step(reference(LLAMA), SAVE), records[name])
 
 
-@pytest.mark.parametrize("name", ["one", "A", "C", "D"])
+@pytest.mark.parametrize("name", ["one", "A", "A_async", "C", "D"])
 def test_resume_in_the_same_layout_is_exact(runs, name):
     _, records = runs
     assert_exact_resume(records[name])
@@ -120,6 +123,25 @@ def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(ru
 
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(hf(input_ids=tokens).logits, trained(tokens))
+
+
+def test_an_async_checkpoint_exports_and_loads_as_the_synchronous_one(runs, tmp_path):
+    """The 2x2x1x2 checkpoint written in the background holds what the synchronous one holds: exported to one
+    file, the same tensors bit for bit; loaded into one process, the same momentum buffers."""
+    ckpt, _ = runs
+    files = [torch.load(export_checkpoint(ckpt(name), tmp_path / f"{name}.ckpt"), weights_only=True)
+             for name in ("A", "A_async")]
+    assert files[0]["state_dict"].keys() == files[1]["state_dict"].keys()
+    for key, value in files[0]["state_dict"].items():
+        assert torch.equal(value, files[1]["state_dict"][key]), key
+    momentum = []
+    for name in ("A", "A_async"):
+        module = HFCausalLM(kind="llama")
+        optimizer = module.configure_optimizers()
+        checkpoint.load(ckpt(name), module, [optimizer])
+        momentum.append({n: optimizer.state[p]["momentum_buffer"] for n, p in module.named_parameters()})
+    assert momentum[0].keys() == momentum[1].keys()
+    assert all(torch.equal(value, momentum[1][key]) for key, value in momentum[0].items())
 
 
 def test_no_rank_writes_the_whole_model(runs):
