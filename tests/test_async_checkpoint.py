@@ -209,3 +209,49 @@ def _flat(tree, prefix=""):
     if isinstance(tree, dict):
         return {key: value for name, item in tree.items() for key, value in _flat(item, f"{prefix}{name}.").items()}
     return {prefix: tree}
+
+
+def test_a_save_after_fit_is_complete_when_the_process_exits(tmp_path):
+    from tests.parity import launch
+
+    codes, output = launch(["-m", "tests.save_after_fit_script", str(tmp_path)], 1, timeout=120)
+    assert codes == [0], output[-3000:]
+    assert "save_checkpoint returned; complete yet: False" in output, output[-3000:]  # it was written in the background
+    assert (tmp_path / "final.ckpt" / checkpoint.META_FILE).is_file() and checkpoint.verify(tmp_path / "final.ckpt") == []
+    assert checkpoint.read_meta(tmp_path / "final.ckpt")["global_step"] == 1
+
+
+def _fit_with_checkpoints(directory, async_save, save_last, max_steps, ckpt_path=None):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from tests.models import Classifier, classification_data
+
+    pl.seed_everything(3, verbose=False)
+    saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max",
+                            save_last=save_last)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=FourDStrategy(async_save=async_save),
+                         max_steps=max_steps, callbacks=[saver], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module = Classifier()
+    trainer.fit(module, DataLoader(classification_data(), batch_size=8, shuffle=True), ckpt_path=ckpt_path)
+    return {key: value.clone() for key, value in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_model_checkpoint_top_k_and_last_leave_the_same_checkpoints_async_as_sync(tmp_path, save_last):
+    """Top-2 by step, every 2 steps, 7 steps, with ``last``: the same directories, ``last`` the newest (a link with
+    "link", the newest's files with True), and resuming from "last" gives the same weights either way."""
+    listings, weights = {}, {}
+    for async_save in (False, True):
+        directory = tmp_path / ("async" if async_save else "sync")
+        _fit_with_checkpoints(directory, async_save, save_last, max_steps=7)
+        listings[async_save] = sorted(p.name for p in directory.iterdir())
+        last = directory / "last.ckpt"
+        assert last.is_symlink() == (save_last == "link")
+        newest = directory / "epoch=0-step=6.ckpt"
+        assert (last.resolve() == newest.resolve()) if save_last == "link" else \
+            os.path.samefile(last / ".metadata", newest / ".metadata")
+        weights[async_save] = _fit_with_checkpoints(directory, async_save, save_last, max_steps=9, ckpt_path="last")
+    assert listings[False] == listings[True] == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert all(torch.equal(value, weights[True][key]) for key, value in weights[False].items())

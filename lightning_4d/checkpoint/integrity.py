@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -154,11 +155,21 @@ def verify_collective(path: str | os.PathLike) -> None:
         return
     if dist.is_initialized() and dist.get_world_size() > 1:
         mine = verify(directory, (dist.get_rank(), dist.get_world_size()))
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        problems = sorted(p for part in everyone for p in part)
+        problems = []
+        if _total(len(mine)):  # agreed by a count; every rank's list travels only when something is damaged
+            everyone: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            problems = sorted(p for part in everyone for p in part)
     else:
         problems = verify(directory)
     if problems:
         raise CorruptCheckpointError(describe_problems(directory, problems))
 
+
+
+def _total(count: int) -> int:
+    """``count`` summed over every rank (on the device NCCL needs, on the host under gloo)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())

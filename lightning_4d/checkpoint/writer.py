@@ -25,6 +25,7 @@ import copy
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,7 +162,7 @@ class CheckpointWriter:
         self._said_waited = False
         self.blocked_seconds: list[float] = []  # per save, how long the caller waited (benchmarks read it)
         if asynchronous:
-            atexit.register(self.finish)  # a save after fit is complete before the process leaves
+            _LIVE.add(self)  # a save after fit is complete before the process leaves
 
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         """Collective: every rank calls it with the same ``path``."""
@@ -255,3 +256,12 @@ class CheckpointWriter:
         """The end of a fit, or of the process: the save in flight is in place before it ends."""
         if not self._abandoned:
             self.wait()
+
+
+_LIVE: "weakref.WeakSet[CheckpointWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_every_writer() -> None:
+    for writer in list(_LIVE):
+        writer.finish()
