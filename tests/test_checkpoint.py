@@ -89,7 +89,8 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
     step 4 (with ``async_save``, in the background writer while training goes on): the step-2 checkpoints stay
     complete and ``last.ckpt`` is still step 2's; the half-written one is a ``.partial`` directory that neither
     ``ckpt_path="last"`` nor a ``*.ckpt`` glob finds, and that cannot be loaded by mistake. Resuming from
-    "last" in one process continues as the uninterrupted single-process run (1e-5)."""
+    "last" in one process continues as the uninterrupted single-process run (1e-5), and (async) in tp=2 as the
+    uninterrupted tp=2 run, bit for bit."""
     case = Case("killed", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data",
                 strategy={"tp": 2, "async_save": async_save}, max_steps=6, resume_at=2, save_last=True,
                 callbacks=["tests.probes:DieWhileSaving"])
@@ -111,6 +112,13 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
     resumed = train(replace(case, strategy={}, max_steps=4, resume_at=None, resume_from="last", callbacks=[]),
                     distributed=True, workdir=str(tmp_path))
     assert_parity(case, after_step(reference(replace(case, max_steps=4)), 2), resumed)
+    if async_save:  # and in its own layout, bit for bit as if no rank had died
+        plain = replace(case, max_steps=4, resume_at=None, callbacks=[])
+        runs = train_layout([replace(plain, name="uninterrupted"),
+                             replace(plain, name="resumed", resume_from=str(folder / "last.ckpt"))], 2, timeout=240)
+        assert runs["resumed"]["losses"] == runs["uninterrupted"]["losses"][2:]
+        for name, value in runs["uninterrupted"]["weights"].items():
+            assert torch.equal(runs["resumed"]["weights"][name], value), name
 
 
 def test_load_from_checkpoint_on_a_directory_names_the_export_command(tmp_path):
