@@ -104,6 +104,32 @@ def _checkpoint(payload: dict) -> str:
                   "largest rank writes (MiB)", "all ranks write (MiB)", "largest rank vs one process"], rows)
 
 
+def _async_checkpoint(payload: dict) -> str:
+    sync = {r["layout"]: r for r in payload["results"] if not r["async"]}
+    rows = []
+    for r in payload["results"]:
+        base = sync.get(r["layout"])
+        during = r["steps_during_write"]
+        ratio = statistics.median(during) / base["step_median_s"] if during and base else None
+        rss = [per for per in r["rss_gb"].values()]
+        growth = max(per[f"after_{r['saves']}_saves"] / per["after_2_saves"] - 1 for per in rss)
+        staging = max(per["after_2_saves"] - per["before_first_save"] for per in rss)
+        rows.append([r["layout"], "async" if r["async"] else "sync", str(r["saves"]),
+                     f"{r['blocked_median_s']:.3f} (max {r['blocked_max_s']:.2f})",
+                     f"{r['blocked_median_s'] / base['blocked_median_s']:.1%}" if base else "",
+                     f"{r['step_median_s']:.2f}", f"{ratio:.2f}x ({len(during)} steps)" if ratio else "",
+                     f"{staging:.2f}", f"{growth:+.1%}"])
+    return _rows(["layout", "saves", "n", "step held per save, median s", "of sync", "step median s",
+                  "steps during a write vs sync median", "memory added by 2 saves (GB, max rank)",
+                  f"RSS after the last save vs after 2"], rows)
+
+
+def _async_checkpoint_scaling(payload: dict) -> str:
+    rows = [[str(r["processes"]), "on" if r["plan_caching"] else "off", f"{r['save_s']:.2f}", f"{r['load_s']:.2f}"]
+            for r in payload["results"]]
+    return _rows(["processes", "plan caching", "save s (best)", "load s (best)"], rows)
+
+
 def _activation_checkpointing(payload: dict) -> str:
     rows = payload["rows"]
     none = {r["seq"]: r for r in rows if r["mode"] == "none"}
@@ -189,7 +215,8 @@ def _log2_x(ax, values) -> None:
 
 TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
           "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile,
-          "big_model": _big_model, "cp_step_check": _cp_step_check, "logits": _logits}
+          "big_model": _big_model, "cp_step_check": _cp_step_check, "logits": _logits,
+          "async_checkpoint": _async_checkpoint, "async_checkpoint_scaling": _async_checkpoint_scaling}
 
 
 def table(name: str, payload: dict) -> str:

@@ -151,6 +151,7 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, is_writer: bool) -
 
 
 def partial_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is complete: no resume or ``*.ckpt`` glob finds it there."""
     return path.with_name(path.name + PARTIAL_SUFFIX)
 
 
