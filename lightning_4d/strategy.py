@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_4d import _compat as compat, checkpoint
 from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.callbacks import attach_prediction_writers, check_weight_averaging
-from lightning_4d.checkpoint.resumable_loader import TrainLoaders
+from lightning_4d.checkpoint.resumable_loader import TrainLoaders, continue_as_uninterrupted
 from lightning_4d.checkpoint.writer import CheckpointWriter, honored_checkpoint_io
 from lightning_4d.composition.parallel_model import ParallelModel
 from lightning_4d.composition.parallelize import check_before_launch, parallelize, parallelized
@@ -215,6 +215,11 @@ class FourDStrategy(ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
         return self._train_loaders.track(dataloader) if training else dataloader
+
+    @override
+    def on_train_start(self) -> None:  # a resume at an epoch's end continues as the uninterrupted run
+        super().on_train_start()
+        continue_as_uninterrupted(self.lightning_module.trainer)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -125,7 +125,8 @@ def test_a_save_of_unchanged_tensors_links_the_files_and_a_change_writes_them(tm
     writer.wait()
     shard = "__0_0.distcp"
     assert os.path.samefile(tmp_path / "step=2.ckpt" / shard, tmp_path / "last.ckpt" / shard)
-    assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4 and checkpoint.verify(tmp_path / "last.ckpt") == []
+    assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4
+    assert checkpoint.verify(tmp_path / "last.ckpt") == []
     writer.remove(str(tmp_path / "step=2.ckpt"))
     writer.wait()
     assert torch.equal(read_checkpoint(tmp_path / "last.ckpt")["state_dict"]["w"], state["state_dict"]["w"])
@@ -164,7 +165,8 @@ def _cases() -> list[Case]:
     cases = []
     for name, layout in LAYOUTS.items():
         cases.append(replace(BASE, name=f"{name}_sync", strategy=layout))
-        asynchronous = dict(strategy=layout, trainer=PLUGIN) if name == "pp2" else dict(strategy=dict(layout, async_save=True))
+        asynchronous = (dict(strategy=layout, trainer=PLUGIN) if name == "pp2"
+                        else dict(strategy=dict(layout, async_save=True)))
         cases.append(replace(BASE, name=f"{name}_async", **asynchronous))
     return cases
 
@@ -217,7 +219,8 @@ def test_a_save_after_fit_is_complete_when_the_process_exits(tmp_path):
     codes, output = launch(["-m", "tests.save_after_fit_script", str(tmp_path)], 1, timeout=120)
     assert codes == [0], output[-3000:]
     assert "save_checkpoint returned; complete yet: False" in output, output[-3000:]  # it was written in the background
-    assert (tmp_path / "final.ckpt" / checkpoint.META_FILE).is_file() and checkpoint.verify(tmp_path / "final.ckpt") == []
+    assert (tmp_path / "final.ckpt" / checkpoint.META_FILE).is_file()
+    assert checkpoint.verify(tmp_path / "final.ckpt") == []
     assert checkpoint.read_meta(tmp_path / "final.ckpt")["global_step"] == 1
 
 

@@ -6,11 +6,12 @@ that implements ``state_dict``/``load_state_dict`` is resumed by Lightning itsel
 training DataLoader into this subclass, which records how many batches training consumed in the current
 epoch and, after a restore, skips them at the index level (no sample is loaded twice).
 
-The loader also keeps the epoch its sampler shuffles with (``set_epoch``) itself, in its state: Lightning
-derives it from its loop counters, which are one epoch behind after a run that was itself resumed at an
-epoch's end is resumed again at an epoch's end (its ``epoch_progress`` skips the new epoch's ``ready`` and
-``started`` counts after such a restart), and the resumed run would repeat an epoch's data order. Counted here,
-epoch ``e`` of a fit shuffles with ``e``, as in an uninterrupted run, however often it was resumed.
+The loader also keeps the epoch its sampler shuffles with (``set_epoch``) in its state. Restored, it shuffles
+with that epoch (the next one when the checkpoint was taken after the epoch's last batch) and counts on from
+there, whatever Lightning's loop counters say: they are one epoch ahead when a resume with more steps goes on
+with an epoch that ``max_steps`` cut short. Not restored (a checkpoint of a finished epoch, or a new fit), it
+starts with Lightning's epoch. After some resumes at an epoch's end Lightning's counters are off by one epoch
+unless :func:`continue_as_uninterrupted` corrects them (``FourDStrategy.on_train_start`` calls it).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ResumableDataLoader(DataLoader):
 
     consumed_batches = 0  # set by the strategy before every training batch
     epoch: Optional[int] = None  # the epoch the sampler shuffles this epoch's batches with
-    next_epoch: Optional[int] = 0  # the next epoch's (None: keep what Lightning set, and count on from it)
+    next_epoch: Optional[int] = None  # the next epoch's (None: keep what Lightning set, and count on from it)
     _skip = 0
 
     def __iter__(self) -> Any:
@@ -64,7 +65,7 @@ class ResumableDataLoader(DataLoader):
 
     def begin_epoch(self) -> None:
         samplers = [self.sampler, self.batch_sampler, getattr(self.batch_sampler, "sampler", None)]
-        if self.next_epoch is None:  # restored from a checkpoint without an epoch: Lightning's value stands
+        if self.next_epoch is None:  # a fit's first epoch, not restored (or without an epoch): Lightning's stands
             self.epoch = next((s.epoch for s in samplers if isinstance(getattr(s, "epoch", None), int)), None)
         else:
             self.epoch = self.next_epoch
@@ -96,10 +97,11 @@ class TrainLoaders:
         self.loaders.clear()
 
     def track(self, dataloader: Any) -> Any:
-        """A fit's training loader starts at epoch 0, or, reloaded during the fit, where the one before it was."""
+        """A fit's first training loader starts with Lightning's epoch (or its restored one); one reloaded during the
+        fit where the one before it was."""
         dataloader = make_resumable(dataloader)
         if isinstance(dataloader, ResumableDataLoader):
-            dataloader.next_epoch = self.loaders[-1].next_epoch if self.loaders else 0
+            dataloader.next_epoch = self.loaders[-1].next_epoch if self.loaders else None
             self.loaders.append(dataloader)
         return dataloader
 
@@ -107,6 +109,33 @@ class TrainLoaders:
         """``batches`` into the epoch; a checkpoint after its last batch resumes at the next epoch's start."""
         for loader in self.loaders:
             loader.consumed_batches = batches if per_epoch == float("inf") else batches % int(per_epoch)
+
+
+def continue_as_uninterrupted(trainer: Any) -> None:
+    """Call after ``FitLoop.reset``, before the first epoch starts (the strategy's ``on_train_start``): two restarts
+    at an epoch's end that Lightning continues differently from an uninterrupted run.
+
+    * Taken at an epoch's last batch (``on_train_batch_end``): Lightning closes that epoch in ``FitLoop.reset``
+      but keeps its "restarted mid-epoch" stage for the next one, which then starts without ``epoch_progress``
+      counting it ready and started and without the ``on_train_epoch_start`` hooks. The counters stay one epoch
+      behind for the rest of the fit, so every later checkpoint reads as one of a finished epoch: a run resumed
+      from it counts its epochs one behind, and without ``max_steps`` also restores no loader position and
+      shuffles them one behind.
+    * Taken in ``on_train_epoch_end`` after an epoch's last batch, under ``max_steps`` (a finished epoch is
+      restarted only then): Lightning resumes inside the finished epoch, trains the next epoch's first batch as
+      one more batch of it, and shuffles every later epoch one ahead. (An epoch that ``max_steps`` cut short
+      goes on where it stopped when a resume allows more steps, as Lightning does.)
+
+    Either way the next epoch starts here as in an uninterrupted run."""
+    loop = trainer.fit_loop
+    epoch_loop = loop.epoch_loop
+    if loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end and epoch_loop.batch_progress.is_last_batch:
+        loop.reset_restart_stage()
+    elif loop.restarted_on_epoch_end and epoch_loop.batch_progress.is_last_batch:
+        loop.epoch_progress.increment_completed()  # as Lightning does for this checkpoint without max_steps
+        loop.reset_restart_stage()
+        epoch_loop.restarting = False
+        epoch_loop.reset_restart_stage()
 
 
 def make_resumable(dataloader: Any) -> Any:

@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from lightning_4d.checkpoint.integrity import CHECKSUM_FILE, META_FILE, _copy_checksums, _write_checksums, verify_collective
+from lightning_4d.checkpoint.integrity import (CHECKSUM_FILE, META_FILE, _copy_checksums, _write_checksums,
+                                              verify_collective)
 
 PARTIAL_SUFFIX = ".partial"
 REPLACED_SUFFIX = ".replaced"

@@ -206,22 +206,20 @@ class FaultTolerance(Callback):
             timeouts = getattr(trainer.strategy, "collective_timeouts", None)
             if timeouts is not None:
                 timeouts.training()
-        epoch_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
         if self._agreement is None:
-            if self._flag.requested and not epoch_end:
+            if self._flag.requested:
                 self._preempt(trainer, [0])
             return
         if not self._agreement.started:  # a fetcher that fetches inside training_step: its last batch is known now
             self._agreement.start(self._flags(trainer))
         requested, some_ended, some_have_more = self._agreement.result()
-        # Not on the last batch of an epoch: a resume from a checkpoint taken there does not continue exactly
-        # (tests/test_fault_tolerance.py found the next epochs' data order off); the flag stays set and the
-        # first step of the next epoch saves instead.
-        if requested and not some_ended:
-            self._preempt(trainer, self._gather(trainer, self._flag.requested, batch_idx)[0])
         done = trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps
-        if self.check_uneven_data and some_ended and some_have_more and not done:
+        if self.check_uneven_data and some_ended and some_have_more and not done:  # before a save of such a step
             self._uneven(trainer, *self._gather(trainer, self._flag.requested, batch_idx))
+        # At any step, an epoch's last batch too: a resume continues there as the uninterrupted run
+        # (tests/test_resume_positions.py).
+        if requested:
+            self._preempt(trainer, self._gather(trainer, self._flag.requested, batch_idx)[0])
 
     def _gather(self, trainer: pl.Trainer, requested: bool, batch_idx: int) -> tuple[list[int], list[list[int]]]:
         """Every rank's flags and batch counts, to name ranks on a path that stops the run (never a plain step)."""
