@@ -5,12 +5,18 @@ load time against the world size with and without DCP's plan caching.
     OMP_NUM_THREADS=1 python bench/async_checkpoint.py --scaling [--worlds 2 4 8 16] [--repeats 3]
 
 Layouts: the example GPT (12 layers, n_embd 768, vocabulary 256: 85M parameters, whose weights and AdamW state make
-1.0 GB) trains with ``trainer.save_checkpoint`` every ``--every`` steps, ``--sync-saves`` times with ``FourDStrategy(async_save=False)``
-and ``--saves`` times with ``True`` (separate launches). Per save, the time
+1.0 GB) trains with ``trainer.save_checkpoint`` every ``--every`` steps: ``--sync-saves`` times with
+``FourDStrategy(async_save=False)``, ``--saves`` times with ``True`` (separate launches). Per save, the time
 ``save_checkpoint`` held the step (the slowest rank); per step, its wall time and whether a background write was
 running while it ran; each rank's resident memory before the first save, after the 2nd and after the last. The
 step-time ratio compares steps that ran during a background write with the median step of the synchronous run's
 steps that ran with no save near them.
+
+Writers (``--writers``): which background writer costs training least. Two processes each hold ``--mb`` MB of
+tensors and run a CPU-bound loop (matrix products) standing in for training steps; each of 3 saves is written by
+the package's writer thread (at nice +10, and at the training thread's priority) and by DCP's own process-based
+``async_save`` (``AsyncCheckpointerType.PROCESS``, shared-memory staging); per kind, the time the save call held
+the loop, how long the write took, and the loop's step time during writes against without.
 
 Scaling (``--scaling``): the same total state (a 32M-parameter GPT with AdamW: 0.38 GB) sharded with
 ``dp_shard=N`` over N processes, each saving and loading it ``--repeats`` times (best of), with plan caching (the
@@ -135,6 +141,86 @@ def scaling_worker(world: int, caching: bool, repeats: int, directory: str, out:
     write_rows({"processes": world, "plan_caching": caching, **result}, out)
 
 
+def _writers_rank(rank: int, kind: str, megabytes: int, directory: str, port: int, queue) -> None:
+    from torch.distributed.checkpoint import async_save
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from lightning_4d.checkpoint import writer as writers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)
+    state = {f"t{i}": torch.randn(megabytes * 2**18 // 16) for i in range(16)}  # fp32: 4 bytes each
+    a, b = torch.randn(384, 384), torch.randn(384, 384)
+
+    def step() -> float:
+        started = time.perf_counter()
+        for _ in range(40):
+            a.copy_(torch.tanh(a @ b) * 0.5)
+        dist.all_reduce(torch.ones(1))  # the ranks step together, as training does
+        return time.perf_counter() - started
+
+    if kind == "thread_same_priority":
+        writers.WRITER_NICENESS = 0
+    writer = writers.CheckpointWriter(True, rank == 0, lambda decision: False, group=dist.new_group(backend="gloo"))
+    stager = DefaultStager(StagingOptions(False, True, False, False))
+    baseline = [step() for _ in range(6)][1:]
+    blocked, during, durations = [], [], []
+    for save in range(3):
+        path = Path(directory) / f"{kind}-{save}"
+        started = time.perf_counter()
+        if kind == "dcp_process":
+            future = async_save({"state": state}, checkpoint_id=path, async_stager=stager,
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            done = future.done
+        else:
+            writer.save({"state_dict": state}, str(path))
+            flight = writer._flight  # noqa: SLF001  the benchmark watches the write it started
+            done = lambda: not flight.thread.is_alive()  # noqa: E731
+        blocked.append(time.perf_counter() - started)
+        while True:
+            finished = [done()]  # every rank goes on until both writes are done
+            everyone = [None, None]
+            dist.all_gather_object(everyone, finished[0])
+            if all(everyone):
+                break
+            during.append(step())
+        durations.append(time.perf_counter() - started)
+        writer.wait() if kind != "dcp_process" else future.result()
+    if rank == 0:
+        queue.put({"kind": kind, "mb_per_rank": megabytes, "baseline_step_s": statistics.median(baseline),
+                   "during_write_step_s": statistics.median(during) if during else None, "steps_during": len(during),
+                   "blocked_s": statistics.median(blocked), "write_s": statistics.median(durations)})
+    stager.close()
+    dist.destroy_process_group()
+
+
+def writers_kinds(megabytes: int) -> list:
+    import multiprocessing
+
+    import socket
+
+    rows = []
+    context = multiprocessing.get_context("spawn")
+    for kind in ("thread", "thread_same_priority", "dcp_process"):
+        queue = context.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            procs = [context.Process(target=_writers_rank, args=(rank, kind, megabytes, tmp, port, queue))
+                     for rank in range(2)]
+            for proc in procs:
+                proc.start()
+            row = queue.get(timeout=TIMEOUT_S)
+            for proc in procs:
+                proc.join(TIMEOUT_S)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def _summary(row: dict) -> dict:
     steps = row["steps"][2:]  # the first steps warm up
     return {"layout": row["layout"], "async": row["async"], "saves": len(row["blocked_s"]),
@@ -151,6 +237,8 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--scaling", action="store_true")
+    parser.add_argument("--writers", action="store_true")
+    parser.add_argument("--mb", type=int, default=512)
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--worker", action="store_true")
@@ -169,7 +257,9 @@ def main() -> None:
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        if args.scaling:
+        if args.writers:
+            rows = writers_kinds(args.mb)
+        elif args.scaling:
             for world in args.worlds:
                 for caching in (True, False):
                     rows.append(run_worker(__file__, ["--mode", "scaling", "--worlds", str(world), "--repeats",
@@ -184,7 +274,7 @@ def main() -> None:
                                      + ["--async-save"] * asynchronous, TIMEOUT_S, env=CPU_MALLOC_ENV)
                     rows.append(_summary(row))
                     print(rows[-1], flush=True)
-    name = "async_checkpoint_scaling" if args.scaling else "async_checkpoint"
+    name = "async_checkpoint" + ("_writers" if args.writers else "_scaling" if args.scaling else "")
     payload = {"command": command("async_checkpoint.py"), "model": SCALING if args.scaling else BIG,
                "batch_per_replica": BATCH, "seq_len": SEQ, "results": rows}
     print(table(name, payload), f"\n(written to {write(name, payload)})")

@@ -121,13 +121,22 @@ def _async_checkpoint(payload: dict) -> str:
                      f"{staging:.2f}", f"{growth:+.1%}"])
     return _rows(["layout", "saves", "n", "step held per save, median s", "of sync", "step median s",
                   "steps during a write vs sync median", "memory added by 2 saves (GB, max rank)",
-                  f"RSS after the last save vs after 2"], rows)
+                  "RSS after the last save vs after 2"], rows)
 
 
 def _async_checkpoint_scaling(payload: dict) -> str:
     rows = [[str(r["processes"]), "on" if r["plan_caching"] else "off", f"{r['save_s']:.2f}", f"{r['load_s']:.2f}"]
             for r in payload["results"]]
     return _rows(["processes", "plan caching", "save s (best)", "load s (best)"], rows)
+
+
+def _async_checkpoint_writers(payload: dict) -> str:
+    rows = [[r["kind"], str(r["mb_per_rank"]), f"{r['blocked_s']:.3f}", f"{r['write_s']:.1f}",
+             f"{r['baseline_step_s']:.3f}", f"{r['during_write_step_s']:.3f}" if r["during_write_step_s"] else "",
+             f"{r['during_write_step_s'] / r['baseline_step_s']:.2f}x" if r["during_write_step_s"] else ""]
+            for r in payload["results"]]
+    return _rows(["writer", "MB per rank", "save call held (s)", "write took (s)", "step without a write (s)",
+                  "step during a write (s)", "ratio"], rows)
 
 
 def _activation_checkpointing(payload: dict) -> str:
@@ -216,7 +225,8 @@ def _log2_x(ax, values) -> None:
 TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scaling": _scaling,
           "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile,
           "big_model": _big_model, "cp_step_check": _cp_step_check, "logits": _logits,
-          "async_checkpoint": _async_checkpoint, "async_checkpoint_scaling": _async_checkpoint_scaling}
+          "async_checkpoint": _async_checkpoint, "async_checkpoint_scaling": _async_checkpoint_scaling,
+          "async_checkpoint_writers": _async_checkpoint_writers}
 
 
 def table(name: str, payload: dict) -> str:
