@@ -258,3 +258,21 @@ def test_model_checkpoint_top_k_and_last_leave_the_same_checkpoints_async_as_syn
         weights[async_save] = _fit_with_checkpoints(directory, async_save, save_last, max_steps=9, ckpt_path="last")
     assert listings[False] == listings[True] == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
     assert all(torch.equal(value, weights[True][key]) for key, value in weights[False].items())
+
+
+def test_a_checkpoint_replaced_in_place_is_never_missing(tmp_path, monkeypatch):
+    """``last.ckpt`` over ``last.ckpt``: on Linux the two directories swap names in one step (``renameat2``); where
+    the system cannot swap, the old one steps aside and is gone once the new one is in place. Either way nothing
+    is left behind and the new checkpoint is whole."""
+    exchange, swaps = sharded._exchange, []  # noqa: SLF001
+    monkeypatch.setattr(sharded, "_exchange", lambda first, second: swaps.append(exchange(first, second)) or swaps[-1])
+    for swapped in (True, False):
+        if not swapped:
+            monkeypatch.setattr(sharded, "_exchange", lambda first, second: False)
+        last = tmp_path / f"last-{swapped}.ckpt"
+        for step in (2, 4):
+            sharded.save(dict(_state(float(step)), global_step=step), last, is_writer=True)
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(last.name)) == [last.name]
+        assert checkpoint.read_meta(last)["global_step"] == 4 and checkpoint.verify(last) == []
+        assert torch.equal(read_checkpoint(last)["state_dict"]["w"], _state(4.0)["state_dict"]["w"])
+    assert swaps == [True]  # the second save of the first name was one atomic swap

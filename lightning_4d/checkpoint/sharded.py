@@ -19,8 +19,11 @@ by the first and the last stage (tied embedding and head) is written once, as an
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -182,15 +185,37 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], partial: Path, is_write
 
 
 def publish(partial: Path, path: Path) -> None:
-    """The writer renames a complete ``.partial`` directory into place. Overwriting (``last.ckpt``): the old
-    checkpoint steps aside before the new one takes its name, so a crash here leaves a complete checkpoint
-    under one of the two names, never a half-deleted one."""
+    """The writer renames a complete ``.partial`` directory into place. Overwriting (``last.ckpt``), the two swap
+    names in one step where the system can (Linux's ``renameat2``), so ``path`` is at every moment the old or the
+    new complete checkpoint. Elsewhere (another system, or a file system without the swap) the old one steps aside
+    first: a crash between the two renames leaves it complete under ``<name>.replaced``, to rename back by hand."""
+    if (path.exists() or path.is_symlink()) and _exchange(partial, path):
+        remove(partial)  # the old checkpoint, now under the partial's name
+        return
     replaced = path.with_name(path.name + REPLACED_SUFFIX)
     if path.exists() or path.is_symlink():
         remove(replaced)
         path.rename(replaced)
     partial.rename(path)
     remove(replaced)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two paths' names atomically; False where the system cannot (not Linux, an old kernel or libc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        exchange = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_cwd, rename_exchange = -100, 2
+    if exchange(at_cwd, os.fsencode(first), at_cwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):  # a kernel or file system without exchange
+        return False
+    raise OSError(error, os.strerror(error), f"{first} <-> {second}")
 
 
 def publish_copy(source: Path, path: Path, meta: dict[str, Any]) -> None:
