@@ -19,6 +19,7 @@ the ranks of one shard group are neighbours): ``dp`` counts every rank that sees
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -239,6 +240,7 @@ class ParallelDims:
         ``fit``, ``validate``, ``test`` or ``predict`` (and Trainer) with that layout: new groups each time would
         each keep their threads and sockets (gloo) or communicators and device buffers (NCCL) until the process
         exits. Every rank runs the same entry points in the same order, so all of them build or all reuse."""
+        begin_run_keys()  # every set-up, before the ranks' first barrier
         if _BuiltMeshes.world is not dist.group.WORLD:  # a new default group (the old one was destroyed)
             _BuiltMeshes.world, _BuiltMeshes.meshes = dist.group.WORLD, {}
         key = (self, device_type, lightning_names)
@@ -326,3 +328,43 @@ class ParallelMesh:
 
 # The ranks that must hold the same data or weights: those that differ only in these dims.
 _SHARED_BY = {"replica": ("pp", "cp", "tp"), "stage": ("dp", "cp", "tp")}
+
+
+# The keys this run of the process groups keeps in the rendezvous store, apart from those of the runs before it.
+#
+# Under ``torchrun --max-restarts`` the agent hosts the store and keeps it when it restarts the ranks (they connect
+# to the same port again), so what a killed attempt wrote is still there when the next one starts. Read back, it
+# is wrong: a peer's last heartbeat record says it "left: failed" (a rank of the new attempt, waiting for a peer
+# that is only slow to start, would exit blaming itself), the first-failure slot is taken (a failure of the new
+# attempt would be reported as the old one), a pipeline stage would read another step's result structure.
+#
+# So global rank 0 names each run with a fresh random name as the strategy sets the process groups up
+# (:func:`begin_run_keys`), before the ranks' first barrier (Lightning's ``pre_setup`` barrier, before any callback's
+# ``setup``); everything the package keeps in the store goes under that name (:func:`run_scoped_store`), looked up after that
+# barrier, so every rank of a run uses the same name and none an earlier run's. A store that no strategy named (a
+# test's own store) is used as it is. (torch's own keys, the process group's connection addresses, are not ours to
+# move: docs/checkpoints.md, "Automatic restarts", says how to give each attempt a store of its own.)
+RUN_KEY = "lightning_4d/run"  # this run's name, written by global rank 0
+_RUN_PREFIX = "lightning_4d/runs/"
+
+
+def begin_run_keys() -> None:
+    """On global rank 0, once the default process group exists and before any barrier: a new name for this run's
+    keys in the rendezvous store. Every rank calls it; the others have nothing to do."""
+    store = compat.default_store()
+    if store is not None and dist.get_rank() == 0:
+        store.set(RUN_KEY, uuid.uuid4().hex)
+
+
+def run_scoped_store(store: Optional[dist.Store]) -> Optional[dist.Store]:
+    """``store`` with every key under the name of the run that :func:`begin_run_keys` started (``store`` itself
+    when it has none, or cannot be reached: its host is gone, and the caller's own error handling takes over)."""
+    if store is None:
+        return None
+    try:
+        if not store.check([RUN_KEY]):
+            return store
+        name = store.get(RUN_KEY).decode()
+    except Exception:  # noqa: BLE001  the store's host (rank 0) is gone
+        return store
+    return dist.PrefixStore(_RUN_PREFIX + name, store)

@@ -1,7 +1,8 @@
 """Heartbeats in the rendezvous store: a rank that dies, is killed or stalls ends every rank, named.
 
 Each rank runs one daemon thread that every ``interval`` seconds writes a small record to the store
-(``lightning_4d/heartbeat/<rank>``: a beat counter, how far the main thread got, what it was last doing)
+(``lightning_4d/heartbeat/<rank>`` under this run's name, :func:`lightning_4d.parallel_dims.run_scoped_store`: a beat counter, how far the
+main thread got, what it was last doing)
 and reads every peer's record back in one ``multi_get``. Judged on each rank from the same records:
 
 * **lost**: a peer's beat counter has not changed for ``lost_after`` seconds (its process is gone: killed,
@@ -39,6 +40,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_4d.parallel_dims import run_scoped_store
 from lightning_4d.faults.recorder import RECORDER, compare, describe
 
 EXIT_RANK_LOST = 76  # another rank died, was killed or stalled
@@ -86,7 +88,8 @@ class Heartbeat:
                  lost_after: float = DEFAULT_LOST_AFTER, stall_after: Optional[float] = DEFAULT_STALL_AFTER,
                  exit: Callable[[int], Any] = os._exit) -> None:
         check_options(interval, lost_after, stall_after)
-        self.store, self.rank, self.world_size = store, rank, world_size
+        # Under this run's name: a restarted job's store still holds the records of the attempt before (parallel_dims.run_scoped_store).
+        self.store, self.rank, self.world_size = run_scoped_store(store), rank, world_size
         self.interval, self.lost_after, self.stall_after = float(interval), float(lost_after), stall_after
         self._exit = exit
         self.progress = 0

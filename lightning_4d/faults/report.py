@@ -28,6 +28,7 @@ from lightning_4d._compat import default_store
 from lightning_4d.faults import liveness
 from lightning_4d.faults.recorder import RECORDER, compare, describe
 from lightning_4d.faults.preemption import Preempted, release_signals
+from lightning_4d.parallel_dims import run_scoped_store
 
 _KEY = liveness.FIRST_FAILURE_KEY
 
@@ -99,7 +100,7 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
     """
     global _raised
     _raised = True
-    store = default_store()
+    store = run_scoped_store(default_store())  # this run's first-failure slot, not a restarted job's earlier one
     heartbeat = liveness.current()
     if isinstance(exception, (Preempted, RaisedOnEveryRank)):  # every rank leaves together, on purpose
         if heartbeat is not None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_4d import _compat as compat
-from lightning_4d.parallel_dims import ParallelMesh
+from lightning_4d.parallel_dims import ParallelMesh, run_scoped_store
 
 # Group collectives only: point-to-point calls legitimately differ between the two ends.
 _TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
@@ -108,9 +108,12 @@ class CollectiveTrace:
 
     def __init__(self, store: dist.Store, timeout: timedelta = timedelta(seconds=60), prefix: str = "desync") -> None:
         self.store, self.timeout, self.prefix = store, timeout, prefix
+        self._scoped = False  # under this run's name from the first check on (after the ranks' first barrier)
         self._sequence: dict[tuple[int, ...], int] = {}
 
     def _check(self, name: str, ranks: tuple[int, ...], shape: str) -> None:
+        if not self._scoped:  # a restarted job's store still holds the attempt before's calls of the same numbers
+            self.store, self._scoped = run_scoped_store(self.store), True
         index = self._sequence.get(ranks, 0)
         self._sequence[ranks] = index + 1
         me = dist.get_rank()

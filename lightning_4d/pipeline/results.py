@@ -22,6 +22,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_4d import _compat as compat
+from lightning_4d.parallel_dims import run_scoped_store
 
 # A receiver may read a step's key this many steps after the last stage wrote it before the key is deleted (a
 # GPU's launch queue keeps every host within a step or two of the others).
@@ -45,6 +46,7 @@ class ResultExchange:
         self.group, self.source, self.device = group, source, device
         self.is_source = dist.get_rank() == source
         self.store = compat.default_store()
+        self._scoped = False  # under this run's name from the first exchange on (after the ranks' first barrier)
         self._prefix = f"lightning_4d/pipeline_results/{ResultExchange._created}/{source}/"
         self._step = 0
         self._structure: Any = None  # the last structure sent (as bytes on the source, as objects elsewhere)
@@ -54,6 +56,8 @@ class ResultExchange:
         """``local`` (the step's results) on the source, anything elsewhere; every rank gets the source's."""
         if self.store is None:
             return self._as_objects(local)
+        if not self._scoped:  # a restarted job's store still holds the attempt before's keys of the same steps
+            self.store, self._scoped = run_scoped_store(self.store), True
         self._step += 1
         key = f"{self._prefix}{self._step}"
         if self.is_source:
