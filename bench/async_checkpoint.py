@@ -53,7 +53,8 @@ TIMEOUT_S = 1800
 
 
 def _layout(spec: str) -> dict:
-    return {"dp_shard": int(spec[len("dp_shard"):])} if spec.startswith("dp_shard") else layout(spec)
+    dims = {"dp_shard": int(spec[len("dp_shard"):])} if spec.startswith("dp_shard") else layout(spec)
+    return dict(dims, pp_microbatches=BATCH) if dims.get("pp", 1) > 1 else dims  # a micro-batch per sample
 
 
 def _gathered(value) -> list:
@@ -100,7 +101,7 @@ def layout_worker(spec: str, asynchronous: bool, every: int, saves: int, directo
     probe = _Saves(Path(directory), every, saves)
     trainer = quiet_trainer(accelerator=accelerator(2), devices=2, callbacks=[probe],
                             strategy=FourDStrategy(**dims, async_save=asynchronous), max_steps=every * saves + 2)
-    replicas = dims.get("dp", 1) * dims.get("dp_shard", 1)
+    replicas = dims.get("dp", 1) * dims.get("dp_shard", 1)  # pp_microbatches is no size of the world
     trainer.fit(GPT(**BIG), DataLoader(random_tokens(BATCH * replicas * (every * saves + 2), SEQ, 256),
                                        batch_size=BATCH))
     blocked = _gathered(probe.blocked)
