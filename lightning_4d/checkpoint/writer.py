@@ -84,10 +84,6 @@ class HostStaging:
 # where training keeps every core busy (CPU-only machines), the writer takes about a tenth of a core's time from it
 # (CFS weights 1024 against 110), and all of what training leaves idle (collectives' waits, a GPU's kernels).
 WRITER_NICENESS = 10
-# While a write runs, the training thread takes the GIL back from the writer within half a millisecond instead of
-# CPython's 5 ms: a step that comes back from many collectives (tensor parallelism: several per block) would wait
-# that long each time.
-WRITE_SWITCH_INTERVAL = 0.0005
 
 
 def _yield_cpu_to_training() -> None:
@@ -230,8 +226,6 @@ class CheckpointWriter:
 
     def _write(self, flight: _Flight, staged: dict[str, Any], meta: dict[str, Any]) -> None:
         _yield_cpu_to_training()
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(interval, WRITE_SWITCH_INTERVAL))
         try:
             partial = sharded.partial_path(flight.path)
             if self.is_writer:
@@ -244,8 +238,6 @@ class CheckpointWriter:
                 flight.run_waiting()
         except BaseException as error:  # noqa: BLE001  raised on the training thread (raise_if_failed, wait)
             flight.error = error
-        finally:
-            sys.setswitchinterval(interval)
 
     def raise_if_failed(self) -> None:
         """A background write that failed fails the run at the next step (a host check, no collective)."""
