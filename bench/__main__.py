@@ -1,8 +1,8 @@
 """Every benchmark under ``bench/`` in one command, with one JSON of all results, a Markdown summary and plots.
 
     python -m bench all [--quick]          # every benchmark
-    python -m bench dp cp [--quick]        # some of them: dp tp pp cp memory scaling checkpoint activation_checkpointing
-                                           # compile big_model experts cp_step_check logits
+    python -m bench dp cp [--quick]        # some of them: dp tp pp cp memory scaling checkpoint async_checkpoint
+                                           # activation_checkpointing compile big_model experts cp_step_check logits
 
 Each benchmark runs as its own script (``python bench/NAME.py ...``, which launches its own ranks), on CPU
 with gloo and, when CUDA is available, a second time on the GPUs with NCCL (those that need no more processes
@@ -58,6 +58,9 @@ BENCHMARKS = {
                          ("--steps", "4"), ("--steps", "2", "--layouts", "dp1", "dp2", "dp4"), 16),
     "checkpoint": Benchmark("Distributed checkpoint: save, load and bytes per rank",
                             ("--steps", "3", "--repeats", "3"), ("--steps", "2", "--repeats", "1"), 8),
+    "async_checkpoint": Benchmark("Checkpoint saves that never stop training: sync against async saves per layout",
+                                  ("--saves", "20", "--sync-saves", "5"),
+                                  ("--layouts", "dp2", "--saves", "3", "--sync-saves", "2"), 2),
     "activation_checkpointing": Benchmark("Activation checkpointing: peak memory and step time per mode",
                                           ("--seq", "256", "512", "1024", "--steps", "3"),
                                           ("--seq", "128", "--steps", "1"), 1, gpu=False),

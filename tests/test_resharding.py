@@ -56,6 +56,7 @@ def runs(tmp_path_factory):
     from_plain = dict(max_steps=SAVE)
     four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")), _case("A_async_to_B", strategy=B, resume_from=ckpt("A_async")),
             _case("plain_to_B", strategy=dict(B, init_from=str(plain)), **from_plain),
+            _case("async_init_B", strategy=dict(B, init_from=ckpt("A_async")), **from_plain),
             # Sharded data parallelism and back: dp_shard=4 <-> 2 replicas x tp=2 <-> one process.
             _case("C", strategy=C, resume_at=SAVE), _case("one_to_C", strategy=C, resume_from=ckpt("one")),
             _case("C_to_D", strategy=D, resume_from=ckpt("C")),
@@ -102,6 +103,8 @@ def test_optimizer_state_of_a_sharded_checkpoint_loads_into_one_process(runs):
 def test_plain_weights_start_training_in_a_layout_as_in_one_process(runs):
     _, records = runs
     assert_parity(_case("plain_to_B"), records["plain_to_one"], records["plain_to_B"])
+    # init_from the checkpoint written in the background: the same weights, the same training
+    assert_parity(_case("async_init_B"), records["plain_to_one"], records["async_init_B"])
 
 
 def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(runs, tmp_path):
