@@ -195,11 +195,8 @@ class FourDStrategy(ModelParallelStrategy):
         self._desync = attach_observability(self, trainer.callbacks, self._desync)  # debug and telemetry
         attach_prediction_writers(trainer.callbacks)  # one writing rank per replica
         attach_fault_tolerance(self)  # preemption, heartbeats, uneven data, batch shapes, buffers
-        if self.checkpoints is None:  # the background writer's own group: training's collectives never wait on it
-            group = dist.new_group(backend="gloo") if self.async_save and dist.get_world_size() > 1 else None
-            self.checkpoints = CheckpointWriter(self.async_save, self.global_rank == 0, self.reduce_boolean_decision,
-                                                group, pin_memory=self.root_device.type == "cuda")
-        compat.route_checkpoint_links(trainer.callbacks, self._link_checkpoint)
+        self.checkpoints = self.checkpoints or CheckpointWriter.for_strategy(self)
+        self.checkpoints.route_links(trainer.callbacks, self.barrier)  # ModelCheckpoint's save_last="link"
 
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""
@@ -353,11 +350,6 @@ class FourDStrategy(ModelParallelStrategy):
             raise TypeError("FourDStrategy.save_checkpoint(storage_options=...): not supported, it writes DCP shards.")
         with self.collective_timeouts.long():
             self.checkpoints.save(checkpoint_dict, self.broadcast(str(filepath)))
-
-    def _link_checkpoint(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
-        """ModelCheckpoint's ``save_last="link"``: ``linkpath`` points at ``filepath`` once that is complete."""
-        self.checkpoints.link(filepath, linkpath)
-        self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

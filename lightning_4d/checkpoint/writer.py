@@ -179,6 +179,22 @@ class CheckpointWriter:
         if asynchronous:
             _LIVE.add(self)  # a save after fit is complete before the process leaves
 
+    @classmethod
+    def for_strategy(cls, strategy: Any) -> "CheckpointWriter":
+        """A strategy's writer (every rank makes it, after the process groups): asynchronous over several processes,
+        it writes over a gloo group of its own, so that training's collectives never queue behind it."""
+        group = dist.new_group(backend="gloo") if strategy.async_save and dist.get_world_size() > 1 else None
+        return cls(strategy.async_save, strategy.global_rank == 0, strategy.reduce_boolean_decision, group,
+                   pin_memory=strategy.root_device.type == "cuda")
+
+    def route_links(self, callbacks: list[Any], barrier: Callable[[], None]) -> None:
+        """ModelCheckpoint's ``save_last="link"`` through :meth:`link`, then ``barrier``, as Lightning's link does."""
+        def link(trainer: Any, target: str, path: str) -> None:
+            self.link(target, path)
+            barrier()
+
+        compat.route_checkpoint_links(callbacks, link)
+
     def save(self, checkpoint: dict[str, Any], path: str) -> None:
         """Collective: every rank calls it with the same ``path``."""
         started = time.perf_counter()
