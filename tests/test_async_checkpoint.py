@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy, checkpoint
-from lightning_4d.checkpoint import sharded
+from lightning_4d.checkpoint import integrity, sharded
 from lightning_4d.checkpoint.export import read_checkpoint
 from lightning_4d.checkpoint.writer import CheckpointWriter
 from tests.parity import Case, assert_exact_resume, assert_parity, reference, train_layout
@@ -68,7 +68,7 @@ def test_a_save_in_flight_stays_invisible_with_its_removals_and_links_until_comp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]  # no .partial left
     loaded = read_checkpoint(link)
     assert torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"]) and loaded["global_step"] == 3
-    assert checkpoint.verify(new) == []
+    assert integrity.verify(new) == []
 
 
 def test_the_next_save_waits_for_the_one_in_flight_and_says_so_once(tmp_path, slow_write, capfd):
@@ -126,7 +126,7 @@ def test_a_save_of_unchanged_tensors_links_the_files_and_a_change_writes_them(tm
     shard = "__0_0.distcp"
     assert os.path.samefile(tmp_path / "step=2.ckpt" / shard, tmp_path / "last.ckpt" / shard)
     assert read_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4
-    assert checkpoint.verify(tmp_path / "last.ckpt") == []
+    assert integrity.verify(tmp_path / "last.ckpt") == []
     writer.remove(str(tmp_path / "step=2.ckpt"))
     writer.wait()
     assert torch.equal(read_checkpoint(tmp_path / "last.ckpt")["state_dict"]["w"], state["state_dict"]["w"])
@@ -220,7 +220,7 @@ def test_a_save_after_fit_is_complete_when_the_process_exits(tmp_path):
     assert codes == [0], output[-3000:]
     assert "save_checkpoint returned; complete yet: False" in output, output[-3000:]  # it was written in the background
     assert (tmp_path / "final.ckpt" / checkpoint.META_FILE).is_file()
-    assert checkpoint.verify(tmp_path / "final.ckpt") == []
+    assert integrity.verify(tmp_path / "final.ckpt") == []
     assert checkpoint.read_meta(tmp_path / "final.ckpt")["global_step"] == 1
 
 
@@ -273,6 +273,6 @@ def test_a_checkpoint_replaced_in_place_is_never_missing(tmp_path, monkeypatch):
         for step in (2, 4):
             sharded.save(dict(_state(float(step)), global_step=step), last, is_writer=True)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(last.name)) == [last.name]
-        assert checkpoint.read_meta(last)["global_step"] == 4 and checkpoint.verify(last) == []
+        assert checkpoint.read_meta(last)["global_step"] == 4 and integrity.verify(last) == []
         assert torch.equal(read_checkpoint(last)["state_dict"]["w"], _state(4.0)["state_dict"]["w"])
     assert swaps == [True]  # the second save of the first name was one atomic swap
