@@ -406,8 +406,16 @@ def _no_sigterm_broadcast() -> None:
     """In place of Lightning's per-step SIGTERM broadcast while FaultTolerance's handler holds SIGTERM."""
 
 
-def setup_distributed(strategy: Any) -> None:
-    """ModelParallelStrategy's process-group set-up (environment, backend, timeout), which the strategy reuses."""
+def setup_distributed(strategy: Any, store: Optional[Callable[..., Optional[dist.Store]]] = None) -> None:
+    """ModelParallelStrategy's process-group set-up (environment, backend, timeout), which the strategy reuses;
+    ``store(rank, world_size, timeout)`` may give the store to make the default group on (Lightning's set-up
+    finds the group made and keeps it)."""
+    given = store(strategy.global_rank, strategy.world_size, strategy._timeout) if store is not None else None
+    if given is not None and not dist.is_initialized():
+        device = strategy.root_device
+        dist.init_process_group(strategy._get_process_group_backend(), rank=strategy.global_rank,
+                                world_size=strategy.world_size, timeout=strategy._timeout, store=given,
+                                device_id=device if device.type != "cpu" else None)
     strategy._setup_distributed()
 
 

@@ -22,26 +22,38 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_4d import _quiet
 
 START_METHODS = ("popen", "fork")
 
 
-def warn_about_shared_restart_store(rank: int) -> None:
-    """Under ``torchrun --max-restarts N`` with torch's default, the agent keeps one rendezvous store for every
-    attempt, and restarted ranks setting up their process group may read the killed attempt's connection keys:
-    of 8 restarts measured here, 1 failed ("Connection refused") and 2 hung in that set-up. Said by rank 0 before
-    the group is made, with the variable that gives each attempt a store of its own."""
+def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Optional[dist.Store]:
+    """Under ``torchrun`` on one node, the store this attempt's process group is made on: the agent's store,
+    under a name of the attempt's own. torch's agent (2.13) keeps one store for every attempt of a
+    ``--max-restarts`` run, and restarted ranks setting up their process group read the killed attempt's
+    connection keys (of 8 restarts measured here without this, 1 failed with "Connection refused" and 2 hung).
+    ``TORCHELASTIC_RESTART_COUNT`` names the attempt: on one node a single agent sets it for every rank. With
+    several agents a replaced node counts from 0 again, so there torch's own set-up is kept (None) and rank 0
+    says what avoids the shared store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # no agent store: rank 0 hosts a new store for each attempt
+    if os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"lightning_4d/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts.isdigit() and int(restarts):
-        print(f"[lightning-4d] torchrun --max-restarts {restarts} shares one rendezvous store between attempts, and a"
-              " restarted attempt may fail or hang setting up its process group on the killed one's keys. Start"
-              " torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (docs/checkpoints.md,"
-              " \"Automatic restarts\").", file=sys.stderr, flush=True)
+    if rank == 0 and restarts.isdigit() and int(restarts):
+        print(f"[lightning-4d] torchrun --max-restarts {restarts} on several nodes shares one rendezvous store"
+              " between attempts, and a restarted attempt may fail or hang setting up its process group on the"
+              " killed one's keys. Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+              " (docs/checkpoints.md, \"Automatic restarts\").", file=sys.stderr, flush=True)
+    return None
 
 
 def check_start_method(start_method: str) -> None:

@@ -37,7 +37,7 @@ from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.preemption import Preempted
 from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
-from lightning_4d.launcher import ForkLauncher, check_start_method, warn_about_shared_restart_store
+from lightning_4d.launcher import ForkLauncher, attempt_store, check_start_method
 from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig
 from lightning_4d.memory.compile import CompileConfig
 from lightning_4d.numerics.clipping import install_clipping
@@ -184,8 +184,7 @@ class FourDStrategy(ModelParallelStrategy):
         own_layout = is_overridden("configure_model", module)
         check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config, user_parallelized=own_layout)
         check_weight_averaging((trainer := module.trainer).callbacks, dims)
-        warn_about_shared_restart_store(self.global_rank)
-        compat.setup_distributed(self)
+        compat.setup_distributed(self, attempt_store)  # under torchrun: a store per attempt
         destroy_process_groups_at_exit()
         self.mesh = self.parallel_dims.build(self.root_device.type, lightning_names=own_layout)
         compat.set_device_mesh(self, self.mesh.mesh)

@@ -6,11 +6,10 @@ The example CLI (examples/train.py) with tests/restarts.yaml: dp=2, the demo GPT
 the command line) makes rank 1 SIGKILL itself in the first attempt only, writes timestamped events and saves the
 final weights. Every run is the same command; only the probe's environment differs.
 
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set as the docs say: with torch's default, the agent keeps one store for
-every attempt, and the restarted ranks' process-group set-up reads the dead attempt's connection keys (measured
-here: of 8 restarts, 1 failed with "Connection refused" and 2 hung in the set-up until killed). The package's own
-keys in a store that outlives an attempt are tested without torchrun (the last test), where the stale keys can be
-made on purpose.
+Torch's defaults are kept: the agent keeps one store for every attempt, and the package makes each attempt's
+process group under the attempt's own name (``launcher.attempt_store``; without it, 5 of 6 restarts here failed or
+hung in the set-up on the killed attempt's connection keys). That, and the package's own keys in a store that
+outlives an attempt, are also tested without torchrun (the last tests), where the stale keys can be made on purpose.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -64,7 +64,7 @@ def _stop(agent: subprocess.Popen) -> None:
 def _torchrun(out: Path, kill: str | None = None) -> dict:
     """One job of the same command; ``kill`` tells the probe when rank 1 dies in the first attempt."""
     out.mkdir()
-    env = child_env(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", RESTART_PROBE_OUT=str(out))
+    env = child_env(PYTHONUNBUFFERED="1", RESTART_PROBE_OUT=str(out))
     if kill:
         env["RESTART_PROBE_KILL"] = kill
     start = time.time()
@@ -224,16 +224,62 @@ def test_a_restarted_run_does_not_read_the_killed_attempts_store_keys():
     assert seen == {0: expected, 1: expected}
 
 
-def test_restarts_on_the_shared_store_are_named_before_the_process_group_is_made(monkeypatch, capsys):
-    from lightning_4d.launcher import warn_about_shared_restart_store
+def _one_attempt(rank: int, world_size: int, out_dir: str, port: int, attempt: int, scoped: bool) -> None:
+    """One attempt's process-group set-up on the agent's store, as torchrun starts it (one node). Attempt 0 ends as
+    a killed one does (no clean-up); in attempt 1 rank 1 is slow, so rank 0 looks for rank 1's connection keys
+    before rank 1 has written them."""
+    import os
+    from datetime import timedelta
 
+    import torch.distributed as dist
+
+    from lightning_4d.launcher import attempt_store
+
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT=str(attempt),
+                      TORCHELASTIC_MAX_RESTARTS="1", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    timeout = timedelta(seconds=8)  # the set-up on stale keys fails by then
+    store = attempt_store(rank, world_size, timeout) if scoped else \
+        dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)  # torch's default
+    if attempt == 1 and rank == 1:
+        time.sleep(3.0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"sum": total.item()}, f)
+    if attempt == 0:
+        os._exit(0)  # as a killed attempt ends: its keys stay in the store
+    dist.destroy_process_group()
+
+
+def test_a_restarted_attempt_makes_its_process_group_under_a_name_of_its_own():
+    """The agent's store outlives attempt 0 with its connection keys; attempt 1 makes its process group on the
+    same store, rank 1 three seconds late. Under the attempt's own name (``launcher.attempt_store``) both ranks
+    connect; on the bare store, as torch's default does, rank 0 reads attempt 0's keys of rank 1 (checked
+    below: the set-up fails or hangs)."""
+    port = free_port()
+    agent = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for attempt in (0, 1):
+        assert [r["sum"] for r in spawn(_one_attempt, 2, 60, port, attempt, True)] == [2.0, 2.0]
+    for attempt in (0, 1):
+        if attempt == 0:
+            assert [r["sum"] for r in spawn(_one_attempt, 2, 60, port, attempt, False)] == [2.0, 2.0]
+        else:
+            with pytest.raises(AssertionError, match="exit codes|hang"):
+                spawn(_one_attempt, 2, 30, port, attempt, False)
+    del agent
+
+
+def test_attempt_store_keeps_torchs_set_up_off_torchrun_and_on_several_nodes(monkeypatch, capsys):
+    from lightning_4d.launcher import attempt_store
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # rank 0 hosts a new store per attempt
+    assert attempt_store(0, 2, timedelta(seconds=5)) is None
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # two agents: a replaced node would count attempts from 0
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
-    warn_about_shared_restart_store(1)  # only rank 0 says it
-    assert capsys.readouterr().err == ""
-    warn_about_shared_restart_store(0)
-    assert "--max-restarts 3 shares one rendezvous store" in capsys.readouterr().err
-    for variable, value in (("TORCHELASTIC_USE_AGENT_STORE", "False"), ("TORCHELASTIC_MAX_RESTARTS", "0")):
-        monkeypatch.setenv(variable, value)  # a store per attempt, or no restarts: nothing to say
-        warn_about_shared_restart_store(0)
-        assert capsys.readouterr().err == ""
+    assert attempt_store(1, 4, timedelta(seconds=5)) is None
+    assert capsys.readouterr().err == ""  # only rank 0 says it
+    assert attempt_store(0, 4, timedelta(seconds=5)) is None
+    assert "--max-restarts 3 on several nodes shares one rendezvous store" in capsys.readouterr().err
