@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -315,6 +316,7 @@ class FourDStrategy(ModelParallelStrategy):
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Over the replicas (a replica's ranks hold one value); over one replica nothing to do, not even a barrier."""
         group = group or self._replicas()
+        tensor = tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor  # a loss_parallel() loss
         if isinstance(tensor, Tensor) and (group is None or dist.get_world_size(group) > 1):
             return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

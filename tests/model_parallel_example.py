@@ -5,8 +5,11 @@
   ``feed_forward.w1/w2/w3``, RMS norms, a complex ``freqs_cis`` buffer, ``init_weights`` and
   ``reset_parameters``) whose attention reads its head counts from attributes that the plan divides;
 - ``parallelize(model, device_mesh)``: the example's plan on ``device_mesh["tensor_parallel"]`` (vocabulary-
-  sharded embedding, replicated logits, sequence-parallel norms, colwise/rowwise projections), then
-  ``checkpoint_wrapper`` and ``fully_shard`` per block and at the root on ``device_mesh["data_parallel"]``;
+  sharded embedding, sequence-parallel norms, colwise/rowwise projections, and the output layer as Lightning's
+  master ships it: ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)``,
+  logits left a vocabulary-sharded DTensor for ``loss_parallel()``, so the loss is a DTensor too; the 2.4-era
+  file had ``output_layouts=Replicate()``), then ``checkpoint_wrapper`` and ``fully_shard`` per block and at the
+  root on ``device_mesh["data_parallel"]``;
 - the module: ``configure_model`` calls it, ``on_train_start`` calls ``init_weights``, the loss and the backward
   run inside torch's ``loss_parallel()``, AdamW with ``foreach=True``; built under
   ``trainer.init_module(empty_init=True)`` (``Case.empty_init``).
@@ -25,10 +28,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import Dataset
+
+from lightning_4d import FourDStrategy
 
 
 @dataclass
@@ -174,7 +179,7 @@ def parallelize(model: Transformer, device_mesh, param_dtype: torch.dtype = torc
     if tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
             "norm": SequenceParallel(),
             "layers.0": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
                                            use_local_output=True),
@@ -256,7 +261,10 @@ class FromFixedWeights(Llama3):
                 loss = F.cross_entropy(output.reshape(-1, output.size(-1)), labels.reshape(-1))
         else:
             loss = super().training_step(batch)
-        self.log("train_loss", loss, sync_dist=True)
+        logged = loss
+        if not isinstance(self.trainer.strategy, FourDStrategy) and isinstance(loss, DTensor):
+            logged = loss.detach().full_tensor()  # ModelParallelStrategy all-reduces a logged DTensor as a tensor
+        self.log("train_loss", logged, sync_dist=True)
         return loss
 
 

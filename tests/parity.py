@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from lightning.pytorch.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,8 +69,10 @@ class Recorder(Callback):
         self.epochs: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        loss = trainer.strategy.reduce(loss.detach().clone(), reduce_op="mean")
+        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach()
+        if isinstance(loss, DTensor):  # a loss_parallel() loss, which ModelParallelStrategy cannot reduce
+            loss = loss.full_tensor()
+        loss = trainer.strategy.reduce(loss.clone(), reduce_op="mean")
         self.losses.append(float(loss))
         self.logged.append(_floats(trainer.callback_metrics))
 

@@ -5,8 +5,9 @@ on ``device_mesh["data_parallel"]`` and ``device_mesh["tensor_parallel"]``, its 
 
 One 4-process launch: ModelParallelStrategy(2, 2) itself, and FourDStrategy at dp_shard2 x tp2 and dp2 x tp2 with
 the module's own plan (left as it is: no second ``fully_shard``) and with ``configure_model`` removed (the automatic
-plan, the user's ``loss_parallel()`` nested in the strategy's); clipping, token-weighted masked targets and a
-resume from the strategy's checkpoint on the module's own plan. Each against one process (the module without
+plan, the user's ``loss_parallel()`` nested in the strategy's); clipping, token-weighted masked targets, each
+replica's own mean (``loss_normalization="replica"``: the DTensor loss goes unweighed to logging) and a resume from
+the strategy's checkpoint on the module's own plan. The example's logits, and so its loss, are DTensors. Each against one process (the module without
 ``configure_model``) from the same starting weights, at 1e-5 (loss per step, logged loss, final weights), and
 FourDStrategy's runs against ModelParallelStrategy's at the same tolerance. cp and pp refuse a module that applied
 ``fully_shard`` itself, on every rank, before training."""
@@ -31,6 +32,8 @@ CASES = [
          trainer={"gradient_clip_val": 0.05}, **BASE),
     Case("own_dp2_tp2_masked_resumed", strategy={"dp": 2, "tp": 2}, module_kwargs=dict(OWN, masked=True),
          resume_at=2, **BASE),
+    Case("own_dp2_tp2_replica_means", strategy={"dp": 2, "tp": 2, "loss_normalization": "replica"},
+         module_kwargs=OWN, **BASE),
     Case("automatic_dp_shard2_tp2", strategy={"dp_shard": 2, "tp": 2}, module_kwargs=AUTOMATIC, **BASE),
     Case("automatic_dp2_tp2", strategy={"dp": 2, "tp": 2}, module_kwargs=AUTOMATIC, **BASE),
 ]

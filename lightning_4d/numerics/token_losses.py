@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_4d import _compat as compat
 
@@ -97,6 +98,13 @@ def _entry(name: str, original: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return entry
 
 
+def whole(loss: Tensor) -> Tensor:
+    """A loss as a plain tensor holding its whole value. Under ``loss_parallel()`` on vocabulary-sharded logits
+    (Lightning's tensor-parallel example keeps its logits a DTensor) the loss is a DTensor; its full value, taken
+    differentiably, sends the gradient back through the DTensor loss."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
 def valid_count(target: Tensor, ignore_index: int, weight: Optional[Tensor], dtype: torch.dtype) -> Tensor:
     """What ``reduction='mean'`` divides by: the valid targets, each counted as its class weight."""
     valid = target != ignore_index
@@ -148,7 +156,7 @@ class TokenMeanLosses:
         """The token mean whose sum ``compute("sum")`` gives, weighed over the group (see the module docstring)."""
         _local.computing = True
         try:
-            total = compute("sum")
+            total = whole(compute("sum"))
         finally:
             _local.computing = False
         # Sum and count travel in fp32 whatever the loss's dtype: a bf16 count is exact only up to 256.
