@@ -47,3 +47,17 @@ def classification_data(train: bool = True, size: int = 64, features: int = 16, 
     x = torch.randn(size, features, generator=generator)
     y = (x[:, :classes].argmax(dim=1) + (x[:, -1] > 1).long()) % classes
     return TensorDataset(x, y)
+
+
+class ImageClassifier(Classifier):
+    """The classifier on one-channel 6 x 6 images: a convolution, then the MLP (a batch's dim 1 is its channels)."""
+
+    def __init__(self, lr: float = 0.05):
+        super().__init__(features=4 * 4 * 4, lr=lr)
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), self.net)
+
+
+def image_data(train: bool = True, size: int = 64, classes: int = 4):
+    generator = torch.Generator().manual_seed(0 if train else 1)
+    x = torch.randn(size, 1, 6, 6, generator=generator)
+    return TensorDataset(x, x.flatten(1)[:, :classes].argmax(dim=1))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lightning_4d import FourDStrategy
+from lightning_4d.context_parallel.batches import evidently_no_sequence
 from lightning_4d.context_parallel.config import ContextParallelConfig
 from lightning_4d.context_parallel import (
     check_sequence_length,
@@ -101,6 +102,12 @@ FAILING = {
                                    "failed before any scaled_dot_product_attention call: RuntimeError: ",
                                    "mat1 and mat2 shapes cannot be multiplied",
                                    "use cp=1", "cp_seq_dim or cp_batch_keys"]),
+    # An image batch: dim 1 is the channels (1, no multiple of 2*cp), and that is what the refusal says first.
+    "image": (Case("image", module="tests.models:ImageClassifier", data="tests.models:image_data", strategy={"cp": 2},
+                   max_steps=2),
+              "ValueError", ["'0' (8, 1, 6, 6) is a floating-point tensor of 4 dims, whose dim 1 holds an image's"
+                             " channels, not a sequence", "Use cp=1", "cp_batch_keys",
+                             "multiples of 2*cp = 2*2 = 4"]),
     "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
                   "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),
 }
@@ -238,6 +245,15 @@ def test_sequence_tensors_are_found():
         sequence_paths(batch, keys=["input_ids", "feats"])
     with pytest.raises(ValueError, match="no tensor with a sequence dim 2"):
         sequence_paths((ids, labels), seq_dim=2)
+
+
+def test_a_dim_that_is_evidently_no_sequence_is_named():
+    assert evidently_no_sequence(torch.randn(8, 6), 1) == ("a floating-point [batch, features] tensor, whose dim 1"
+                                                           " holds features")
+    assert "holds an image's channels" in evidently_no_sequence(torch.randn(8, 3, 4, 4), 1)
+    # token ids, their embeddings, and a dim the user chose are sequences as far as anyone can tell
+    for tensor, dim in ((torch.zeros(8, 6, dtype=torch.long), 1), (torch.randn(8, 6, 4), 1), (torch.randn(8, 6), 0)):
+        assert evidently_no_sequence(tensor, dim) is None
 
 
 def test_sequence_length_must_split_into_two_chunks_per_rank():

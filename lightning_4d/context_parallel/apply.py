@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_4d import _compat as compat
-from lightning_4d.context_parallel.batches import _map_tensors, _tensors, sequence_paths
+from lightning_4d.context_parallel.batches import _map_tensors, _tensors, evidently_no_sequence, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
 from lightning_4d.context_parallel.masks import AttentionLayer, MaskReadings, SequenceFacts, attention_layer, unmasked
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
@@ -229,8 +229,20 @@ class ContextParallel:
         self._readings.read()  # the last step's masks, checked on the device: their flags are in host memory by now
         self._readings.stage()  # any made since (a recomputation during backward), read at the next batch
         paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
-        check_sequence_length(length, self.size, self.sequence_parallel,
-                              where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
+        try:
+            check_sequence_length(length, self.size, self.sequence_parallel,
+                                  where=f"batch[{paths[0]!r}] (dim {self.seq_dim})" if paths[0] else "the batch")
+        except ValueError as error:
+            first = _tensors(batch)[paths[0]]
+            reason = evidently_no_sequence(first, self.seq_dim) if self.batch_keys is None else None
+            if reason is None:
+                raise
+            raise ValueError(
+                f"Context parallelism (cp={self.size}) splits dim {self.seq_dim} of every batch tensor as the"
+                f" sequence, but {paths[0] or 'the batch'!r} {tuple(first.shape)} is {reason}, not a sequence:"
+                f" context parallelism has nothing to split in this module. Use cp=1 (dp=N replicates the model"
+                f" instead). If it is a sequence after all, name the sequence tensors with cp_batch_keys (then: {error})"
+            ) from error
         if not self._announced:
             rank_zero_info(f"Context parallelism (cp={self.size}) shards {', '.join(repr(p) for p in paths)} on dim"
                            f" {self.seq_dim}; global positions go to modules {sorted(self.position_modules)} and"

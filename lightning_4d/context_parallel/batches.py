@@ -69,6 +69,19 @@ def sequence_paths(batch: Any, seq_dim: int = 1,
     return paths, lengths[paths[0]]
 
 
+def evidently_no_sequence(tensor: Tensor, seq_dim: int) -> Optional[str]:
+    """Why dim ``seq_dim`` of ``tensor`` is evidently no sequence, or None. Sequences come as token ids (integers,
+    ``[batch, tokens]``) or their embeddings (``[batch, tokens, features]``): a floating-point ``[batch, n]``
+    tensor holds features, and one of 4 or more dims holds an image's (or a volume's) channels on dim 1."""
+    if seq_dim != 1 or not tensor.is_floating_point():
+        return None
+    if tensor.dim() == 2:
+        return "a floating-point [batch, features] tensor, whose dim 1 holds features"
+    if tensor.dim() >= 4:
+        return f"a floating-point tensor of {tensor.dim()} dims, whose dim 1 holds an image's channels"
+    return None
+
+
 def _shapes(tensors: dict[str, Tensor]) -> str:
     return ", ".join(f"{path or 'batch'}: {tuple(t.shape)}" for path, t in tensors.items()) or "none"
 
