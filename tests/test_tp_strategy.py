@@ -52,7 +52,13 @@ def _cases(layout: str, strategy: dict, models: dict) -> list[Case]:
 # it trains at parity with a warning, and tp_strict refuses it (below).
 ENCODER = dict(module="tests.zoo_models:TorchEncoderLM")
 ENCODER_ATTENTION_WHOLE = {"encoder.layers.*.self_attn": "replicate"}
+# A ViT on nn.MultiheadAttention called with its defaults (need_weights=True), and one whose head pools by the
+# returned weights: its heads sharded, every rank returns the weights of all heads.
+VIT = {"vit": dict(module="tests.vit_models:ViT"),
+       "vit_pooled_by_weights": dict(module="tests.vit_models:ViT", module_kwargs={"pool": "attention"})}
+IMAGES = dict(LM, data="tests.vit_models:image_data")
 TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_parallel": True}, MODELS)
+       + [Case(f"tp2_{name}", strategy={"tp": 2}, **spec, **IMAGES) for name, spec in VIT.items()]
        + [Case("tp2_configure_model", module="tests.test_tp_strategy:MLPShardedInConfigureModel",
                strategy={"tp": 2}, **LM),
           Case("tp2_torch_encoder_attention_replicated", strategy={"tp": 2, "tp_plan": ENCODER_ATTENTION_WHOLE},
@@ -67,6 +73,7 @@ TWO = (_cases("tp2", {"tp": 2}, MODELS) + _cases("tp2_sp", {"tp": 2, "sequence_p
           Case("tp2_gpt_bigcode_multi_query", module="tests.zoo_models:zoo_lm",
                module_kwargs={"family": "gpt_bigcode"}, strategy={"tp": 2, "tp_strict": True}, **LM)])
 FOUR = (_cases("tp4", {"tp": 4}, MODELS_TP4) + _cases("dp2_tp2", {"dp": 2, "tp": 2}, MODELS)
+        + [Case(f"dp2_tp2_{name}", strategy={"dp": 2, "tp": 2}, **spec, **IMAGES) for name, spec in VIT.items()]
         + _cases("tp4", {"tp": 4}, {"llama_kv2": MODELS["llama"]}))  # 2 key/value heads kept whole on 4 ranks
 ALL = {case.name: case for case in TWO + FOUR}
 

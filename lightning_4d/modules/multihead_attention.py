@@ -6,10 +6,13 @@ its head size from the full ``embed_dim`` (so a head-sharded ``in_proj_weight`` 
 mode, cannot reach that call). :func:`multihead_forward` computes what torch's forward computes for the cases it
 accepts, in steps each dimension can take: the packed q|k|v input projection, heads split, one
 ``F.scaled_dot_product_attention`` call with torch's mask semantics, dropout, ``out_proj`` called as a module.
+With ``need_weights=True`` (torch's default, which most code calling ``attn(x, x, x)[0]`` leaves on) it computes
+the weights as torch does then, and returns every head's (averaged, or per head).
 
 * Under tensor parallelism ``in_proj_weight``/``in_proj_bias`` are DTensors sharded by heads (rank r holds its
   heads' q, k and v rows, see ``tensor_parallel.multihead``): the forward runs this rank's heads, the input's
-  gradient is summed over tp, and ``out_proj`` (row-wise) sums the heads' outputs.
+  gradient is summed over tp, and ``out_proj`` (row-wise) sums the heads' outputs. Weights asked for are
+  gathered over the heads' ranks (summed for the average), so every rank returns one process's.
 * Under context parallelism its attention call is the one the interception turns into ring attention.
 
 The forward is set on the instance (``module.forward``), never on the class, and nothing is registered:
@@ -21,12 +24,15 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+# On an instance's __dict__ while context parallelism splits the sequence: False, the weights cannot be formed.
+WEIGHTS_ALLOWED = "_lightning_4d_weights_allowed"
 
 
 def unsupported(fqn: str, module: nn.MultiheadAttention) -> Optional[str]:
@@ -55,19 +61,40 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return mask.to(dtype)
 
 
+def _weighed(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout: float) -> tuple[Tensor, Tensor]:
+    """Attention as torch's forward computes it when it returns the weights: the softmax of the scaled scores
+    (plus the additive mask), dropped out, times the values. Returns the output and the weights per head."""
+    scores = (q * q.size(-1) ** -0.5) @ k.transpose(-2, -1)
+    weights = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+    weights = F.dropout(weights, p=dropout) if dropout > 0.0 else weights
+    return weights @ v, weights
+
+
+def _all_heads(weights: Tensor, mesh: Any, num_heads: int, average: bool) -> Tensor:
+    """This rank's heads' weights ``[batch, local heads, L, S]`` as one process returns them: averaged over every
+    head (``[batch, L, S]``) or per head (``[batch, heads, L, S]``), gathered over tp, gradients sent back."""
+    if mesh is None:
+        return weights.mean(dim=1) if average else weights
+    if average:
+        return DTensor.from_local(weights.sum(dim=1) / num_heads, mesh, [Partial()], run_check=False).full_tensor()
+    return DTensor.from_local(weights, mesh, [Shard(1)], run_check=False).full_tensor()
+
+
 def multihead_forward(self: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
                       key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                       attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                      is_causal: bool = False) -> tuple[Tensor, None]:
-    """``nn.MultiheadAttention.forward``'s signature and output, computed head by head with one
-    ``F.scaled_dot_product_attention`` call; the attention weights are not computed (``need_weights=False``)."""
-    if need_weights:
+                      is_causal: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """``nn.MultiheadAttention.forward``'s signature and outputs: with ``need_weights=False`` computed head by head
+    with one ``F.scaled_dot_product_attention`` call; with ``need_weights=True`` (torch's default) as torch
+    computes it then, the scores' softmax times the values, and the weights of every head returned (averaged
+    unless ``average_attn_weights=False``). Under context parallelism each rank holds part of the sequence and
+    no rank can form the weights over all of it: refused there."""
+    if need_weights and not self.__dict__.get(WEIGHTS_ALLOWED, True):
         raise ValueError(
-            "nn.MultiheadAttention was called with need_weights=True (its default) under tensor or context"
-            " parallelism, whose forward computes attention with scaled_dot_product_attention and does not return"
-            " the attention weights. Fix: call it with need_weights=False (nn.TransformerEncoderLayer and"
-            " nn.TransformerDecoderLayer do), or keep this attention out of tensor parallelism (tp_plan: replicate)"
-            " and use cp=1.")
+            "nn.MultiheadAttention was called with need_weights=True (its default) under context parallelism:"
+            " each rank holds part of the sequence, and the attention weights span all of it. Fix: call it with"
+            " need_weights=False where the weights are not used (nn.TransformerEncoderLayer and"
+            " nn.TransformerDecoderLayer do), or use cp=1.")
     if is_causal and attn_mask is None:
         raise RuntimeError("nn.MultiheadAttention: is_causal=True needs attn_mask too (the causal mask it hints at),"
                            " as torch's forward requires; e.g. nn.Transformer.generate_square_subsequent_mask.")
@@ -104,7 +131,7 @@ def multihead_forward(self: nn.MultiheadAttention, query: Tensor, key: Tensor, v
     q, k, v = (t.reshape(batch, t.size(1), heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
 
     mask = None
-    if not (is_causal and key_padding_mask is None):  # torch uses the causal hint alone only without padding
+    if not (is_causal and key_padding_mask is None and not need_weights):  # torch's use of the hint alone
         is_causal = False
         if attn_mask is not None:
             mask = _additive(attn_mask, q.dtype)
@@ -114,13 +141,19 @@ def multihead_forward(self: nn.MultiheadAttention, query: Tensor, key: Tensor, v
             padding = _additive(key_padding_mask, q.dtype).view(batch, 1, 1, source)
             mask = padding if mask is None else mask + padding
     dropout = self.dropout if self.training else 0.0
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
+    weights = None
+    if need_weights:
+        out, weights = _weighed(q, k, v, mask, dropout)
+        weights = _all_heads(weights, mesh, self.num_heads, average_attn_weights)
+        weights = weights if batched else weights.squeeze(0)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
     out = self.out_proj(out.transpose(1, 2).reshape(batch, length, heads * self.head_dim))
     if not batched:
         out = out.squeeze(0)
     elif not self.batch_first:
         out = out.transpose(0, 1)
-    return out, None
+    return out, weights
 
 
 def has_own_forward(module: nn.Module) -> bool:
@@ -137,14 +170,21 @@ def install(module: nn.MultiheadAttention) -> bool:
 
 
 class MultiheadForwards:
-    """:func:`multihead_forward` on every ``nn.MultiheadAttention`` of a module that lacks it; :meth:`remove`
-    gives back torch's forward to the instances this one installed it on."""
+    """:func:`multihead_forward` on every ``nn.MultiheadAttention`` of a module that lacks it, for context
+    parallelism: on every instance (tensor parallelism's too) ``need_weights=True`` is refused while it stands.
+    :meth:`remove` gives back torch's forward to the instances this one installed it on."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
-        self.installed = [m for m in modules if isinstance(m, nn.MultiheadAttention) and install(m)]
+        found = [m for m in modules if isinstance(m, nn.MultiheadAttention)]
+        self.installed = [m for m in found if install(m)]
+        self.sequence_split = found
+        for module in found:
+            module.__dict__[WEIGHTS_ALLOWED] = False
 
     def remove(self) -> None:
         for module in self.installed:
             if has_own_forward(module):
                 del module.__dict__["forward"]
-        self.installed = []
+        for module in self.sequence_split:
+            module.__dict__.pop(WEIGHTS_ALLOWED, None)
+        self.installed, self.sequence_split = [], []
