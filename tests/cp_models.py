@@ -114,12 +114,33 @@ class PaddedLlama(HFCausalLM):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-class LabelsLlama(HFCausalLM):
-    """Hugging Face Llama computing its own loss from ``labels=``, which it shifts by one token itself."""
+class LabelsLM(HFCausalLM):
+    """A Hugging Face causal LM computing its own loss from ``labels=``, which it shifts by one token itself, as
+    most Hugging Face fine-tuning code does: ``gpt2`` and ``llama`` as tests.lm_models builds them, any other
+    family as the zoo does."""
+
+    def __init__(self, family: str = "llama"):
+        if family in ("gpt2", "llama"):
+            super().__init__(family)
+        else:
+            from tests.zoo_models import HFZooLM
+
+            pl.LightningModule.__init__(self)
+            self.model = HFZooLM(family).model
 
     def _loss(self, batch):
         input_ids, _ = batch
-        return self.model(input_ids=input_ids, labels=input_ids).loss
+        return self.model(input_ids=input_ids, labels=self.labels(input_ids)).loss
+
+    def labels(self, input_ids):
+        return input_ids
+
+
+class BuiltLabelsLM(LabelsLM):
+    """Labels made in the step (a copy): not the batch's tensor, so their neighbors on other cp ranks are unknown."""
+
+    def labels(self, input_ids):
+        return input_ids.clone()
 
 
 class CheckpointedLlama(HFCausalLM):

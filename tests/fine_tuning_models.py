@@ -7,7 +7,7 @@
   token as the target, every other position is ``-100``.
 - ``BertMLM``: a BERT-style encoder (bidirectional attention, ``BertForMaskedLM``) on those masked-LM targets.
 - ``HFLabelsLM``: a Hugging Face Llama trained through its own loss (``labels=``; the labels are the next
-  tokens already, passed as ``shift_labels`` too, as context parallelism requires).
+  tokens already, passed as ``shift_labels`` too, as HF's own context-parallel recipe does).
 - ``AuxLossLM``: the token-mean loss plus a small term of its own (a custom reduction the strategy cannot see
   through); ``WeightedLossLM``: ``nll_loss`` with class weights.
 - ``ManualClipLM``: the zoo's Llama with manual optimization: ``manual_backward``, ``clip_gradients`` to a norm

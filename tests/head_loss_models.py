@@ -2,7 +2,7 @@
 nothing here knows lightning_4d.
 
 - ``LabelsLM(family)``: a Hugging Face model of the zoo trained through its own loss (``labels=``; the labels
-  are the next tokens already, passed as ``shift_labels`` too, as context parallelism requires).
+  are the next tokens already, passed as ``shift_labels`` too, as HF's own context-parallel recipe does).
 - ``SmoothedLM(family)``: the explicit cross entropy with ``ignore_index`` and label smoothing, on the logits
   cast with ``.float()`` and reshaped; ``ShiftedLM(family)`` also drops the last position by slicing
   (``logits[:, :-1]``), which context parallelism refuses (a shard's last position is not the sequence's).

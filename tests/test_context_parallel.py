@@ -5,7 +5,9 @@ dp=2 x cp=2 and cp=2 x tp=2 on the example GPT (rotary tables sliced ``cos[:T]``
 positions from ``arange(T)``) and Hugging Face Llama (rotary ``position_ids``); on the example GPT also with
 sequence parallelism and with pp=2 x cp=2; at cp=2 explicit causal masks, position ids taken from the batch,
 all-gather communication, and prediction (which runs on whole sequences); Hugging Face Llama with its own
-gradient checkpointing on at cp=2 and pp=2 x cp=2 (attention recomputed in backward is ring attention again). Two runs with position handling
+gradient checkpointing on at cp=2 and pp=2 x cp=2 (attention recomputed in backward is ring attention again);
+Hugging Face GPT-2, Llama, Qwen2 and Mistral computing their loss from ``labels=`` (shifted inside the model) at
+cp=2, cp=2 x tp=2 and pp=2 x cp=2. Two runs with position handling
 switched off must differ from one process, so the parity cases can tell. The model zoo at cp=2 (OPT's learned
 positions, which take ``position_ids`` after an attention mask, and torch's nn.Transformer and
 nn.TransformerEncoder, whose nn.MultiheadAttention runs lightning_4d's forward, among them) and its refusals
@@ -41,7 +43,11 @@ MODELS = {"gpt": "tests.lm_models:tiny_gpt", "nanogpt": "tests.lm_models:NanoGPT
 VARIANT = "tests.cp_models:AttentionVariantGPT"
 VALIDATE = {"limit_val_batches": 2, "val_check_interval": 2}
 
-TWO = [
+# Hugging Face causal LMs called with labels=, which they shift by one token themselves: each rank's tokens get
+# their targets shifted over the whole sequence (shift_labels), at one process's numbers.
+LABELS = {family: dict(module="tests.cp_models:LabelsLM", module_kwargs={"family": family})
+          for family in ("gpt2", "llama", "qwen2", "mistral")}
+TWO = [Case(f"cp2_labels_{family}", strategy={"cp": 2}, **spec, **LM) for family, spec in LABELS.items()] + [
     Case("cp2_gpt", module=MODELS["gpt"], strategy={"cp": 2}, trainer=VALIDATE,
          callbacks=["tests.cp_models:PredictProbe"], **LM),
     Case("cp2_nanogpt", module=MODELS["nanogpt"], strategy={"cp": 2}, **LM),
@@ -102,14 +108,16 @@ FAILING = {
                                    "failed before any scaled_dot_product_attention call: RuntimeError: ",
                                    "mat1 and mat2 shapes cannot be multiplied",
                                    "use cp=1", "cp_seq_dim or cp_batch_keys"]),
+    # labels= made in the step under cp: refused, naming the model and the fix
+    "hf_labels_built": (Case("hf_labels_built", module="tests.cp_models:BuiltLabelsLM", strategy={"cp": 2}, **LM),
+                        "ValueError", ["was called with labels= that are not a tensor of the batch",
+                                       "Pass the batch's labels unchanged", "shift_labels="]),
     # An image batch: dim 1 is the channels (1, no multiple of 2*cp), and that is what the refusal says first.
     "image": (Case("image", module="tests.models:ImageClassifier", data="tests.models:image_data", strategy={"cp": 2},
                    max_steps=2),
               "ValueError", ["'0' (8, 1, 6, 6) is a floating-point tensor of 4 dims, whose dim 1 holds an image's"
                              " channels, not a sequence", "Use cp=1", "cp_batch_keys",
                              "multiples of 2*cp = 2*2 = 4"]),
-    "hf_labels": (Case("hf_labels", module="tests.cp_models:LabelsLlama", strategy={"cp": 2}, **LM),
-                  "ValueError", ["model was called with labels=, and Hugging Face shifts those by one token"]),
 }
 FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
         for layout, strategy in (("cp4", {"cp": 4}), ("dp2_cp2", {"dp": 2, "cp": 2}), ("cp2_tp2", {"cp": 2, "tp": 2}))
@@ -117,6 +125,8 @@ FOUR = [Case(f"{layout}_{model}", module=spec, strategy=strategy, **LM)
     Case("cp2_tp2_sequence_parallel_gpt", module=MODELS["gpt"], strategy={"cp": 2, "tp": 2, "sequence_parallel": True},
          **LM),
     Case("pp2_cp2_gpt", module=MODELS["gpt"], strategy={"pp": 2, "cp": 2}, **LM),
+    *(Case(f"{layout}_labels_{family}", strategy=strategy, **spec, **LM) for family, spec in LABELS.items()
+      for layout, strategy in (("cp2_tp2", {"cp": 2, "tp": 2}), ("pp2_cp2", {"pp": 2, "cp": 2}))),
     Case("pp2_cp2_llama_own_checkpointing", module="tests.cp_models:CheckpointedLlama", strategy={"pp": 2, "cp": 2},
          **LM),
 ]

@@ -23,6 +23,8 @@ plain torch and works without a Trainer.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -86,8 +88,43 @@ def sequence_positions(tokens: Tensor, dim: int = 1) -> SequencePositions:
 
 
 def _shifts_labels(module: nn.Module) -> bool:
-    """A Hugging Face model whose ``labels`` input it shifts by one itself (``*ForCausalLM`` and the like)."""
-    return getattr(module, "loss_type", None) == "ForCausalLM" and "labels" in _forward_parameters(module)
+    """A Hugging Face model that shifts its ``labels`` input by one token itself: its forward takes ``labels`` and
+    extra keywords and hands them to ``self.loss_function``, whose loss (``ForCausalLMLoss``: what HF resolves for
+    causal LMs, also when ``loss_type`` is unset, as GPT-2's is) takes ``shift_labels`` instead."""
+    if "labels" not in _forward_parameters(module) or not hasattr(type(module), "loss_function"):
+        return False
+    forward = inspect.signature(module.forward).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in forward) or ".loss_function(" not in _forward_source(type(module)):
+        return False
+    loss = module.__dict__.get("_loss_function")
+    if loss is None:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        loss = LOSS_MAPPING.get(getattr(module, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]  # HF's fallback
+    return "shift_labels" in inspect.signature(loss).parameters
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _rows_of(tensor: Tensor, shard: Tensor) -> Optional[slice]:
+    """Which rows of ``shard`` ``tensor`` is: all of it, or a view of consecutive rows (a micro-batch); None when
+    it is neither (another tensor)."""
+    if tensor is shard:
+        return slice(None)
+    if (tensor.dim() != shard.dim() or tensor.shape[1:] != shard.shape[1:] or tensor.stride() != shard.stride()
+            or tensor.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()):
+        return None
+    offset = tensor.storage_offset() - shard.storage_offset()
+    if offset % max(shard.stride(0), 1):
+        return None
+    start = offset // max(shard.stride(0), 1)
+    return slice(start, start + tensor.size(0))
 
 
 def _sliding_windows(module: nn.Module) -> dict[str, int]:
@@ -187,6 +224,7 @@ class ContextParallel:
         self._verified = False
         self._announced = False
         self.whole_batch: Any = None  # the last batch before sharding, kept for the step check only
+        self._shards: list[tuple[Tensor, Tensor]] = []  # the last batch's sharded tensors, each with its whole one
         self.agreeing = False  # the step check's sharded run: attention calls agree on failures (:meth:`agree`)
         self.failure_told = False  # an agreement of that run found a failure: every rank knows
         # Logged names whose combination over the cp ranks the step check learned ("one": the same on every shard)
@@ -261,6 +299,8 @@ class ContextParallel:
         tensors = _tensors(batch)
         self._sharded_shapes = {path: tuple(tensor.shape) for path, tensor in tensors.items() if path in selected}
         sharded = _map_tensors(batch, shard)
+        shards = _tensors(sharded)
+        self._shards = [(shards[path], tensors[path]) for path in paths]
         self._positions = next(iter(on_device.values()))
         self._seq_len = length
         self._facts = self._sequence_facts(tensors, length, positions, _tensors(host) if host is not None else {})
@@ -272,12 +312,13 @@ class ContextParallel:
     def probing(self, batch: Any) -> Iterator[Any]:
         """Shard ``batch`` (a sample, for the step check) for a run inside :meth:`context`, and give the
         step's own batch its shard's state back afterwards."""
-        saved = (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes, self.whole_batch)
+        saved = (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes, self.whole_batch,
+                 self._shards)
         try:
             yield self.shard_batch(batch)
         finally:
             (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes,
-             self.whole_batch) = saved
+             self.whole_batch, self._shards) = saved
 
     def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor,
                         host: dict[str, Tensor]) -> SequenceFacts:
@@ -437,14 +478,37 @@ class ContextParallel:
         return hook
 
     def _labels_hook(self, fqn: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if self._active and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        """A model that shifts its ``labels`` itself would pair each shard's last token of a chunk with the first
+        of the next chunk on this rank; it gets ``shift_labels=``: the batch's labels shifted over the whole
+        sequence, then sharded, so each token keeps the target one process gives it."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+            labels = kwargs.get("labels")
+            if not self._active or labels is None or kwargs.get("shift_labels") is not None:
+                return None
+            shifted = self._shifted_labels(labels)
+            if shifted is None:
                 raise ValueError(
-                    f"{fqn or type(module).__name__} was called with labels=, and Hugging Face shifts those by one"
-                    " token inside the model, which on a zigzag shard pairs tokens with the wrong targets. Pass"
-                    " labels already shifted in the data (as shift_labels=, or compute the loss from the logits).")
+                    f"{fqn or type(module).__name__} was called with labels= that are not a tensor of the batch as"
+                    " context parallelism sharded it (they were changed or built in the step), and Hugging Face"
+                    " shifts labels by one token inside the model: the next token of a shard's last one is on"
+                    " another rank. Pass the batch's labels unchanged (mask them in the data), or pass"
+                    " shift_labels= (shifted over the whole sequence in the data) as well.")
+            return args, {**kwargs, "shift_labels": shifted}
 
         return hook
+
+    def _shifted_labels(self, labels: Tensor) -> Optional[Tensor]:
+        """``labels`` (a sharded batch tensor, or consecutive rows of one) shifted by one token over the whole
+        sequence (-100, HF's ignore index, after the last), as this rank's shard."""
+        for shard, whole in self._shards:
+            rows = _rows_of(labels, shard)
+            if rows is None:
+                continue
+            dim, length = self.seq_dim, whole.size(self.seq_dim)
+            after = whole.narrow(dim, 1, length - 1)
+            shifted = torch.cat([after, after.new_full((*after.shape[:dim], 1, *after.shape[dim + 1:]), -100)], dim)
+            return shifted[rows].index_select(dim, cached_positions(length, self.size, self.rank, labels.device))
+        return None
 
     def _global_positions(self, positions: Any, fqn: str) -> Any:
         """Local default positions ``0..T-1`` become the tokens' global ones; anything else (position ids
