@@ -166,3 +166,65 @@ DATA = {"one_tensor_shift": "tests.cp_step_models:single_token_data",
         "logits_shift": "tests.cp_step_models:single_token_data",
         "padding_in_step": "tests.cp_step_models:lengths_data",
         "prompt_mask_in_data": "tests.cp_step_models:prompt_masked_data"}
+
+
+# ------------------------------------------------- models whose forward computes something else on a shard
+# The step check names the module that makes the difference (tests/test_cp_step_check.py).
+
+
+class PoolerClassifier(HFCausalLM):
+    """A BERT text classifier (``BertForSequenceClassification``): its pooler reads the first token."""
+
+    def __init__(self):
+        import lightning.pytorch as pl
+        import transformers
+
+        pl.LightningModule.__init__(self)
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=64, num_labels=3,
+                                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                         attn_implementation="sdpa")
+        self.model = transformers.BertForSequenceClassification(config)
+
+    def _loss(self, batch):
+        input_ids, classes = batch
+        return F.cross_entropy(self.model(input_ids=input_ids).logits, classes)
+
+
+class LastTokenClassifier(PoolerClassifier):
+    """A Llama classifier (``LlamaForSequenceClassification``): it reads the last token that is no padding."""
+
+    def __init__(self):
+        import lightning.pytorch as pl
+        import transformers
+
+        pl.LightningModule.__init__(self)
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          num_labels=3, pad_token_id=VOCAB - 1, attn_implementation="sdpa")
+        self.model = transformers.LlamaForSequenceClassification(config)
+
+
+class PositionScale(torch.nn.Module):
+    """Adds to each token a vector set by its place in the sequence, counted from the length it sees. (A scale
+    alone would be normalized away by the next RMSNorm: on an untrained model it moved the first loss by 1e-5
+    relative, inside the check's round-off bound, while the weights after two steps differed by 2e-3.)"""
+
+    def forward(self, x):
+        place = torch.arange(x.size(1), device=x.device, dtype=x.dtype)[:, None] / x.size(1)
+        return x + place * torch.linspace(-1, 1, x.size(-1), device=x.device, dtype=x.dtype)
+
+
+class PositionScaledLlama(HFCausalLM):
+    """A Llama whose embeddings pass through :class:`PositionScale`, whose weights are built in its forward."""
+
+    def __init__(self):
+        super().__init__(kind="llama", layers=2)
+        self.model.model.embed_tokens = torch.nn.Sequential(self.model.model.embed_tokens, PositionScale())
+
+
+def classified_tokens(train: bool = True):
+    """Token windows (no padding token) with one class each."""
+    inputs, _ = token_data(train).tensors
+    inputs = inputs.clamp(max=VOCAB - 2)
+    return TensorDataset(inputs, inputs.sum(dim=1) % 3)

@@ -81,10 +81,41 @@ def assert_refused(outcomes: list[str], pattern: str) -> None:
             assert phrase in outcome, (rank, phrase, outcome)
 
 
+# Models whose forward computes something else on a shard: the refusal names the module that makes the
+# difference (its inputs still match the whole run's, its output does not) and what that says it does.
+NAMED = {
+    "pooler": (Case("cp2_pooler", module="tests.cp_step_models:PoolerClassifier",
+                    data="tests.cp_step_models:classified_tokens", strategy={"cp": 2}, max_steps=2),
+               ["model.bert.pooler (BertPooler) is the first module whose output differs", "no sequence dim",
+                "only on cp rank 0, which holds the sequence's first and last tokens"]),
+    "last_token": (Case("cp2_last_token", module="tests.cp_step_models:LastTokenClassifier",
+                        data="tests.cp_step_models:classified_tokens", strategy={"cp": 2}, max_steps=2),
+                   ["model (LlamaForSequenceClassification) is the first module whose output differs",
+                    "only on cp rank 0"]),
+    "position_scale": (Case("cp2_position_scale", module="tests.cp_step_models:PositionScaledLlama",
+                            data="tests.lm_models:token_data", strategy={"cp": 2}, max_steps=2),
+                       ["model.model.embed_tokens.1 (PositionScale) is the first module whose output differs from the"
+                        " whole run's at the same tokens", "torch.arange(x.size(1))"]),
+}
+
+
 @pytest.fixture(scope="module")
 def two():
     parity, failing = cases_at("cp2")
-    return train_layout_with_failures(parity + UNCHECKED + RANDOM, failing + [TRUNCATED], 2, timeout=600)
+    return train_layout_with_failures(parity + UNCHECKED + RANDOM,
+                                      failing + [TRUNCATED] + [case for case, _ in NAMED.values()], 2, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_the_refusal_names_the_module_that_differs(two, name):
+    case, phrases = NAMED[name]
+    assert_error(two[1][case.name], "StepMismatch", ["changes what", *phrases])
+
+
+def test_a_difference_made_in_the_step_is_said_to_be_there(two):
+    assert_error(two[1]["cp2_last_n"], "StepMismatch",
+                 ["Every module's output on the shard equals the whole run's at the same tokens: the difference is"
+                  " made in StepPatternLlama.training_step itself"])
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,8 @@ class _Seen:
     # name -> (kind: "value" or "metric", its values, its reduce_fx, whether it is logged per step)
     logs: dict[str, tuple[str, Optional[list[float]], str, bool]] = field(default_factory=dict)
     error: Optional[BaseException] = None
+    # every module call's floating-point inputs and outputs, in the order the calls ended: (name, class, in, out)
+    outputs: list[tuple[str, str, list[Tensor]]] = field(default_factory=list)
 
 
 class StepCheck:
@@ -107,6 +109,7 @@ class StepCheck:
         context = self.context
         with context.probing(sample) as shard:
             context.agreeing, context.failure_told = True, False
+            positions = context._positions
             try:
                 sharded = self._observe(name, lambda: run(shard, True))
             finally:
@@ -116,7 +119,7 @@ class StepCheck:
         shards: list[Any] = [None] * self.context.size
         dist.all_gather_object(shards, None if sharded.error else sharded.logs, group=self.context.group)
         reports: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, self._report(whole, sharded, shards))
+        dist.all_gather_object(reports, self._report(whole, sharded, shards, positions, length))
         self._decide(name, reports, sharded, length)
 
     def _sample(self, batch: Any) -> tuple[Any, int]:
@@ -135,10 +138,16 @@ class StepCheck:
         """One run of the step, leaving no trace; its loss and logged values as floats, or its error."""
         seen = _Seen()
         logs = StepLogs(self.module)
+        hooks = [module.register_forward_hook(_recorder(seen.outputs, fqn), with_kwargs=True)
+                 for fqn, module in self.module.named_modules()]
         try:
             with _without_trace(self.module, self.device):
                 with logs.recording():
-                    output = run()
+                    try:
+                        output = run()
+                    finally:
+                        for hook in hooks:
+                            hook.remove()
                 loss = output.get("loss") if isinstance(output, Mapping) else output
                 if name == "training_step" and isinstance(loss, Tensor):
                     seen.loss = _floats(loss)
@@ -164,14 +173,18 @@ class StepCheck:
         return len(got) == len(expected) and all(
             (math.isnan(a) and math.isnan(b)) or abs(a - b) <= rtol * abs(b) + atol for a, b in zip(got, expected))
 
-    def _report(self, whole: _Seen, sharded: _Seen, shards: list[Any]) -> dict[str, Any]:
-        """This rank's verdict: the errors, the differences (as lines of the message) and, per logged value,
-        the combinations over the cp ranks that give one process's value."""
+    def _report(self, whole: _Seen, sharded: _Seen, shards: list[Any], positions: Tensor,
+                length: int) -> dict[str, Any]:
+        """This rank's verdict: the errors, the differences (as lines of the message), the first module whose
+        output on the shard differs from the whole run's at the same tokens, and, per logged value, the
+        combinations over the cp ranks that give one process's value."""
         report: dict[str, Any] = {"rank": dist.get_rank(), "whole_error": _describe(whole.error),
                                   "sharded_error": _describe(sharded.error), "differences": [], "combinations": {},
-                                  "fx": {}, "peer": _from_peer(sharded.error)}
+                                  "fx": {}, "peer": _from_peer(sharded.error), "cp_rank": self.context.rank,
+                                  "module": None}
         if whole.error is not None or sharded.error is not None:
             return report
+        report["module"] = self._first_different_module(whole.outputs, sharded.outputs, positions, length)
         differences = report["differences"]
         if not self._close(sharded.loss, whole.loss):
             differences.append(f"the returned loss: {_show(whole.loss)} whole, {_show(sharded.loss)} sharded")
@@ -199,6 +212,69 @@ class StepCheck:
                                    f" {_show(_combine(fx, values, sharded.logs[key][1]))} from the shards"
                                    f" ({', '.join(_show(v) for v in values)})")
         return report
+
+    def _first_different_module(self, whole: list, sharded: list, positions: Tensor,
+                                length: int) -> Optional[dict[str, Any]]:
+        """The module that makes the first difference: among the calls whose output on this rank's shard is not
+        the whole run's at the same tokens (or, without a sequence dim, the whole run's output), the first (in
+        the order calls ended: the innermost first) whose floating-point inputs still matched; else the first
+        whose output differs; None when every call matches. Calls are matched by module and order."""
+        first = None
+        for index, ((fqn, kind, want_in, want_out), (shard_fqn, _, have_in, have_out)) in enumerate(zip(whole, sharded)):
+            if fqn != shard_fqn:
+                break  # the two runs called other modules: no call-by-call comparison from here
+            difference = self._difference(want_out, have_out, positions, length)
+            if difference is None:
+                continue
+            found = {"index": index, "fqn": fqn, "class": kind, **difference}
+            if self._difference(want_in, have_in, positions, length) is None:
+                return found
+            first = first or found
+        return first
+
+    def _difference(self, expected: list[Tensor], got: list[Tensor], positions: Tensor,
+                    length: int) -> Optional[dict[str, Any]]:
+        """How this rank's tensors differ from the whole run's at the same tokens (None: they do not)."""
+        dim, (rtol, atol) = self.context.seq_dim, self.tolerance
+        for want, have in zip(expected, got):
+            sequence = want.dim() > dim and want.size(dim) == length
+            if have.shape == want.shape:
+                what = "tokens" if sequence else "no_sequence"
+            elif sequence and have.dim() == want.dim() and have.size(dim) == positions.numel():
+                want, what = want.index_select(dim, positions.to(want.device)), "tokens"
+            elif sequence:
+                return {"what": "length", "shapes": (tuple(want.shape), tuple(have.shape))}
+            else:
+                continue  # a layout this comparison does not know (a sequence already split over tp)
+            if not torch.allclose(have.double(), want.double(), rtol=rtol, atol=atol, equal_nan=True):
+                return {"what": what}
+        return None
+
+    def _module_line(self, owner: str, reports: list[dict[str, Any]]) -> str:
+        """Which module's output first differs on a shard, and what that says it does; or that none does."""
+        found = [r["module"] for r in reports if r["module"] is not None]
+        if not found:
+            return (f"Every module's output on the shard equals the whole run's at the same tokens: the difference is"
+                    f" made in {owner} itself, outside the model's forward.")
+        first = min(found, key=lambda m: m["index"])
+        name = f"{first['fqn'] or 'the module'} ({first['class']})"
+        if first["what"] == "length":
+            whole_shape, shard_shape = first["shapes"]
+            return (f"{name} is the first module whose output differs: {shard_shape} on the shard, where the whole run"
+                    f" gives {whole_shape}, so it was handed a sequence of another length than the rank's tokens"
+                    " (a slice of the sequence dim before it, in the step or in the forward).")
+        if first["what"] == "no_sequence":
+            matched = sorted({r["cp_rank"] for r in reports
+                              if r["module"] is None or (r["module"]["index"], r["module"]["fqn"])
+                              != (first["index"], first["fqn"])})
+            reads = (" It gives the whole run's output only on cp rank 0, which holds the sequence's first and last"
+                     " tokens: it reads one of them (a pooler reading the first token, a head reading the last)."
+                     if matched == [0] else "")
+            return (f"{name} is the first module whose output differs: its output has no sequence dim, so it"
+                    f" combines or picks tokens of the sequence, of which each cp rank holds only part.{reads}")
+        return (f"{name} is the first module whose output differs from the whole run's at the same tokens: it"
+                " computes from where a token sits or from the length it sees (torch.arange(x.size(1)), x.size(1),"
+                " a slice), not from the tokens alone.")
 
     def _decide(self, name: str, reports: list[dict[str, Any]], sharded: _Seen, length: int) -> None:
         """The same outcome on every rank: go on (learning a logged value's combination), skip, or raise."""
@@ -234,7 +310,8 @@ class StepCheck:
                 f"Context parallelism (cp={cp}) changes what {owner} computes. The step check ran it on a sample of"
                 f" the first batch ({length} tokens per sequence) without gradients, sharded as training runs it and"
                 f" whole with context parallelism off, as one process; on rank {mismatch['rank']} it gives"
-                f"\n{lines}\nNo weight has changed. The step (or the model's forward) computes something from where"
+                f"\n{lines}\n{self._module_line(owner, reports)}\nNo weight has changed. The step (or the model's"
+                f" forward) computes something from where"
                 f" a token sits or from the length it sees, which on a shard are not the whole sequence's. Usual"
                 f" causes: {CAUSES}. Fixes that work: {FIXES}. To train anyway: FourDStrategy(cp_check=False), at"
                 " your own risk, or cp=1.")
@@ -256,6 +333,27 @@ class StepCheck:
                        if learned == "one" else "is the shards' sum, so it is summed over the cp ranks")
             rank_zero_info(f"cp={self.context.size}: {owner} logs {key!r}, whose value on the whole sequence {meaning}"
                            " (learned by the step check on the first batch).")
+
+
+def _recorder(calls: list, fqn: str) -> Callable:
+    def floating(value: Any) -> list[Tensor]:
+        return [t.detach() for t in _output_tensors(value) if type(t) is Tensor and t.is_floating_point()]
+
+    def record(module: nn.Module, args: Any, kwargs: dict, output: Any) -> None:
+        calls.append((fqn, type(module).__name__, floating((args, kwargs)), floating(output)))
+
+    return record
+
+
+def _output_tensors(output: Any) -> list[Any]:
+    """The tensors of a module's output: itself, or those in its tuple, list, dict or Hugging Face output."""
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in _output_tensors(value)]
+    if isinstance(output, (tuple, list)):
+        return [t for value in output for t in _output_tensors(value)]
+    return []
 
 
 def _floats(value: Tensor) -> list[float]:
