@@ -295,6 +295,9 @@ CHECKS = {
     "torch.distributed.distributed_c10d._world.pg_map": lambda: compat.dist.distributed_c10d._world.pg_map,
     "lightning ModelParallelStrategy._setup_distributed/_device_mesh": lambda: (
         compat_lightning_strategy()._setup_distributed, compat_lightning_strategy().device_mesh),
+    "lightning ModelParallelStrategy._timeout/_get_process_group_backend (a torchrun attempt's own store)":
+        lambda: (compat_lightning_strategy()._timeout.total_seconds(),
+                 compat_lightning_strategy()._get_process_group_backend),
     "lightning _TrainingEpochLoop._broadcast_sigterm_tensor (skipped while FaultTolerance holds SIGTERM)":
         _sigterm_broadcast,
     "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (
