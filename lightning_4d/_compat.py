@@ -471,6 +471,16 @@ def set_metric_forward_cache(metric: Any, value: Any) -> None:
     metric._forward_cache = value
 
 
+def metric_reductions(metric: Any) -> dict[str, Any]:
+    """How torchmetrics reduces each state over processes: "sum", "mean", "max", "min", "cat", or the function
+    (or None) given to ``add_state`` (kept in the private ``_reductions``)."""
+    from torchmetrics.utilities import data
+
+    names = {data.dim_zero_sum: "sum", data.dim_zero_mean: "mean", data.dim_zero_max: "max",
+             data.dim_zero_min: "min", data.dim_zero_cat: "cat"}
+    return {name: names.get(reduce, reduce) for name, reduce in metric._reductions.items()}
+
+
 # Under pipelining a step's micro-batches update a metric one after another; its step value (what ``forward``
 # returns and Lightning logs per step) is that of the whole batch. ``MetricOnBatch`` keeps a second set of the
 # metric's states (named in the private ``_defaults``), reset per step and updated by the class's own ``update``

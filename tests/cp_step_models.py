@@ -34,6 +34,7 @@ class StepPatternLlama(HFCausalLM):
         super().__init__(kind="llama", layers=2)
         self.pattern = pattern
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=VOCAB)
+        self.train_perplexity = torchmetrics.text.Perplexity()
 
     def training_step(self, batch, batch_idx):
         loss = getattr(self, f"_{self.pattern}")(batch)
@@ -94,7 +95,9 @@ class StepPatternLlama(HFCausalLM):
         x, y = batch
         logits = self(x)
         self.train_acc(logits.argmax(-1).reshape(-1), y.reshape(-1))
-        self.log("train_acc", self.train_acc)
+        self.train_perplexity(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        self.log("train_perplexity", self.train_perplexity, on_step=True, on_epoch=True)
         return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
     # -------------------------------------------------------------------------------- the same under any cp

@@ -9,7 +9,9 @@ Hugging Face Llama, at cp=2, cp=4, cp2 x tp2 and cp2 x pp2:
 - steps that fail on a shard but run whole (one token tensor shifted in the step, as Lightning's tensor-parallel
   example does; position ids for packed documents and a padding mask built in the step) are refused with the
   check's explanation before their own error;
-- a torchmetrics metric logged per step is refused with its fix, and the fix (logged per epoch) trains at parity;
+- torchmetrics metrics logged per step (accuracy and perplexity, per step and per epoch) train at parity at cp=2,
+  cp=4 and cp2 x tp2, their step values the whole batch's; under cp2 x pp2 such a metric is refused with its fix,
+  and the fix (logged per epoch) trains at parity;
 - a sample count logged with ``reduce_fx="sum"`` is taken once instead of summed over cp, a token count summed
   (learned by the check), both at parity with one process;
 - the same steps rewritten with ``lightning_4d.sequence_positions`` or with the mask built in the data train at
@@ -34,8 +36,9 @@ from tests.parity import (Case, assert_error, assert_parity, max_difference, ref
 
 MODULE = "tests.cp_step_models:StepPatternLlama"
 LAYOUTS = {"cp2": {"cp": 2}, "cp4": {"cp": 4}, "cp2_tp2": {"cp": 2, "tp": 2}, "cp2_pp2": {"cp": 2, "pp": 2}}
-METRICS = {"counts": ("train_loss", "samples", "tokens")}
-EPOCH_METRICS = {"metric_per_epoch": ("train_acc",)}
+METRICS = {"counts": ("train_loss", "samples", "tokens"),
+           "metric_per_step": ("train_loss", "train_acc_step", "train_perplexity_step")}
+EPOCH_METRICS = {"metric_per_epoch": ("train_acc",), "metric_per_step": ("train_acc_epoch", "train_perplexity_epoch")}
 
 
 def case(layout: str, pattern: str, **strategy) -> Case:
@@ -45,8 +48,10 @@ def case(layout: str, pattern: str, **strategy) -> Case:
 
 
 def cases_at(layout: str) -> tuple[list[Case], list[Case]]:
-    failing = SILENT + FAILING_ON_SHARD + (PER_STEP_METRIC,)
-    return [case(layout, p) for p in AT_PARITY], [case(layout, p) for p in failing]
+    """Per-step torchmetrics values are the whole batch's under cp (and cp x tp); under cp x pp still refused."""
+    per_step = (PER_STEP_METRIC,)
+    parity, failing = AT_PARITY + (per_step if "pp" not in layout else ()), SILENT + FAILING_ON_SHARD
+    return [case(layout, p) for p in parity], [case(layout, p) for p in failing + (per_step if "pp" in layout else ())]
 
 
 # the silent patterns with the check off: they train, and differ from one process
@@ -135,14 +140,15 @@ def _parity(records, layout: str, pattern: str) -> None:
                   epoch_metrics=EPOCH_METRICS.get(pattern, ()))
 
 
-@pytest.mark.parametrize("pattern", AT_PARITY)
+@pytest.mark.parametrize("pattern", [c.module_kwargs["pattern"] for c in cases_at("cp2")[0]])
 def test_cp2_matches_single_process(two, pattern):
     _parity(two[0], "cp2", pattern)
 
 
-@pytest.mark.parametrize("layout", ["cp4", "cp2_tp2", "cp2_pp2"])
-@pytest.mark.parametrize("pattern", AT_PARITY)
-def test_four_ranks_match_single_process(four, layout, pattern):
+@pytest.mark.parametrize("layout_pattern", [f"{layout}:{c.module_kwargs['pattern']}"
+                                            for layout in ("cp4", "cp2_tp2", "cp2_pp2") for c in cases_at(layout)[0]])
+def test_four_ranks_match_single_process(four, layout_pattern):
+    layout, pattern = layout_pattern.split(":")
     _parity(four[0], layout, pattern)
 
 

@@ -20,6 +20,7 @@ from lightning_4d import _compat as compat, checkpoint
 from lightning_4d.composition.plans import Plans
 from lightning_4d.context_parallel import ContextParallel, ContextParallelConfig
 from lightning_4d.context_parallel.step_check import StepCheck
+from lightning_4d.context_parallel.step_metrics import WholeBatchMetrics
 from lightning_4d.data_parallel import BucketSets, GradientBuckets, ShardedUnits, gathered
 from lightning_4d.memory.compile import Compiled
 from lightning_4d.modules.experts import global_balancing_loss
@@ -113,6 +114,8 @@ class ParallelModel:
                                            tensor_parallel=dims.tp if self.tensor_plan is not None else 1)
             if self.pipeline is not None:  # a micro-batch's masks read its rows of the step's padding and documents
                 self.pipeline.before_microbatch = self.context.select_rows
+            else:  # torchmetrics logged per step: the whole batch's value (the pipeline's runner gives it there)
+                self.context.around_step = WholeBatchMetrics(self.module, self.mesh.group("cp")).running
             if config.check:
                 sixteen = (torch.bfloat16, torch.float16)
                 low = self.options["param_dtype"] in sixteen or any(p.dtype in sixteen for p in self.module.parameters())

@@ -225,6 +225,7 @@ class ContextParallel:
         self._announced = False
         self.whole_batch: Any = None  # the last batch before sharding, kept for the step check only
         self._shards: list[tuple[Tensor, Tensor]] = []  # the last batch's sharded tensors, each with its whole one
+        self.around_step: Optional[Callable[[], AbstractContextManager]] = None  # entered with :meth:`context`
         self.agreeing = False  # the step check's sharded run: attention calls agree on failures (:meth:`agree`)
         self.failure_told = False  # an agreement of that run found a failure: every rank knows
         # Logged names whose combination over the cp ranks the step check learned ("one": the same on every shard)
@@ -368,7 +369,7 @@ class ContextParallel:
         self._active = True
         _RUNNING.append(self)
         try:
-            with _AttentionInterception(self):
+            with _AttentionInterception(self), (self.around_step() if self.around_step is not None else nullcontext()):
                 yield
         except Exception as error:
             if not self._verified and self.attention_calls == calls:
