@@ -471,6 +471,16 @@ def set_metric_forward_cache(metric: Any, value: Any) -> None:
     metric._forward_cache = value
 
 
+def hf_loss_function(model: Any) -> Callable[..., Any]:
+    """The loss a Hugging Face model's ``loss_function`` property returns, without its warning for an unset
+    ``loss_type``: the one set on the instance (private ``_loss_function``), else HF's for its ``loss_type``,
+    else ``ForCausalLMLoss`` (HF's own fallback)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    own = model.__dict__.get("_loss_function")
+    return own if own is not None else LOSS_MAPPING.get(getattr(model, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]
+
+
 def metric_reductions(metric: Any) -> dict[str, Any]:
     """How torchmetrics reduces each state over processes: "sum", "mean", "max", "min", "cat", or the function
     (or None) given to ``add_state`` (kept in the private ``_reductions``)."""

@@ -145,6 +145,20 @@ def _fsdp_internals():
             state._root_post_backward_final_callback, FSDPParamGroup.post_backward)
 
 
+def _hf_loss_function():
+    # What context parallelism reads to decide that a model shifts its labels= itself (shift_labels in its loss).
+    import inspect
+
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2)
+    loss = compat.hf_loss_function(transformers.GPT2LMHeadModel(config))  # loss_type unset: HF's fallback
+    assert "shift_labels" in inspect.signature(loss).parameters
+    model = transformers.GPT2LMHeadModel(config)
+    model.loss_function = len  # HF's setter keeps it on the instance
+    assert compat.hf_loss_function(model) is len
+
+
 def _hf_attention():
     # What context parallelism's refusal of Hugging Face 'eager' attention reads (tests/test_zoo.py: Bloom).
     import transformers
@@ -289,6 +303,7 @@ CHECKS = {
     "FSDP2 state: _lazy_init, _state_ctx.all_states, _fsdp_param_groups, post_backward, the final callback":
         _fsdp_internals,
     "transformers PreTrainedModel._supports_sdpa, PretrainedConfig._attn_implementation": _hf_attention,
+    "transformers PreTrainedModel._loss_function, loss_utils.LOSS_MAPPING": _hf_loss_function,
     "transformers GradientCheckpointingLayer._gradient_checkpointing_func": _hf_reentrant_checkpointing,
     "DTensor._op_dispatcher._custom_op_handlers (loss_parallel nested in a user's own)": _nested_loss_parallel,
     "torch._C.DisableTorchFunction (sdpa_operands's meta check)": lambda: compat.without_function_modes().__enter__,

@@ -23,8 +23,6 @@ plain torch and works without a Trainer.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -44,6 +42,7 @@ from lightning_4d.context_parallel.positions import _forward_parameters, find_po
 from lightning_4d.context_parallel.ring_attention import ring_attention
 from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
+from lightning_4d.context_parallel.shifted_labels import shifted_labels, shifts_labels
 from lightning_4d.context_parallel.zigzag import cached_positions
 from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.numerics.step_logging import StepLogs
@@ -85,46 +84,6 @@ def sequence_positions(tokens: Tensor, dim: int = 1) -> SequencePositions:
                          " as the batch gave it (before slicing the sequence), with dim its sequence dim.")
     return SequencePositions(running._positions.to(tokens.device), running._seq_len)
 
-
-
-def _shifts_labels(module: nn.Module) -> bool:
-    """A Hugging Face model that shifts its ``labels`` input by one token itself: its forward takes ``labels`` and
-    extra keywords and hands them to ``self.loss_function``, whose loss (``ForCausalLMLoss``: what HF resolves for
-    causal LMs, also when ``loss_type`` is unset, as GPT-2's is) takes ``shift_labels`` instead."""
-    if "labels" not in _forward_parameters(module) or not hasattr(type(module), "loss_function"):
-        return False
-    forward = inspect.signature(module.forward).parameters.values()
-    if not any(p.kind is p.VAR_KEYWORD for p in forward) or ".loss_function(" not in _forward_source(type(module)):
-        return False
-    loss = module.__dict__.get("_loss_function")
-    if loss is None:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-
-        loss = LOSS_MAPPING.get(getattr(module, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]  # HF's fallback
-    return "shift_labels" in inspect.signature(loss).parameters
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return ""
-
-
-def _rows_of(tensor: Tensor, shard: Tensor) -> Optional[slice]:
-    """Which rows of ``shard`` ``tensor`` is: all of it, or a view of consecutive rows (a micro-batch); None when
-    it is neither (another tensor)."""
-    if tensor is shard:
-        return slice(None)
-    if (tensor.dim() != shard.dim() or tensor.shape[1:] != shard.shape[1:] or tensor.stride() != shard.stride()
-            or tensor.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()):
-        return None
-    offset = tensor.storage_offset() - shard.storage_offset()
-    if offset % max(shard.stride(0), 1):
-        return None
-    start = offset // max(shard.stride(0), 1)
-    return slice(start, start + tensor.size(0))
 
 
 def _sliding_windows(module: nn.Module) -> dict[str, int]:
@@ -235,7 +194,7 @@ class ContextParallel:
             for fqn, arg in self.position_modules.items()
         ]
         self._hooks += [sub.register_forward_pre_hook(self._labels_hook(fqn), with_kwargs=True)
-                        for fqn, sub in module.named_modules() if _shifts_labels(sub)]
+                        for fqn, sub in module.named_modules() if shifts_labels(sub)]
         for sub in module.modules():  # which attention layer (its causality and window) builds on a mask
             layer = attention_layer(sub)
             if layer is not None:
@@ -486,7 +445,7 @@ class ContextParallel:
             labels = kwargs.get("labels")
             if not self._active or labels is None or kwargs.get("shift_labels") is not None:
                 return None
-            shifted = self._shifted_labels(labels)
+            shifted = shifted_labels(labels, self._shards, self.seq_dim, self.size, self.rank)
             if shifted is None:
                 raise ValueError(
                     f"{fqn or type(module).__name__} was called with labels= that are not a tensor of the batch as"
@@ -497,19 +456,6 @@ class ContextParallel:
             return args, {**kwargs, "shift_labels": shifted}
 
         return hook
-
-    def _shifted_labels(self, labels: Tensor) -> Optional[Tensor]:
-        """``labels`` (a sharded batch tensor, or consecutive rows of one) shifted by one token over the whole
-        sequence (-100, HF's ignore index, after the last), as this rank's shard."""
-        for shard, whole in self._shards:
-            rows = _rows_of(labels, shard)
-            if rows is None:
-                continue
-            dim, length = self.seq_dim, whole.size(self.seq_dim)
-            after = whole.narrow(dim, 1, length - 1)
-            shifted = torch.cat([after, after.new_full((*after.shape[:dim], 1, *after.shape[dim + 1:]), -100)], dim)
-            return shifted[rows].index_select(dim, cached_positions(length, self.size, self.rank, labels.device))
-        return None
 
     def _global_positions(self, positions: Any, fqn: str) -> Any:
         """Local default positions ``0..T-1`` become the tokens' global ones; anything else (position ids
