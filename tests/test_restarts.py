@@ -226,8 +226,8 @@ def test_a_restarted_run_does_not_read_the_killed_attempts_store_keys():
 
 def _one_attempt(rank: int, world_size: int, out_dir: str, port: int, attempt: int, scoped: bool) -> None:
     """One attempt's process-group set-up on the agent's store, as torchrun starts it (one node). Attempt 0 ends as
-    a killed one does (no clean-up); in attempt 1 rank 1 is slow, so rank 0 looks for rank 1's connection keys
-    before rank 1 has written them."""
+    a killed one does (no clean-up); in attempt 1 rank 1 begins 2 s after rank 0, so rank 0 looks for rank 1's
+    connection keys before rank 1 has written them."""
     import os
     from datetime import timedelta
 
@@ -241,11 +241,19 @@ def _one_attempt(rank: int, world_size: int, out_dir: str, port: int, attempt: i
     timeout = timedelta(seconds=8)  # the set-up on stale keys fails by then
     store = attempt_store(rank, world_size, timeout) if scoped else \
         dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)  # torch's default
-    if attempt == 1 and rank == 1:
-        time.sleep(3.0)
+    if attempt == 1:  # rank 1 starts its set-up 2 s after rank 0 has begun its own, however loaded the machine
+        signal_store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        begun = f"test/{'scoped' if scoped else 'bare'}/rank0_begun"
+        if rank == 0:
+            signal_store.set(begun, "1")
+        else:
+            signal_store.wait([begun])
+            time.sleep(2.0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     total = torch.ones(1)
     dist.all_reduce(total)
+    if rank == 0:
+        store.set("written by rank 0", "1")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"sum": total.item()}, f)
     if attempt == 0:
@@ -255,19 +263,16 @@ def _one_attempt(rank: int, world_size: int, out_dir: str, port: int, attempt: i
 
 def test_a_restarted_attempt_makes_its_process_group_under_a_name_of_its_own():
     """The agent's store outlives attempt 0 with its connection keys; attempt 1 makes its process group on the
-    same store, rank 1 three seconds late. Under the attempt's own name (``launcher.attempt_store``) both ranks
-    connect; on the bare store, as torch's default does, rank 0 reads attempt 0's keys of rank 1 (checked
-    below: the set-up fails or hangs)."""
+    same store, rank 1 two seconds after rank 0, under the attempt's own name (``launcher.attempt_store``): both
+    ranks connect, and what is written through that store lands under ``lightning_4d/attempt_<n>``. On the bare store, as torch's
+    default does, rank 0 may read attempt 0's keys of rank 1: under torchrun 5 of 6 restarts failed or hung so
+    (docs/checkpoints.md); in this simulation about half the runs do (gloo retries, and may find the new keys),
+    too unsteady for the suite to assert."""
     port = free_port()
     agent = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     for attempt in (0, 1):
         assert [r["sum"] for r in spawn(_one_attempt, 2, 60, port, attempt, True)] == [2.0, 2.0]
-    for attempt in (0, 1):
-        if attempt == 0:
-            assert [r["sum"] for r in spawn(_one_attempt, 2, 60, port, attempt, False)] == [2.0, 2.0]
-        else:
-            with pytest.raises(AssertionError, match="exit codes|hang"):
-                spawn(_one_attempt, 2, 30, port, attempt, False)
+        assert agent.check([f"lightning_4d/attempt_{attempt}/written by rank 0"])  # the attempt's own name
     del agent
 
 
