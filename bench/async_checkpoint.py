@@ -14,9 +14,10 @@ steps that ran with no save near them.
 
 Writers (``--writers``): which background writer costs training least. Two processes each hold ``--mb`` MB of
 tensors and run a CPU-bound loop (matrix products) standing in for training steps; each of 3 saves is written by
-the package's writer thread (at nice +10, and at the training thread's priority) and by DCP's own process-based
-``async_save`` (``AsyncCheckpointerType.PROCESS``, shared-memory staging); per kind, the time the save call held
-the loop, how long the write took, and the loop's step time during writes against without.
+the package's writer process (``process``: DCP's data-writing phase in a process at nice +10), by the same save
+with DCP's file writer in the coordinating thread at nice +10 (``thread``: the package before 2026-12-02), and by
+DCP's own process-based ``async_save`` (``AsyncCheckpointerType.PROCESS``, shared-memory staging); per kind, the
+time the save call held the loop, how long the write took, and the loop's step time during writes against without.
 
 Scaling (``--scaling``): the same total state (a 32M-parameter GPT with AdamW: 0.38 GB) sharded with
 ``dp_shard=N`` over N processes, each saving and loading it ``--repeats`` times (best of), with plan caching (the
@@ -162,8 +163,10 @@ def _writers_rank(rank: int, kind: str, megabytes: int, directory: str, port: in
         dist.all_reduce(torch.ones(1))  # the ranks step together, as training does
         return time.perf_counter() - started
 
-    if kind == "thread_same_priority":
-        writers.WRITER_NICENESS = 0
+    if kind == "thread":  # the writer before 2026-12-02: DCP's file writer in the coordinating thread
+        from lightning_4d.checkpoint.writer_process import FileSystemWriter, ProcessFileWriter
+
+        ProcessFileWriter.write_data = FileSystemWriter.write_data
     writer = writers.CheckpointWriter(True, rank == 0, lambda decision: False, group=dist.new_group(backend="gloo"))
     stager = DefaultStager(StagingOptions(False, True, False, False))
     baseline = [step() for _ in range(6)][1:]
@@ -204,7 +207,7 @@ def writers_kinds(megabytes: int) -> list:
 
     rows = []
     context = multiprocessing.get_context("spawn")
-    for kind in ("thread", "thread_same_priority", "dcp_process"):
+    for kind in ("process", "thread", "dcp_process"):
         queue = context.Queue()
         with tempfile.TemporaryDirectory() as tmp:
             with socket.socket() as sock:

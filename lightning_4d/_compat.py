@@ -665,16 +665,8 @@ def module_function_replaced(owners: list[Any], name: str, replacement: Any) -> 
             setattr(owner, name, original)
 
 
-def host_state_dict(tensors: dict[str, Any], pin_memory: bool) -> dict[str, Any]:
-    """New host tensors shaped as ``tensors`` (a DTensor keeps its placements), for asynchronous checkpoint staging:
-    the structure torch's own asynchronous save stages into."""
-    from torch.distributed._state_dict_utils import _create_cpu_state_dict
-
-    return _create_cpu_state_dict(tensors, pin_memory=pin_memory)
-
-
 def copy_state_dict(tensors: dict[str, Any], into: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
-    """``tensors`` copied into the buffers of :func:`host_state_dict`; other values taken as they are."""
+    """``tensors`` copied into staging buffers of the same structure; other values taken as they are."""
     from torch.distributed._state_dict_utils import _copy_state_dict
 
     return _copy_state_dict(tensors, into, non_blocking=non_blocking, type_check=False)

@@ -133,7 +133,8 @@ def classifier_zeroing_in_place():
 class DieWhileSaving(Callback):
     """Rank 1 is killed (SIGKILL) while writing its shard of the second checkpoint written (``last.ckpt`` of the
     same step shares the first one's files): half a file on disk. Under ``async_save`` the write, and the kill,
-    happen in the background writer while training goes on."""
+    happen in the background writer while training goes on (the writer process's pid is printed: it must die
+    with its rank)."""
 
     def on_fit_start(self, trainer, pl_module):
         if trainer.global_rank != 1:
@@ -141,23 +142,28 @@ class DieWhileSaving(Callback):
         import itertools
         import os
         import signal
+        import threading
         from pathlib import Path
 
         from torch.distributed.checkpoint import FileSystemWriter
 
-        original, saves = FileSystemWriter.write_data, itertools.count(1)
+        from lightning_4d.checkpoint.writer_process import ProcessFileWriter
 
-        def write_data(writer, plan, planner):
-            if next(saves) == 2:
-                (Path(writer.path) / "__1_0.distcp").write_bytes(b"\0" * 1000)
-                import threading
+        saves = itertools.count(1)
 
-                print(f"killing rank 1 while it writes {writer.path} (thread: {threading.current_thread().name})",
-                      flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            return original(writer, plan, planner)
+        def dying(original):
+            def write_data(writer, plan, planner):
+                if next(saves) == 2:
+                    (Path(writer.path) / "__1_0.distcp").write_bytes(b"\0" * 1000)
+                    process = getattr(writer, "writer_process", None)
+                    print(f"killing rank 1 while it writes {writer.path} (thread: {threading.current_thread().name})"
+                          + (f" (writer process: {process.process.pid})" if process else ""), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return original(writer, plan, planner)
+            return write_data
 
-        FileSystemWriter.write_data = write_data
+        FileSystemWriter.write_data = dying(FileSystemWriter.write_data)
+        ProcessFileWriter.write_data = dying(ProcessFileWriter.write_data)
 
 
 class GradientLifetimeProbe(Callback):
@@ -214,3 +220,4 @@ class PredictionWrites(Callback):
         written = {path.stem: [json.loads(line) for line in path.read_text().splitlines()]
                    for path in sorted(folder.glob("rank*.jsonl"))}
         return {"written": written, "samples": len(data)}
+

@@ -13,6 +13,8 @@ tests/test_checkpoint.py.)
 """
 
 import os
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -276,3 +278,35 @@ def test_a_checkpoint_replaced_in_place_is_never_missing(tmp_path, monkeypatch):
         assert checkpoint.read_meta(last)["global_step"] == 4 and integrity.verify(last) == []
         assert torch.equal(read_checkpoint(last)["state_dict"]["w"], _state(4.0)["state_dict"]["w"])
     assert swaps == [True]  # the second save of the first name was one atomic swap
+
+
+_HOLD_A_WRITER = """
+import sys, time
+from lightning_4d.checkpoint.writer_process import SharedBlock, WriterProcess
+process = WriterProcess()
+process.share(SharedBlock(1024))  # answered: the process serves
+print(process.process.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_writer_process_dies_with_its_rank_even_in_the_middle_of_a_write(tmp_path):
+    """A writer process that cannot notice its rank's end by itself (stopped, as one in the middle of a long write
+    reads no message) is killed with it (``PR_SET_PDEATHSIG``), so that a restarted attempt never races a dead
+    attempt's writer over the same ``.partial`` directory."""
+    import signal
+
+    from tests.test_checkpoint import _ended
+
+    rank = subprocess.Popen([sys.executable, "-c", _HOLD_A_WRITER], stdout=subprocess.PIPE, text=True)
+    writer_pid = None
+    try:
+        writer_pid = int(rank.stdout.readline())
+        os.kill(writer_pid, signal.SIGSTOP)
+        rank.kill()
+        rank.wait(30)
+        assert _ended(writer_pid), f"the writer process {writer_pid} outlived its rank"
+    finally:
+        rank.kill()
+        if writer_pid is not None and not _ended(writer_pid, within_s=0):
+            os.kill(writer_pid, signal.SIGKILL)

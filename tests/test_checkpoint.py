@@ -1,9 +1,12 @@
 """Checkpoints: export to one plain file, start from plain weights, refuse what does not fit, survive a crash
 while saving. (Resharding across layouts: tests/test_resharding.py.)"""
 
+import re
 import subprocess
 import sys
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -98,6 +101,9 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
     thread = "lightning-4d checkpoint writer" if async_save else "MainThread"
     assert f"step=4.ckpt.partial (thread: {thread})" in result.output, result.output[-4000:]
     assert result.returncodes[1] == -9 and result.returncodes[0] > 0, (result.returncodes, result.output[-4000:])
+    if async_save:  # the killed rank's writer process died with it
+        writer_pid = int(re.search(r"\(writer process: (\d+)\)", result.output).group(1))
+        assert _ended(writer_pid), f"the writer process {writer_pid} outlived its rank"
 
     folder = tmp_path / "killed"
     assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt.partial",
@@ -119,6 +125,21 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_to_resume_fro
         assert runs["resumed"]["losses"] == runs["uninterrupted"]["losses"][2:]
         for name, value in runs["uninterrupted"]["weights"].items():
             assert torch.equal(runs["resumed"]["weights"][name], value), name
+
+
+def _ended(pid: int, within_s: float = 10.0) -> bool:
+    """``pid`` is gone or a zombie (ended, not yet reaped by whoever adopted it) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def test_load_from_checkpoint_on_a_directory_names_the_export_command(tmp_path):

@@ -175,10 +175,11 @@ def _planner() -> DefaultSavePlanner:
 
 
 def write(tensors: dict[str, Any], meta: dict[str, Any], partial: Path, is_writer: bool,
-          group: Optional[dist.ProcessGroup] = None) -> None:
+          group: Optional[dist.ProcessGroup] = None, storage_writer: Optional[dcp.StorageWriter] = None) -> None:
     """Collective over ``group``: every rank's shards, the writer's ``meta.pt``, and every file's checksum,
-    into the ``.partial`` directory. When it returns on the writer, every rank's files are written."""
-    dcp.save(tensors, checkpoint_id=partial, planner=_planner(), process_group=group)
+    into the ``.partial`` directory. When it returns on the writer, every rank's files are written.
+    ``storage_writer``: DCP's file writer, or one that writes the same files elsewhere (a writer process)."""
+    dcp.save(tensors, checkpoint_id=partial, planner=_planner(), process_group=group, storage_writer=storage_writer)
     if is_writer:
         torch.save(_plain(meta), partial / META_FILE)
     _write_checksums(partial, is_writer, group)

@@ -4,9 +4,11 @@
 
 - **Synchronous** (the default): a save returns when the checkpoint is complete under its name (:func:`.sharded.save`).
 - **Asynchronous** (``FourDStrategy(async_save=True)``, or Lightning's ``AsyncCheckpointIO`` plugin): the step waits
-  only while each rank copies what it holds into host buffers, allocated on the first save and reused (pinned on
-  CUDA). A thread then writes the shards with DCP over a process group of its own (the training thread's
-  collectives never queue behind it), checksums them and gathers the checksums to rank 0, which renames the
+  only while each rank copies what it holds into host memory shared with its writer process, allocated on the
+  first save and reused (pinned on CUDA). A thread then saves with DCP over a process group of its own (the
+  training thread's collectives never queue behind it): it plans, the writer process writes the shard files
+  (:mod:`.writer_process`: serializing takes the GIL, so not in the training process), and the thread checksums
+  them and gathers the checksums to rank 0, which renames the
   ``.partial`` directory into place. DCP's last step gathers every rank's write result to rank 0, so the rename
   comes after every rank's files are written, and no training step waits for that agreement. At most one save is
   in flight: the next one waits for it, and rank 0 says so once.
@@ -39,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_4d import _compat as compat
 from lightning_4d.checkpoint import sharded
+from lightning_4d.checkpoint.writer_process import WRITER_NICENESS, ProcessFileWriter, SharedBlock, WriterProcess
 
 
 def honored_checkpoint_io(checkpoint_io: Any) -> bool:
@@ -59,11 +62,13 @@ def honored_checkpoint_io(checkpoint_io: Any) -> bool:
 
 
 class HostStaging:
-    """Host copies of one rank's checkpoint tensors. Allocated on the first save (pinned on CUDA) and reused while
-    the tensors keep their names, shapes and placements, so staging costs one copy, not an allocation, per save."""
+    """Host copies of one rank's checkpoint tensors, in one block of memory shared with the writer process.
+    Allocated on the first save (pinned on CUDA) and reused while the tensors keep their names, shapes and
+    placements, so staging costs one copy, not an allocation, per save."""
 
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, process: WriterProcess, pin_memory: bool) -> None:
+        self.process, self.pin_memory = process, pin_memory
+        self.block: Optional[SharedBlock] = None
         self.buffers: Optional[dict[str, Any]] = None
         self._layout: Optional[list[tuple]] = None
         self.allocations = 0
@@ -71,26 +76,48 @@ class HostStaging:
     def stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         layout = _layout(tensors)
         if layout != self._layout:
-            self.buffers, self._layout = None, None  # the old buffers go before the new ones come
-            self.buffers, self._layout = compat.host_state_dict(tensors, self.pin_memory), layout
+            self._release()  # the old block goes before the new one comes
+            self.block = SharedBlock(SharedBlock.bytes_for(
+                [_local(value) for _, value in _leaves(tensors) if isinstance(value, torch.Tensor)]), self.pin_memory)
+            self.buffers, self._layout = _carve(tensors, self.block), layout
+            self.process.share(self.block)
             self.allocations += 1
         staged = compat.copy_state_dict(tensors, self.buffers, non_blocking=self.pin_memory)
         if self.pin_memory:
             torch.cuda.current_stream().synchronize()  # the copies are done before the step goes on
         return staged
 
-
-# The writer thread's nice value above the training thread's. Linux schedules threads, and nice is per thread:
-# where training keeps every core busy (CPU-only machines), the writer takes about a tenth of a core's time from it
-# (CFS weights 1024 against 110), and all of what training leaves idle (collectives' waits, a GPU's kernels).
-WRITER_NICENESS = 10
+    def _release(self) -> None:
+        if self.block is not None:
+            self.buffers, self._layout = None, None
+            self.block.close()
+            self.block = None
 
 
 def _yield_cpu_to_training() -> None:
+    """The coordinating thread (plans, gathers, checksums) at nice +10. Not in the idle class as the writer
+    process: it takes the GIL, and a starved thread holding it would stall training. Linux schedules threads,
+    and nice is per thread."""
     if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
-        with contextlib.suppress(OSError):  # a platform where nice is per process: the write just runs as is
+        with contextlib.suppress(OSError):  # a platform where nice is per process: it just runs as is
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
                            min(19, os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICENESS))
+
+
+def _carve(tree: Any, block: SharedBlock) -> Any:
+    """``tree`` with each tensor replaced by a view of ``block`` of its (local) shape; a DTensor keeps its mesh
+    and placements, so that DCP plans the staged copy as it plans the original."""
+    if isinstance(tree, dict):
+        return {key: _carve(value, block) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_carve(value, block) for value in tree)
+    if isinstance(tree, DTensor):
+        local = block.view(tree.to_local().shape, tree.dtype)
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
+                                  stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        return block.view(tree.shape, tree.dtype)
+    return tree
 
 
 def _leaves(tree: Any, prefix: str = ""):
@@ -170,7 +197,8 @@ class CheckpointWriter:
     def __init__(self, asynchronous: bool, is_writer: bool, agree: Callable[[bool], bool],
                  group: Optional[dist.ProcessGroup] = None, pin_memory: bool = False) -> None:
         self.asynchronous, self.is_writer, self.agree, self.group = asynchronous, is_writer, agree, group
-        self.staging = HostStaging(pin_memory) if asynchronous else None
+        self.process = WriterProcess() if asynchronous else None
+        self.staging = HostStaging(self.process, pin_memory) if asynchronous else None
         self._flight: Optional[_Flight] = None
         self._saved: Optional[_Saved] = None
         self._abandoned = False
@@ -248,7 +276,8 @@ class CheckpointWriter:
                 sharded.remove(partial)  # an interrupted save's leftover, gone before any rank writes there
             if dist.is_initialized():
                 dist.barrier(group=self.group)
-            sharded.write(staged, meta, partial, self.is_writer, self.group)
+            sharded.write(staged, meta, partial, self.is_writer, self.group,
+                          storage_writer=ProcessFileWriter(partial, self.process))
             if self.is_writer:
                 sharded.publish(partial, flight.path)
                 flight.run_waiting()
@@ -297,3 +326,4 @@ _LIVE: "weakref.WeakSet[CheckpointWriter]" = weakref.WeakSet()
 def _finish_every_writer() -> None:
     for writer in list(_LIVE):
         writer.finish()
+        writer.process.close()
