@@ -26,6 +26,7 @@ from lightning_4d.planner.estimate import (
     PlanError,
     Training,
     _format_bytes,
+    _microbatches,
     choose_cp_comm,
     cp_exchanges,
     plan,
@@ -38,9 +39,10 @@ _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib":
 def format_table(estimates: Sequence[Estimate]) -> str:
     """The ranked layouts as an aligned text table: memory parts, the setup peak of the chosen build, bytes sent
     per dim, and whether it fits ("no: setup" when training would fit but building the model does not)."""
-    header = ["#", "dp", "dp_shard", "pp", "cp", "tp", "state", "activations", "logits", "pp grads", "buckets",
-              "gathered",
-              "memory", "setup", "comm/step", "dp", "dp_shard", "tp", "cp", "pp", "fits"]
+    timed = any(est.step for est in estimates)
+    header = ["#", "dp", "dp_shard", "pp", "cp", "tp", *(["ac", "m", "step (s)"] if timed else []), "state", "activations", "logits",
+              "pp grads", "buckets", "gathered", "memory", "setup", "comm/step", "dp", "dp_shard", "tp", "cp", "pp",
+              "fits"]
     rows = []
     for rank, est in enumerate(estimates, 1):
         mem, comm = est.memory, est.comm
@@ -49,6 +51,8 @@ def format_table(estimates: Sequence[Estimate]) -> str:
         if est.exceeds == ("setup",):
             fits = "no: setup"  # training would fit; building the model does not
         rows.append([str(rank), *(str(getattr(est.layout, d)) for d in ("dp", "dp_shard", "pp", "cp", "tp")),
+                     *([est.training.activation_checkpointing, str(_microbatches(est.training, est.layout)),
+                        f"{est.step.total:.3g}"] if timed else []),
                      *(_format_bytes(value) for value in (state, mem["activations"], mem["logits"],
                                                           mem["pipeline_grads"],
                                                           mem["grad_buckets"], mem["gathered"], mem["total"],
@@ -58,6 +62,47 @@ def format_table(estimates: Sequence[Estimate]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [header, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def why_first(estimates: Sequence[Estimate]) -> str:
+    """Why the first layout leads: its predicted parts, and what makes the runner-up slower."""
+    first = estimates[0]
+    parts = ", ".join(f"{name} {value:.3g}" for name, value in first.step.parts.items()
+                      if name != "total" and value > 0.005 * first.step.total)
+    text = f"first: {first.layout}, predicted {first.step.total:.3g} s per step ({parts})"
+    if first.step.shared_cores:
+        text += "; its ranks share the cores, so the step is their work spread over them"
+    if len(estimates) > 1 and estimates[1].step is not None:
+        second = estimates[1]
+        slower = second.step.total / first.step.total - 1
+        worse = max((name for name in second.step.parts if name != "total"),
+                    key=lambda name: second.step.parts[name] - first.step.parts.get(name, 0.0))
+        text += (f". Next: {second.layout}, {slower:.0%} slower, mostly {worse}"
+                 f" ({second.step.parts[worse]:.3g} s against {first.step.parts.get(worse, 0.0):.3g} s).")
+    return text
+
+
+def machine_from_args(args: argparse.Namespace) -> Any:
+    """The machine predictions are for: measured here (``--measure``), a preset or a calibration file
+    (``--machine``), or None (ranked by bytes sent)."""
+    from lightning_4d.planner.calibration import PRESETS, measure_here
+    from lightning_4d.planner.step_time import Machine
+
+    if args.measure:
+        if args.devices > 16:
+            raise PlanError(f"--measure starts --devices ({args.devices}) processes on this machine: measure with"
+                            " the devices one machine of the target has (--devices 8 on an 8-GPU node), or give"
+                            f" --machine ({', '.join(PRESETS)}, or a calibration JSON file).")
+        return measure_here(args.devices)
+    if args.machine is None:
+        return None
+    if args.machine in PRESETS:
+        return PRESETS[args.machine]
+    try:
+        return Machine.from_dict(json.loads(open(args.machine).read()))
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise PlanError(f"--machine {args.machine!r} is neither a preset ({', '.join(PRESETS)}) nor a readable"
+                        f" calibration file ({type(error).__name__}: {error}).") from None
 
 
 def build_module(spec: str, init_args: dict[str, Any]) -> Any:
@@ -96,8 +141,8 @@ def _parse_count(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_4d.plan",
-        description="Rank the (dp, pp, cp, tp) layouts of a model on N devices by estimated memory per device"
-                    " and communication per step.")
+        description="Rank the (dp, pp, cp, tp) layouts of a model on N devices by predicted step time (with"
+                    " --measure or --machine; else by communication per step), with memory per device.")
     parser.add_argument("--devices", type=int, required=True, help="number of devices (world size)")
     parser.add_argument("--memory", type=parse_bytes, help="memory per device: 80GiB, 80GB, 24GiB (bare: GiB)")
     model = parser.add_argument_group("model: a LightningModule class, or sizes")
@@ -139,6 +184,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--build", default="whole", choices=list(BUILDS),
                        help="how the model is built, for the setup peak: whole on every rank (default), or on the"
                             " meta device (trainer.init_module(empty_init=True), init_from)")
+    machine = parser.add_argument_group("step time (ranks by predicted time; without these, by bytes sent)")
+    machine.add_argument("--measure", action="store_true",
+                         help="calibrate on this machine with --devices processes (seconds; cached per machine)")
+    machine.add_argument("--machine", help="a preset (h100) or a calibration JSON file")
     out = parser.add_argument_group("output")
     out.add_argument("--all", action="store_true", help="also list valid layouts that do not fit")
     out.add_argument("--top", type=int, help="print only the best N")
@@ -214,7 +263,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             activation_checkpointing=args.activation_checkpointing,
                             activation_checkpointing_every=args.activation_checkpointing_every,
                             fuse_lm_loss=args.fuse_lm_loss)
-        estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build)
+        machine = machine_from_args(args)
+        estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build,
+                         machine=machine)
         moe = _moe_from_args(args, model)
         experts = None
         if moe is not None:
@@ -244,7 +295,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + "; memory = state + gathered + max(activations + logits + pp grads, buckets); setup = peak while the"
             " model is"
             f" built ({args.build}); comm = bytes sent per device per step\n")
+    if machine is not None:
+        print(f"step time predicted for {machine.source}\n")
     print(format_table(estimates))
+    if machine is not None:
+        print("\n" + why_first(estimates))
     if experts is not None:
         print(f"\nexpert parallelism: {moe.layers} MoE layers of {moe.experts} experts (hidden {moe.hidden}, inner"
               f" {moe.inner}, top-{moe.top_k}), {moe.expert_params / 1e6:,.1f}M expert parameters; per rank, ranked"

@@ -63,7 +63,7 @@ boundaries' activations and gradients over pp.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_4d.planner.model_sizes import Model, PlanError, check_positive, divisors
@@ -165,6 +165,8 @@ class Estimate:
     setup: dict[str, float] = field(default_factory=dict)  # setup peak bytes per device, by build (BUILDS)
     build: str = "whole"  # the build whose setup peak ``fits`` counts
     exceeds: tuple[str, ...] = ()  # the peaks above the memory per device: "training", "setup"
+    step: Optional[Any] = None  # the predicted step (:class:`.step_time.StepTime`) when a machine is given
+    training: Optional[Training] = None  # what the estimate is for (the planner's choice of checkpointing and m)
 
     @property
     def setup_peak(self) -> float:
@@ -173,7 +175,10 @@ class Estimate:
 
     def as_dict(self) -> dict[str, Any]:
         return {"layout": asdict(self.layout), "memory_bytes": self.memory, "comm_bytes": self.comm,
-                "setup_bytes": self.setup, "build": self.build, "fits": self.fits, "exceeds": list(self.exceeds)}
+                "setup_bytes": self.setup, "build": self.build, "fits": self.fits, "exceeds": list(self.exceeds),
+                **({"step_seconds": self.step.parts, "bubble": self.step.bubble,
+                    "activation_checkpointing": self.training.activation_checkpointing,
+                    "microbatches": self.training.microbatches} if self.step else {})}
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -485,10 +490,14 @@ def _communication(model: Model, training: Training, layout: Layout, grad_bytes:
 
 
 def plan(model: Model, training: Training, devices: int, memory_per_device: Optional[float] = None,
-         include_unfit: bool = False, build: str = "whole") -> list[Estimate]:
-    """Valid layouts ranked by communication per step (then memory), fitting ones first. A layout fits when
-    its training peak and the setup peak of ``build`` (``"whole"`` or ``"meta"``) both fit: a run that cannot
-    build its model does not start.
+         include_unfit: bool = False, build: str = "whole", machine: Optional[Any] = None) -> list[Estimate]:
+    """Valid layouts ranked by predicted step time on ``machine`` (a :class:`.step_time.Machine`; without one,
+    by communication per step), then memory, fitting ones first. A layout fits when its training peak and the
+    setup peak of ``build`` (``"whole"`` or ``"meta"``) both fit: a run that cannot build its model does not start.
+
+    With a machine, activation checkpointing (when ``training`` leaves it ``"none"``) and the pipeline's
+    micro-batch count (when it leaves it unset) are part of a layout: each layout comes with the fastest
+    predicted of those that fit (:attr:`Estimate.training`), so checkpointing is chosen only where memory needs it.
 
     Raises :class:`PlanError` when no layout of ``devices`` is valid, or none fits ``memory_per_device``
     and ``include_unfit`` is false."""
@@ -503,20 +512,50 @@ def plan(model: Model, training: Training, devices: int, memory_per_device: Opti
     valid = [layout for layout in candidates if not rejected[layout]]
     if not valid:
         raise PlanError(_no_valid_layout_message(model, training, devices, rejected))
-    estimates = [estimate(model, training, layout) for layout in valid]
-    for est in estimates:
-        est.build = build
+    estimates = []
+    for layout in valid:
+        options = [variant for variant in _variants(training, layout, explore=machine is not None)
+                   if variant == training or not layout_problems(model, variant, layout)]
+        judged = [_judged(model, variant, layout, build, memory_per_device, machine) for variant in options]
+        estimates.append(min(judged, key=_rank))
     if memory_per_device is not None:
-        for est in estimates:
-            est.exceeds = tuple(name for name, peak in (("training", est.memory["total"]), ("setup", est.setup_peak))
-                                if peak > memory_per_device)
-            est.fits = not est.exceeds
         if not include_unfit and not any(est.fits for est in estimates):
             raise PlanError(_no_fit_message(estimates, memory_per_device, training))
         if not include_unfit:
             estimates = [est for est in estimates if est.fits]
-    estimates.sort(key=lambda est: (est.fits is False, est.comm["total"], est.memory["total"]))
+    estimates.sort(key=_rank)
     return estimates
+
+
+def _variants(training: Training, layout: Layout, explore: bool) -> list[Training]:
+    """``training`` and, when exploring, its activation checkpointing modes and micro-batch counts the user left
+    open (the default count first)."""
+    if not explore:
+        return [training]
+    modes = ["none", "selective", "full"] if training.activation_checkpointing == "none" else \
+        [training.activation_checkpointing]
+    counts = [None, layout.pp, 4 * layout.pp] if layout.pp > 1 and training.microbatches is None else \
+        [training.microbatches]
+    return [replace(training, activation_checkpointing=mode, microbatches=count) for mode in modes for count in counts]
+
+
+def _judged(model: Model, training: Training, layout: Layout, build: str, memory_per_device: Optional[float],
+            machine: Optional[Any]) -> Estimate:
+    est = estimate(model, training, layout)
+    est.build, est.training = build, training
+    if memory_per_device is not None:
+        est.exceeds = tuple(name for name, peak in (("training", est.memory["total"]), ("setup", est.setup_peak))
+                            if peak > memory_per_device)
+        est.fits = not est.exceeds
+    if machine is not None:
+        from lightning_4d.planner.step_time import step_time
+
+        est.step = step_time(model, training, layout, machine)
+    return est
+
+
+def _rank(est: Estimate) -> tuple:
+    return est.fits is False, est.step.total if est.step else est.comm["total"], est.memory["total"]
 
 
 def _no_valid_layout_message(model: Model, training: Training, devices: int,

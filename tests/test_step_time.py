@@ -1,0 +1,124 @@
+"""The step-time model (:mod:`lightning_4d.planner.step_time`), its calibration probe and the planner's ranking by
+predicted time: arithmetic checks of each part against hand-computed figures, the planner choosing activation
+checkpointing only where memory needs it, the probe measuring 2 gloo processes here and caching the result,
+and the command line's time column and reason. (How close predictions come to measured steps:
+bench/step_time.py and docs/performance.md; no timing is asserted here.)"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
+from lightning_4d.planner import Layout, Model, PlanError, Training, plan
+from lightning_4d.planner import calibration
+from lightning_4d.planner.step_time import BUCKET_MB, Link, Machine, step_time
+
+GPT = Model.from_sizes(layers=4, hidden=256, heads=4, vocab=512)
+TRAINING = Training(seq_len=256, global_batch=8)
+
+
+def _machine(**changes) -> Machine:
+    figures = dict(matmul_flops={"float32": 1e10}, memory_bandwidth=1e10, links={2: Link(1e-4, 1e9), 4: Link(2e-4, 1e9)},
+                   devices_per_node=4)
+    return Machine(**{**figures, **changes})
+
+
+def test_the_bucket_size_is_the_data_parallel_default():
+    assert BUCKET_MB == DEFAULT_BUCKET_MB
+
+
+def test_compute_is_six_flops_per_parameter_and_token_plus_attention_over_the_throughput():
+    one = step_time(GPT, TRAINING, Layout(), _machine())
+    tokens = TRAINING.seq_len * TRAINING.global_batch
+    forward = tokens * (GPT.layers * (2 * GPT.layer_matrix_params + 2 * GPT.hidden * TRAINING.seq_len)
+                        + 2 * GPT.vocab * GPT.hidden)
+    assert one.parts["compute"] == pytest.approx(3 * forward / 1e10, rel=1e-12)
+    assert one.parts["total"] == pytest.approx(sum(v for k, v in one.parts.items() if k != "total"))
+    faster = step_time(GPT, TRAINING, Layout(), _machine(matmul_flops={"float32": 2e10}))
+    assert faster.parts["compute"] == pytest.approx(one.parts["compute"] / 2)
+
+
+def test_tp_pays_four_all_reduces_per_block_and_micro_batch_at_the_links_latency_and_bandwidth():
+    result = step_time(GPT, TRAINING, Layout(tp=2), _machine())
+    count = 4 * GPT.layers + 1
+    activation = TRAINING.seq_len * TRAINING.global_batch * GPT.hidden * 4
+    assert result.parts["comm_tp"] == pytest.approx(count * 1e-4 + count * activation / 1e9, rel=1e-12)
+
+
+def test_the_bubble_shrinks_with_micro_batches_and_interleaving():
+    bubbles = [step_time(GPT, Training(256, 16, microbatches=m), Layout(pp=2), _machine()).bubble for m in (2, 4, 8)]
+    assert bubbles == pytest.approx([1 / 3, 1 / 5, 1 / 9])
+    interleaved = step_time(GPT, Training(256, 16, microbatches=4, pp_schedule="interleaved_1f1b"), Layout(pp=2),
+                            _machine()).bubble
+    assert interleaved == pytest.approx(1 / 9)
+
+
+def test_checkpointing_recomputes_and_overlap_hides_the_gradient_all_reduce():
+    plain = step_time(GPT, TRAINING, Layout(dp=4), _machine(), bucket_mb=0.5)
+    full = step_time(GPT, Training(256, 8, activation_checkpointing="full"), Layout(dp=4), _machine())
+    assert plain.parts["recompute"] == 0 and full.parts["recompute"] > 0.2 * full.parts["compute"]
+    hidden = step_time(GPT, TRAINING, Layout(dp=4), _machine(overlap=True), bucket_mb=0.5)
+    assert hidden.parts["comm_dp"] < plain.parts["comm_dp"]
+
+
+def test_ranks_that_share_cores_spread_their_work_over_them():
+    dedicated = step_time(GPT, TRAINING, Layout(dp=4), _machine())
+    shared = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2))
+    work = sum(v for k, v in dedicated.parts.items() if k not in ("total", "bubble"))
+    assert shared.shared_cores and shared.total == pytest.approx(2 * work)
+    # a pipeline's idle stage gives its core away: on shared cores pp=4 costs no bubble
+    pipeline = step_time(GPT, TRAINING, Layout(pp=4), _machine(cores_per_node=2))
+    assert pipeline.shared_cores and pipeline.total < step_time(GPT, TRAINING, Layout(pp=4), _machine()).total * 2
+
+
+def test_the_planner_ranks_by_predicted_time_and_checkpoints_only_where_memory_needs_it():
+    big = Model.from_sizes(layers=8, hidden=1024, heads=8, vocab=4096)
+    training = Training(seq_len=2048, global_batch=8)
+    roomy = plan(big, training, 4, 64 * 2**30, machine=_machine())
+    assert [est.step.total for est in roomy] == sorted(est.step.total for est in roomy)
+    assert all(est.training.activation_checkpointing == "none" for est in roomy)
+    tight_budget = sorted(est.memory["total"] for est in roomy)[0] * 0.6
+    tight = plan(big, training, 4, tight_budget, machine=_machine())
+    assert tight and all(est.fits for est in tight)
+    assert any(est.training.activation_checkpointing != "none" for est in tight)
+    assert all(est.memory["total"] <= tight_budget for est in tight)
+    with pytest.raises(PlanError, match="no layout fits"):
+        plan(big, training, 4, 2**20, machine=_machine())
+
+
+def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    measured = subprocess.run([sys.executable, "-c", "import json; from lightning_4d.planner.calibration import"
+                               " measure_here; print(json.dumps(measure_here(2, use_cache=False).as_dict()))"],
+                              capture_output=True, text=True, timeout=180)
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    machine = Machine.from_dict(json.loads(measured.stdout.splitlines()[-1]))
+    assert machine.matmul_flops["float32"] > 1e8 and machine.memory_bandwidth > 1e8
+    assert set(machine.links) == {2} and machine.links[2].latency_s > 0 and machine.links[2].bandwidth > 1e6
+    assert machine.overlap is False and machine.cores_per_node >= 1 and machine.devices_per_node == 2
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("measured again although the cache holds this machine")
+
+    monkeypatch.setattr("torch.multiprocessing.start_processes", no_launch)
+    assert calibration.measure_here(2) == machine
+
+
+def test_the_command_line_prints_predicted_times_and_why_the_first_leads():
+    args = [sys.executable, "-m", "lightning_4d.plan", "--devices", "4", "--layers", "4", "--hidden", "256",
+            "--heads", "4", "--vocab", "512", "--seq", "256", "--global-batch", "8"]
+    out = subprocess.run(args + ["--machine", "h100"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "step (s)" in out.stdout and "preset h100" in out.stdout
+    assert "first: dp=" in out.stdout and "predicted" in out.stdout and "Next:" in out.stdout
+    as_json = json.loads(subprocess.run(args + ["--machine", "h100", "--json"], capture_output=True, text=True,
+                                        timeout=120).stdout)
+    totals = [layout["step_seconds"]["total"] for layout in as_json["layouts"]]
+    assert totals == sorted(totals)
+    bad = subprocess.run(args + ["--machine", "nowhere.json"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--machine 'nowhere.json' is neither a preset (h100)" in bad.stderr
+    many = subprocess.run(args[:4] + ["32"] + args[5:] + ["--measure"], capture_output=True, text=True, timeout=120)
+    assert many.returncode != 0 and "--measure starts --devices (32) processes" in many.stderr
