@@ -471,6 +471,21 @@ def set_metric_forward_cache(metric: Any, value: Any) -> None:
     metric._forward_cache = value
 
 
+def train_dataloader(trainer: Any) -> Any:
+    """The training dataloader as the module's (or data module's) hook returns it, before Lightning adds its
+    sampler; the first one where there are several."""
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+
+    loader = _request_dataloader(trainer.fit_loop._data_source)
+    if hasattr(loader, "flattened"):  # a CombinedLoader
+        loader = loader.flattened[0]
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()))
+    if isinstance(loader, (list, tuple)):
+        loader = loader[0]
+    return loader
+
+
 def hf_loss_function(model: Any) -> Callable[..., Any]:
     """The loss a Hugging Face model's ``loss_function`` property returns, without its warning for an unset
     ``loss_type``: the one set on the instance (private ``_loss_function``), else HF's for its ``loss_type``,

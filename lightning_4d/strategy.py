@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from functools import partialmethod
 from typing import Any, Literal, Optional, Union
@@ -27,6 +28,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.callbacks import attach_prediction_writers, check_weight_averaging
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders, continue_as_uninterrupted
 from lightning_4d.checkpoint.writer import CheckpointWriter, honored_checkpoint_io
+from lightning_4d.composition.auto_layout import check_auto_layout, choose_for
 from lightning_4d.composition.parallel_model import ParallelModel
 from lightning_4d.composition.parallelize import check_before_launch, parallelize, parallelized
 from lightning_4d.context_parallel import ContextParallelConfig
@@ -95,6 +97,10 @@ class FourDStrategy(ModelParallelStrategy):
             writing goes on in the background (also with ``Trainer(plugins=[AsyncCheckpointIO()])``); see
             :mod:`lightning_4d.checkpoint.writer`.
         start_method: ``"popen"`` runs the script again per rank (as DDP does); ``"fork"`` (CPU) forks them.
+        layout: ``"auto"``: the sizes not given, activation checkpointing and the pipeline's micro-batches are chosen
+            at set-up by predicted time per sample (:mod:`lightning_4d.composition.auto_layout`).
+        memory_per_device: the budget ``layout="auto"`` chooses within (bytes, or ``"80GiB"``); default: the
+            device's free memory (GPU), the machine's memory shared by its ranks (CPU).
     """
 
     strategy_name = "fourd"
@@ -118,14 +124,14 @@ class FourDStrategy(ModelParallelStrategy):
         activation_checkpointing: str = "none", activation_checkpointing_every: int = 2,
         compile: Union[bool, dict] = False, debug: bool = False, debug_steps: int = 2, telemetry: bool = False,
         broadcast_buffers: bool = True, start_method: Literal["popen", "fork"] = "popen", async_save: bool = False,
-        **unknown: Any,
+        layout: Optional[Literal["auto"]] = None, memory_per_device: Union[str, float, None] = None, **unknown: Any,
     ) -> None:
         refuse_unknown(FourDStrategy.__init__, unknown)
         self.collective_timeouts = CollectiveTimeouts(init_timeout, timeout)  # read by FaultTolerance
         super().__init__(process_group_backend=process_group_backend, timeout=self.collective_timeouts.init)
         self.timeout = self.collective_timeouts.train
         positive("bucket_mb", bucket_mb, "megabytes (default 25)")
-        self._sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard, "ep": ep}
+        self.requested_sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard, "ep": ep}
         ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard), check_ep_size(ep)
         check_reshard_after_forward(reshard_after_forward), check_normalization(loss_normalization)
         if not isinstance(fuse_lm_loss, bool):
@@ -143,7 +149,7 @@ class FourDStrategy(ModelParallelStrategy):
         check_shard_units(shard_units, self.pp_config.pp, self.tp_config.tp, compile_config.enabled)
         # The composition's options, as parallelize() takes them.
         checkpointing = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
-        self.layout = dict(pipeline=self.pp_config, tensor=self.tp_config, context=self.cp_config,
+        self.composition = dict(pipeline=self.pp_config, tensor=self.tp_config, context=self.cp_config,
                            activation_checkpointing=checkpointing,
                            compile=compile_config, bucket_mb=float(bucket_mb), shard_units=shard_units,
                            reshard_after_forward=reshard_after_forward, loss_normalization=loss_normalization,
@@ -163,6 +169,7 @@ class FourDStrategy(ModelParallelStrategy):
         if not isinstance(async_save, bool):
             raise ValueError(f"async_save={async_save!r}: use True (saves write in the background) or False.")
         self.async_save, self.checkpoints = async_save, None  # the CheckpointWriter, made in setup_environment
+        self.auto_layout, self.memory_per_device = check_auto_layout(layout, memory_per_device)
 
     @property
     @override
@@ -176,27 +183,54 @@ class FourDStrategy(ModelParallelStrategy):
     def set_world_ranks(self) -> None:
         super().set_world_ranks()
         # Runs at Trainer construction in the launching process: bad sizes fail before any process starts.
-        self.parallel_dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self._sizes)
+        self.parallel_dims = ParallelDims.resolve(self.num_nodes * self.num_processes, **self.requested_sizes)
         self.async_save = honored_checkpoint_io(self.checkpoint_io) or self.async_save
 
     @override
     def setup_environment(self) -> None:
         module, dims = self.lightning_module, self.parallel_dims
         own_layout = is_overridden("configure_model", module)
-        check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config, user_parallelized=own_layout)
-        check_weight_averaging((trainer := module.trainer).callbacks, dims)
+        if not self.auto_layout:  # with layout="auto", once chosen (setup)
+            check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config,
+                                user_parallelized=own_layout)
+            check_weight_averaging(module.trainer.callbacks, dims)
         compat.setup_distributed(self, attempt_store)  # under torchrun: a store per attempt
         destroy_process_groups_at_exit()
+        if not self.auto_layout:
+            self._lay_out(own_layout)
+        attach_prediction_writers((trainer := module.trainer).callbacks)  # one writing rank per replica
+        attach_fault_tolerance(self)  # preemption, heartbeats, uneven data, batch shapes, buffers
+        self.checkpoints = self.checkpoints or CheckpointWriter.for_strategy(self)
+        self.checkpoints.route_links(trainer.callbacks, self.barrier)  # ModelCheckpoint's save_last="link"
+
+    def _lay_out(self, own_layout: bool) -> None:
+        """The mesh of the layout, given to Lightning and the module, and what needs it (debug, telemetry)."""
+        module = self.lightning_module
         self.mesh = self.parallel_dims.build(self.root_device.type, lightning_names=own_layout)
         compat.set_device_mesh(self, self.mesh.mesh)
         if self.global_rank == 0:  # the table is O(world) lines: only the rank that prints it builds it
             rank_zero_info(self.layout_table())
         compat.set_device_mesh(module, self.mesh.mesh)
-        self._desync = attach_observability(self, trainer.callbacks, self._desync)  # debug and telemetry
-        attach_prediction_writers(trainer.callbacks)  # one writing rank per replica
-        attach_fault_tolerance(self)  # preemption, heartbeats, uneven data, batch shapes, buffers
-        self.checkpoints = self.checkpoints or CheckpointWriter.for_strategy(self)
-        self.checkpoints.route_links(trainer.callbacks, self.barrier)  # ModelCheckpoint's save_last="link"
+        self._desync = attach_observability(self, module.trainer.callbacks, self._desync)
+
+    def _choose_layout(self, trainer: pl.Trainer) -> None:
+        """``layout="auto"``: the sizes, checkpointing and micro-batches chosen now that the module and its data
+        are set up (:mod:`lightning_4d.composition.auto_layout`)."""
+        choice = choose_for(self, trainer)
+        layout, training = choice.layout, choice.training
+        self.requested_sizes.update(dp=layout.dp, dp_shard=layout.dp_shard, pp=layout.pp, cp=layout.cp, tp=layout.tp)
+        self.parallel_dims = ParallelDims.resolve(self.world_size, **self.requested_sizes)
+        self.pp_config = replace(self.pp_config, pp=layout.pp, microbatches=training.microbatches)
+        self.tp_config, self.cp_config = replace(self.tp_config, tp=layout.tp), replace(self.cp_config, cp=layout.cp)
+        self.composition.update(pipeline=self.pp_config, tensor=self.tp_config, context=self.cp_config,
+                                activation_checkpointing=ActivationCheckpointConfig(
+                                    training.activation_checkpointing, training.activation_checkpointing_every))
+        if self.global_rank == 0:
+            rank_zero_info(choice.describe())
+        check_before_launch(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config,
+                            user_parallelized=False)
+        check_weight_averaging(trainer.callbacks, self.parallel_dims)
+        self._lay_out(own_layout=False)
 
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""
@@ -233,6 +267,8 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.mesh is None and self.auto_layout:
+            self._choose_layout(trainer)
         assert self.model is not None and self.accelerator is not None and self.mesh is not None
         self.accelerator.setup(trainer)
         self._train_loaders.clear()
@@ -241,7 +277,7 @@ class FourDStrategy(ModelParallelStrategy):
         # With init_from (strict), the load right below fills every weight: parallelize neither broadcasts rank
         # 0's nor initializes a meta-built module's (only what no checkpoint holds: non-persistent buffers).
         loading = self.init_from is not None and self.lightning_module.strict_loading
-        self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, **self.layout, loading=loading,
+        self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, **self.composition, loading=loading,
                                     param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
         if first and self.global_rank == 0 and self.parallel.describe():
             rank_zero_info(self.parallel.describe())

@@ -221,3 +221,16 @@ class PredictionWrites(Callback):
                    for path in sorted(folder.glob("rank*.jsonl"))}
         return {"written": written, "samples": len(data)}
 
+
+class ChosenLayout(Callback):
+    """The layout ``layout="auto"`` chose, as every rank holds it (``parity_extras``: the sizes, and each rank's)."""
+
+    def parity_extras(self, trainer):
+        import torch.distributed as dist
+
+        strategy = trainer.strategy
+        sizes = {name: strategy.requested_sizes[name] for name in ("dp", "dp_shard", "pp", "cp", "tp")}
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, sizes)
+        return {"chosen": {**sizes, "every_rank": every_rank,
+                           "activation_checkpointing": strategy.composition["activation_checkpointing"].mode}}

@@ -272,6 +272,16 @@ def _sigterm_broadcast():
     assert "_broadcast_sigterm_tensor" not in loop.__dict__ and callable(loop._broadcast_sigterm_tensor)
 
 
+def _train_dataloader():
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(4)), batch_size=2)
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer._data_connector.attach_data(pl.LightningModule(), train_dataloaders=loader)
+    assert compat.train_dataloader(trainer) is loader
+
+
 CHECKS = {
     "nn.Module._non_persistent_buffers_set, Tensor._backward_hooks/_post_accumulate_grad_hooks,"
     " torch.utils._python_dispatch.TorchDispatchMode, FSDPParam.reset_sharded_param": _meta_materialization,
@@ -315,6 +325,7 @@ CHECKS = {
                  compat_lightning_strategy()._get_process_group_backend),
     "lightning _TrainingEpochLoop._broadcast_sigterm_tensor (skipped while FaultTolerance holds SIGTERM)":
         _sigterm_broadcast,
+    "lightning _request_dataloader, _FitLoop._data_source (layout=\"auto\" reads the first batch)": _train_dataloader,
     "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (
         # called as FourDStrategy.reduce calls it (torch 2.14 refuses op=None once a process group exists)
         compat.sync_ddp_if_available(torch.tensor(1.0), reduce_op="mean"),

@@ -270,7 +270,7 @@ def test_strategy_takes_dp_shard_from_yaml():
     parser.add_class_arguments(FourDStrategy, "strategy")
     config = parser.parse_args(["--strategy.dp_shard=auto", "--strategy.reshard_after_forward=false"])
     strategy = parser.instantiate_classes(config).strategy
-    assert strategy._sizes["dp_shard"] == "auto" and strategy.layout["reshard_after_forward"] is False
+    assert strategy.requested_sizes["dp_shard"] == "auto" and strategy.composition["reshard_after_forward"] is False
     with pytest.raises(ValueError, match="reshard_after_forward='always' is not valid"):
         FourDStrategy(reshard_after_forward="always")
     with pytest.raises(ValueError, match=r"dp_shard=-1 is not a valid size"):

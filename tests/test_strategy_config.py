@@ -72,7 +72,7 @@ def test_yaml_arguments_are_typed(tmp_path):
     parser.add_class_arguments(FourDStrategy, "strategy")
     config = parser.parse_args(["--strategy.tp=2", "--strategy.bucket_mb=4.5", "--strategy.timeout=0:01:00"])
     strategy = parser.instantiate_classes(config).strategy
-    assert strategy._sizes["tp"] == 2 and strategy.layout["bucket_mb"] == 4.5 and strategy.timeout == timedelta(minutes=1)
+    assert strategy.requested_sizes["tp"] == 2 and strategy.composition["bucket_mb"] == 4.5 and strategy.timeout == timedelta(minutes=1)
     with pytest.raises(SystemExit):
         parser.parse_args(["--strategy.tp=two"])
 

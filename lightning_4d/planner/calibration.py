@@ -83,7 +83,7 @@ def measure_links(device: Any, ranks_per_node: int, repeats: int = 5) -> tuple[d
 
     world, rank = dist.get_world_size(), dist.get_rank()
     large = 64 * 2**20 if torch.device(device).type == "cuda" else 4 * 2**20
-    groups = {size: list(range(size)) for size in sorted({2, min(ranks_per_node, world)}) if size <= world}
+    groups = {size: list(range(size)) for size in sorted({2, min(ranks_per_node, world)}) if 2 <= size <= world}
     if world > ranks_per_node:
         groups[-2] = [0, ranks_per_node]
     links: dict[int, Link] = {}

@@ -80,6 +80,9 @@ class Machine:
         bandwidth (the nearest measured size) between the sizes measured."""
         if spans_nodes and self.cross_node is not None:
             return self.cross_node
+        if not self.links:
+            raise PlanError(f"no collective was measured on this machine ({self.source}), so a group of {size} ranks"
+                            " cannot be timed: calibrate with at least 2 processes.")
         if size in self.links:
             return self.links[size]
         sizes = sorted(self.links)

@@ -1,0 +1,228 @@
+"""``FourDStrategy(layout="auto")``: the layout chosen for the user, by predicted time.
+
+At the strategy's ``setup`` (the module built, the data module set up, before anything is laid out), every rank
+reads the same inputs and reaches the same choice:
+
+* the model's sizes from the module (:meth:`~lightning_4d.planner.Model.from_module`; a meta-built module
+  costs no memory), the first training batch's shape (``batch x sequence`` of its token tensor; rank 0's, read
+  with the random state put back, so that training draws what it would have drawn), Lightning's precision, and
+  AdamW's state (the most any usual optimizer keeps: the budget is never too small for the optimizer);
+* the machine, calibrated on the run's own process groups (:mod:`lightning_4d.planner.calibration`; cached);
+* the memory per device: ``memory_per_device``, else the device's free memory on GPU, or the machine's memory
+  shared by its ranks on CPU (the smallest over the ranks).
+
+Candidates are every layout of the world that keeps the sizes the user gave (a size other than its default),
+whose plans the strategy makes without refusing them (the pipeline's cut, tensor parallelism's plan, context
+parallelism's reach; :func:`~lightning_4d.composition.plans.make_plans`), and whose predicted peak fits.
+Context parallelism is considered only when no layout without it fits: whether a module's step is exact under cp
+is known only at its first batch (the step check), and a refusal there would end the run. Activation
+checkpointing and the pipeline's micro-batches are part of each candidate (the planner's
+:func:`~lightning_4d.planner.estimate.plan`). The dataloader's batch is per replica, so a layout with more
+replicas trains more samples per step: candidates are ranked by predicted time per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_4d.planner import Layout, Model, PlanError, Training, all_layouts, layout_problems
+from lightning_4d.planner.estimate import Estimate, _format_bytes, _judged, _no_fit_message, _rank, _variants
+from lightning_4d.planner.step_time import Machine
+
+DEFAULT_SIZES = {"dp": "auto", "pp": 1, "cp": 1, "tp": 1, "dp_shard": 1}
+
+
+@dataclass
+class Choice:
+    """The chosen layout, the training it was predicted for (checkpointing, micro-batches) and every candidate
+    that fits, best first."""
+
+    estimate: Estimate
+    candidates: list[Estimate]
+    machine: Machine
+
+    @property
+    def layout(self) -> Layout:
+        return self.estimate.layout
+
+    @property
+    def training(self) -> Training:
+        return self.estimate.training
+
+    def describe(self, top: int = 5) -> str:
+        lines = [f"[lightning-4d] layout=\"auto\" chose {self.layout} (activation_checkpointing="
+                 f"{self.training.activation_checkpointing!r}, pp micro-batches {self.training.microbatches or 'default'}):"
+                 f" predicted {self.estimate.step.total:.3g} s per step of {self.training.global_batch} samples,"
+                 f" {_format_bytes(self.estimate.memory['total'])} per device. Step time predicted for"
+                 f" {self.machine.source}. Candidates (time per sample, best first):"]
+        for est in self.candidates[:top]:
+            lines.append(f"  {est.layout}  ac={est.training.activation_checkpointing:<9}"
+                         f" {est.step.total / est.training.global_batch * 1e3:8.2f} ms/sample"
+                         f"  step {est.step.total:.3g} s  memory {_format_bytes(est.memory['total'])}"
+                         f"  (largest part: {est.step.dominant()})")
+        if len(self.candidates) > top:
+            lines.append(f"  ... and {len(self.candidates) - top} more")
+        return "\n".join(lines)
+
+
+def fixed_sizes(sizes: dict[str, Any]) -> dict[str, int]:
+    """The sizes the user gave (numbers other than their defaults), kept by the search."""
+    return {name: value for name, value in sizes.items()
+            if name in DEFAULT_SIZES and value not in (DEFAULT_SIZES[name], "auto")}
+
+
+def choose(model: Model, per_replica_batch: int, seq_len: int, training: Training, world: int,
+           fixed: dict[str, int], memory_per_device: float, machine: Machine,
+           refused: Optional[Any] = None) -> Choice:
+    """The fastest layout per sample of those that fit (see the module docstring). ``training``: the options the
+    user fixed (precision, schedule, checkpointing...); its batch and sequence are replaced per layout.
+    ``refused(layout)``: the strategy's refusal of a layout for this module, or None."""
+    kept = [layout for layout in all_layouts(world) if all(getattr(layout, name) == size
+                                                             for name, size in fixed.items())]
+    if not kept:
+        raise PlanError(f"layout='auto' keeps the sizes given ({fixed}), and no layout of {world} processes has"
+                        " them: change those sizes or the number of processes.")
+    judged, reasons = [], {}
+    for layout in kept:
+        trained = replace(training, seq_len=seq_len, global_batch=per_replica_batch * layout.data_parallel)
+        problems = layout_problems(model, trained, layout) or ([refused(layout)] if refused and refused(layout)
+                                                                else [])
+        if problems:
+            reasons[layout] = problems
+            continue
+        options = [v for v in _variants(trained, layout, explore=True)
+                   if v == trained or not layout_problems(model, v, layout)]
+        judged.append(min((_judged(model, v, layout, "meta", memory_per_device, machine) for v in options),
+                          key=_rank))
+    if not judged:
+        text = "; ".join(f"{layout}: {' '.join(problems)}" for layout, problems in list(reasons.items())[:6])
+        raise PlanError(f"layout='auto' found no layout of {world} processes this module can run: {text}")
+    fitting = [est for est in judged if est.fits]
+    if not fitting:
+        raise PlanError(f"layout='auto': {_no_fit_message(judged, memory_per_device, training)} Or set"
+                        " memory_per_device if the budget assumed is wrong.")
+    without_cp = [est for est in fitting if est.layout.cp == 1]
+    ranked = sorted(without_cp or fitting, key=lambda est: (est.step.total / est.training.global_batch,
+                                                            est.memory["total"]))
+    return Choice(ranked[0], ranked, machine)
+
+
+def first_batch_shape(loader: Any) -> tuple[int, int]:
+    """``(batch, sequence)`` of the first integer 2-D tensor (the tokens) in ``loader``'s first batch, drawn
+    with the random state put back afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        batch = next(iter(loader))
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(_tensors(batch))
+    tokens = next((t for t in tensors if t.dim() == 2 and not t.is_floating_point()), None)
+    if tokens is None:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "none"
+        raise PlanError("layout='auto' plans transformer language models from their token batch (an integer"
+                        f" batch x sequence tensor); the first training batch has tensors of shapes {shapes}. Choose"
+                        " the sizes yourself (FourDStrategy(dp=..., tp=...)).")
+    return int(tokens.shape[0]), int(tokens.shape[1])
+
+
+def _tensors(tree: Any):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)
+
+
+def default_memory(device: torch.device, ranks_on_node: int) -> float:
+    """The device's free memory on GPU; on CPU, the machine's memory shared by its ranks."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, ranks_on_node)
+
+
+def agreed(values: list[float], device: torch.device, op: Any) -> list[float]:
+    """``values`` reduced over every rank with ``op`` (one collective at start-up)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def choose_for(strategy: Any, trainer: Any) -> Choice:
+    """The strategy's choice (collective: calibration and two reductions), from its module, its first training
+    batch, Lightning's precision and its options (see the module docstring)."""
+    from lightning_4d import _compat as compat
+    from lightning_4d.composition.plans import make_plans
+    from lightning_4d.parallel_dims import ParallelDims
+    from lightning_4d.planner.calibration import calibrate
+    from lightning_4d.planner.estimate import PRECISIONS
+
+    module, device, world = strategy.lightning_module, strategy.root_device, strategy.world_size
+    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in module.parameters()):
+        raise PlanError(f"layout='auto' chooses the layout itself, but {type(module).__name__}.configure_model laid"
+                        " the module out already (its parameters are DTensors). Remove layout='auto', or the"
+                        " parallelization from configure_model.")
+    model = Model.from_module(module)
+    loader = compat.train_dataloader(trainer)
+    batch, seq = (int(v) for v in agreed(list(first_batch_shape(loader)), device, dist.ReduceOp.MAX))
+    budget = strategy.memory_per_device or default_memory(device, strategy.num_processes)
+    budget = agreed([budget], device, dist.ReduceOp.MIN)[0]
+    machine = calibrate(device, strategy.num_processes)
+    precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
+    composition = strategy.composition
+    training = Training(seq_len=seq, global_batch=batch, precision=precision if precision in PRECISIONS else "32-true",
+                        optimizer="adamw", microbatches=strategy.pp_config.microbatches,
+                        pp_schedule=strategy.pp_config.schedule,
+                        sequence_parallel=strategy.tp_config.sequence_parallel,
+                        activation_checkpointing=composition["activation_checkpointing"].mode,
+                        activation_checkpointing_every=composition["activation_checkpointing"].every,
+                        fuse_lm_loss=composition["fuse_lm_loss"])
+
+    def refused(layout: Layout) -> Optional[str]:
+        try:
+            dims = ParallelDims.resolve(world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
+                                        dp_shard=layout.dp_shard, ep=strategy.requested_sizes["ep"])
+            make_plans(module, dims, pipeline=replace(strategy.pp_config, pp=layout.pp),
+                       tensor=replace(strategy.tp_config, tp=layout.tp))
+        except ValueError as error:
+            return str(error).splitlines()[0]
+        return None
+
+    choice = choose(model, batch, seq, training, world, fixed_sizes(strategy.requested_sizes), budget, machine,
+                    refused)
+    everyone = [None] * world if dist.is_initialized() else [str(choice.layout)]
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, str(choice.layout))  # once, at start-up
+    if len(set(everyone)) > 1:
+        raise RuntimeError(f"layout='auto': the ranks chose different layouts ({sorted(set(everyone))}). Please report"
+                           " this; give the sizes (FourDStrategy(dp=..., tp=...)) meanwhile.")
+    return choice
+
+
+def check_auto_layout(layout: Any, memory_per_device: Any) -> tuple[bool, Optional[float]]:
+    """``FourDStrategy(layout=..., memory_per_device=...)`` checked at construction: ``(automatic, bytes)``."""
+    if layout not in (None, "auto"):
+        raise ValueError(f"layout={layout!r}: use \"auto\" (the strategy chooses dp, dp_shard, pp, cp, tp, activation"
+                         " checkpointing and micro-batches by predicted time) or leave it unset and give the sizes.")
+    if memory_per_device is None:
+        return layout == "auto", None
+    if layout != "auto":
+        raise ValueError(f"memory_per_device={memory_per_device!r} is the budget layout=\"auto\" chooses within: set"
+                         " layout=\"auto\" too, or leave it unset.")
+    if isinstance(memory_per_device, str):
+        from lightning_4d.planner.cli import parse_bytes
+
+        try:
+            memory_per_device = parse_bytes(memory_per_device)
+        except Exception as error:  # argparse's type error: the same words, as a ValueError
+            raise ValueError(f"memory_per_device={memory_per_device!r}: {error}") from None
+    if isinstance(memory_per_device, bool) or not isinstance(memory_per_device, (int, float)) or memory_per_device <= 0:
+        raise ValueError(f"memory_per_device={memory_per_device!r} must be a positive size: bytes, or a string such as"
+                         " \"80GiB\".")
+    return True, float(memory_per_device)

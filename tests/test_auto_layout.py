@@ -1,0 +1,105 @@
+"""``FourDStrategy(layout="auto")`` (:mod:`lightning_4d.composition.auto_layout`): the choice keeps the sizes the
+user gave, fits the budget, never picks a layout the strategy refuses, uses context parallelism only where
+nothing else fits, and refuses an impossible budget naming the memory that fits; arguments are checked at
+construction; and a 2-process run with ``layout="auto"`` (from a LightningCLI YAML too) trains at one process's
+numbers for the batch it chose, every rank holding the same layout."""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from lightning_4d import FourDStrategy
+from lightning_4d.composition.auto_layout import check_auto_layout, choose, fixed_sizes
+from lightning_4d.planner import Model, PlanError, Training, plan
+from lightning_4d.planner.step_time import Link, Machine
+from tests.parity import ROOT, Case, assert_parity, child_env, reference, run_layout
+
+GPT = Model.from_sizes(layers=4, hidden=256, heads=4, vocab=512)
+TRAINING = Training(seq_len=1, global_batch=1)
+MACHINE = Machine(matmul_flops={"float32": 1e10}, memory_bandwidth=1e10, links={2: Link(1e-4, 1e9), 4: Link(2e-4, 1e9)},
+                  devices_per_node=4, source="test figures")
+
+
+def _choose(memory=2**34, fixed=None, refused=None, seq=256, batch=4):
+    return choose(GPT, batch, seq, TRAINING, 4, fixed or {}, memory, MACHINE, refused)
+
+
+def test_the_choice_is_the_fastest_per_sample_and_keeps_the_sizes_given():
+    choice = _choose()
+    per_sample = [est.step.total / est.training.global_batch for est in choice.candidates]
+    assert per_sample == sorted(per_sample) and choice.estimate is choice.candidates[0]
+    assert all(est.training.global_batch == 4 * est.layout.data_parallel for est in choice.candidates)
+    kept = _choose(fixed={"tp": 2})
+    assert {est.layout.tp for est in kept.candidates} == {2}
+    assert "layout=\"auto\" chose" in kept.describe() and "ms/sample" in kept.describe()
+
+
+def test_a_refused_layout_is_never_chosen_and_cp_only_where_nothing_else_fits():
+    no_pipeline = _choose(refused=lambda layout: "manual optimization" if layout.pp > 1 else None)
+    assert all(est.layout.pp == 1 for est in no_pipeline.candidates)
+    assert all(est.layout.cp == 1 for est in _choose().candidates)
+    full = replace(TRAINING, seq_len=65536, activation_checkpointing="full")
+    every = plan(GPT, full, 4, include_unfit=True)  # a batch of 1 per replica: dp layouts do not apply
+    with_cp = min(est.memory["total"] for est in every if est.layout.cp > 1)
+    without = min(est.memory["total"] for est in every if est.layout.cp == 1)
+    assert with_cp < without
+    budget = (with_cp + without) / 2  # only a cp layout fits
+    tight = choose(GPT, 1, 65536, full, 4, {"dp": 1}, budget, MACHINE)
+    assert tight.layout.cp > 1 and tight.estimate.memory["total"] <= budget
+
+
+def test_an_impossible_budget_is_refused_naming_the_smallest_memory_that_fits():
+    with pytest.raises(PlanError, match=r"no layout fits in 1.00 MiB per device: the smallest estimate is .*memory_per"):
+        _choose(memory=2**20)
+    with pytest.raises(PlanError, match=r"keeps the sizes given \({'tp': 3}\)"):
+        _choose(fixed={"tp": 3})
+
+
+def test_arguments_are_checked_at_construction():
+    assert fixed_sizes({"dp": "auto", "tp": 2, "pp": 1, "cp": 1, "dp_shard": "auto", "ep": 1}) == {"tp": 2}
+    assert check_auto_layout("auto", "2GiB") == (True, 2.0 * 2**30)
+    with pytest.raises(ValueError, match=r"layout='manual': use \"auto\""):
+        FourDStrategy(layout="manual")
+    with pytest.raises(ValueError, match=r"memory_per_device=.80GiB. is the budget layout=\"auto\" chooses within"):
+        FourDStrategy(memory_per_device="80GiB")
+    with pytest.raises(ValueError, match=r"memory_per_device='lots': 'lots' is not a memory size"):
+        FourDStrategy(layout="auto", memory_per_device="lots")
+
+
+def test_two_processes_choose_one_layout_and_train_at_one_process_numbers(tmp_path):
+    """The harness gives each rank a batch of ``batch_size // 2``; the reference takes the global batch of the
+    layout chosen (that per-replica batch times its data-parallel ranks)."""
+    case = Case("auto", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data",
+                strategy={"layout": "auto"}, batch_size=8, max_steps=4, callbacks=["tests.probes:ChosenLayout"])
+    result = run_layout([case], 2, timeout=300, workdir=str(tmp_path))
+    assert result.returncodes == [0, 0], result.output[-3000:]
+    assert "layout=\"auto\" chose" in result.output
+    record = result.results["auto"]
+    chosen = record["extras"]["chosen"]
+    assert len(set(map(str, chosen["every_rank"]))) == 1, chosen
+    data_parallel = chosen["dp"] * chosen["dp_shard"]
+    assert_parity(case, reference(replace(case, batch_size=4 * data_parallel)), record)
+
+
+@pytest.mark.parametrize("budget", ["4GiB", "1MiB"])
+def test_the_cli_yaml_takes_layout_auto(tmp_path, budget):
+    """The example CLI's single-process config with ``layout: auto``: trains within a budget it fits, and is
+    refused naming the smallest memory that fits under one it does not."""
+    config = yaml.safe_load((ROOT / "examples/configs/single.yaml").read_text())
+    config["trainer"].update(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path),
+                             enable_progress_bar=False)
+    config["trainer"]["strategy"]["init_args"] = {"layout": "auto", "memory_per_device": budget}
+    config["model"].update(n_layer=2, n_embd=32, block_size=32)
+    config["data"].update(seq_len=32, max_bytes=30_000)
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = subprocess.run([sys.executable, "examples/train.py", "fit", "--config", str(path)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env=child_env())
+    if budget == "4GiB":
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        assert "layout=\"auto\" chose dp=1 pp=1 cp=1 tp=1" in run.stdout + run.stderr
+    else:
+        assert run.returncode != 0 and "no layout fits in 1.00 MiB per device" in run.stderr, run.stderr[-3000:]
