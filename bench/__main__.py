@@ -2,7 +2,7 @@
 
     python -m bench all [--quick]          # every benchmark
     python -m bench dp cp [--quick]        # some of them: dp tp pp cp memory scaling checkpoint async_checkpoint
-                                           # activation_checkpointing compile big_model experts cp_step_check logits
+                                           # activation_checkpointing compile big_model experts cp_step_check logits step_time
 
 Each benchmark runs as its own script (``python bench/NAME.py ...``, which launches its own ranks), on CPU
 with gloo and, when CUDA is available, a second time on the GPUs with NCCL (those that need no more processes
@@ -61,6 +61,9 @@ BENCHMARKS = {
     "async_checkpoint": Benchmark("Checkpoint saves that never stop training: sync against async saves per layout",
                                   ("--saves", "20", "--sync-saves", "5"),
                                   ("--layouts", "dp2", "--saves", "3", "--sync-saves", "2"), 2),
+    "step_time": Benchmark("Predicted against measured step time per layout, and layout=\"auto\"'s choice",
+                           ("--processes", "4", "--steps", "4"), ("--processes", "2", "--steps", "2", "--models",
+                                                                   "small"), 4, gpu=False),
     "activation_checkpointing": Benchmark("Activation checkpointing: peak memory and step time per mode",
                                           ("--seq", "256", "512", "1024", "--steps", "3"),
                                           ("--seq", "128", "--steps", "1"), 1, gpu=False),

@@ -214,6 +214,21 @@ def _big_model(payload: dict) -> str:
                   "end of step +GB", "setup s", "step s", "HF dir load s", "torch.load s"], rows)
 
 
+def _step_time(payload: dict) -> str:
+    rows = []
+    for r in payload["results"]:
+        sizes = " ".join(f"{k}={v}" for k, v in r["sizes"].items() if v != 1 or k == "dp")
+        if "refused" in r:
+            rows.append([r["model"], sizes, "", "", "", "", f"refused: {r['refused'][:60]}"])
+            continue
+        per_sample = r["step_s"] / r["global_batch"] * 1e3
+        rows.append([r["model"], ("auto: " if r.get("auto") else "") + sizes, r.get("activation_checkpointing", ""),
+                     f"{r['predicted_s']:.3f}" if "predicted_s" in r else "", f"{r['step_s']:.3f}",
+                     f"{per_sample:.2f}", f"{r['error']:+.0%}" if "error" in r else ""])
+    return _rows(["model", "layout", "ac", "predicted step s", "measured step s", "measured ms/sample",
+                  "error"], rows)
+
+
 def _log2_x(ax, values) -> None:
     """A base-2 log x axis labelled at exactly ``values`` (process counts, micro-batches, lengths)."""
     ax.set_xscale("log", base=2)
@@ -226,7 +241,7 @@ TABLES = {"dp": _dp, "tp": _tp, "pp": _pp, "cp": _cp, "memory": _memory, "scalin
           "checkpoint": _checkpoint, "activation_checkpointing": _activation_checkpointing, "compile": _compile,
           "big_model": _big_model, "cp_step_check": _cp_step_check, "logits": _logits,
           "async_checkpoint": _async_checkpoint, "async_checkpoint_scaling": _async_checkpoint_scaling,
-          "async_checkpoint_writers": _async_checkpoint_writers}
+          "async_checkpoint_writers": _async_checkpoint_writers, "step_time": _step_time}
 
 
 def table(name: str, payload: dict) -> str:

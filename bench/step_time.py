@@ -1,0 +1,136 @@
+"""Predicted against measured step time for every valid layout of a module, and what ``layout="auto"`` chooses.
+
+    OMP_NUM_THREADS=1 python bench/step_time.py [--processes 4] [--steps 4] [--models small wide]
+
+First the calibration probe measures this machine with ``--processes`` gloo processes
+(``lightning_4d.planner.calibration.measure_here``, not cached here). Then, per model, one launch of that many
+processes trains every layout the planner and the strategy accept (the example GPT, a global batch of 16
+sequences of 128 tokens, split over the layout's replicas, AdamW, fp32), one Trainer after another: the median
+step after 2 warm-up steps, the slowest rank's. The planner predicts each from the model's sizes and the
+calibration. Last, ``FourDStrategy(layout="auto")`` runs with a loader batch of ``16 / processes`` per replica:
+its choice, and that layout's measured step at the global batch of 16 against the fastest one's.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from bench.common import accelerator, command, quiet_trainer, random_tokens, run_worker, write, write_rows  # noqa: E402
+from bench.report import table  # noqa: E402
+from lightning_4d import FourDStrategy  # noqa: E402
+from lightning_4d.demos.gpt import GPT  # noqa: E402
+
+MODELS = {"small": dict(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=128),
+          "wide": dict(vocab_size=256, n_layer=4, n_head=8, n_embd=512, block_size=128)}
+GLOBAL_BATCH, SEQ, WARMUP = 16, 128, 2
+TIMEOUT_S = 3600
+
+
+class _Steps(Callback):
+    def __init__(self) -> None:
+        self.steps, self._start = [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append(time.perf_counter() - self._start)
+
+
+def _measure(config: dict, sizes: dict, per_replica: int, steps: int, count: int) -> dict:
+    pl.seed_everything(0, verbose=False)
+    probe = _Steps()
+    trainer = quiet_trainer(accelerator=accelerator(count), devices=count, strategy=FourDStrategy(**sizes),
+                            max_steps=WARMUP + steps, callbacks=[probe])
+    data = random_tokens(GLOBAL_BATCH * (WARMUP + steps) * 4, SEQ, config["vocab_size"])
+    trainer.fit(GPT(**config), DataLoader(data, batch_size=per_replica))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, probe.steps[WARMUP:])
+    step = statistics.median(max(per_rank) for per_rank in zip(*everyone))
+    dims = trainer.strategy.parallel_dims
+    chosen = {name: trainer.strategy.requested_sizes[name] for name in ("dp", "dp_shard", "pp", "cp", "tp")}
+    return {"sizes": chosen, "step_s": step, "global_batch": per_replica * dims.dp,
+            "activation_checkpointing": trainer.strategy.composition["activation_checkpointing"].mode,
+            "microbatches": trainer.strategy.pp_config.microbatches}
+
+
+def worker(model: str, layouts: list[dict], steps: int, count: int, out: str) -> None:
+    config = MODELS[model]
+    rows = []
+    for sizes in layouts:
+        data_parallel = sizes.get("dp", 1) * sizes.get("dp_shard", 1)
+        try:
+            rows.append({"model": model, **_measure(config, sizes, GLOBAL_BATCH // data_parallel, steps, count)})
+        except ValueError as error:  # the strategy refused it: recorded, not measured
+            rows.append({"model": model, "sizes": sizes, "refused": str(error).splitlines()[0]})
+    auto = _measure(config, {"layout": "auto"}, GLOBAL_BATCH // count, steps, count)
+    rows.append({"model": model, "auto": True, **auto})
+    write_rows(rows, out)
+
+
+def _predictions(model: str, count: int, machine) -> list:
+    from lightning_4d.planner import Model, Training, plan
+    from lightning_4d.planner.cli import build_module
+
+    sizes = Model.from_module(build_module("lightning_4d.demos.gpt:GPT", MODELS[model]))
+    return plan(sizes, Training(seq_len=SEQ, global_batch=GLOBAL_BATCH), count, machine=machine)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--layouts", default="[]")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.model, json.loads(args.layouts), args.steps, args.processes, args.out)
+        return
+    from lightning_4d.planner.calibration import measure_here
+
+    machine = measure_here(args.processes, use_cache=False)
+    rows = []
+    for model in args.models:
+        predicted = {json.dumps({k: v for k, v in vars(est.layout).items() if v != 1 or k == "dp"}, sort_keys=True):
+                     est for est in _predictions(model, args.processes, machine)}
+        layouts = [json.loads(key) for key in predicted]
+        measured = run_worker(__file__, ["--model", model, "--layouts", json.dumps(layouts), "--processes",
+                                         str(args.processes), "--steps", str(args.steps)], TIMEOUT_S)
+        for row in measured:
+            if row.get("auto") or "refused" in row:
+                rows.append(row)
+                continue
+            key = json.dumps({k: v for k, v in row["sizes"].items() if v != 1 or k == "dp"}, sort_keys=True)
+            est = predicted[key]
+            row.update(predicted_s=est.step.total, error=est.step.total / row["step_s"] - 1,
+                       predicted_parts=est.step.parts)
+            rows.append(row)
+    for model in args.models:
+        timed = [r for r in rows if r["model"] == model and "error" in r]
+        errors = [abs(r["error"]) for r in timed]
+        auto = next(r for r in rows if r["model"] == model and r.get("auto"))
+        fastest = min(timed, key=lambda r: r["step_s"])
+        same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice at the global batch
+        versus = f"{same['step_s'] / fastest['step_s']:.2f}x" if same else "not measured"
+        print(f"{model}: median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; auto chose"
+              f" {auto['sizes']}, measured at the same global batch {versus} the fastest ({fastest['sizes']})")
+    payload = {"command": command("step_time.py"), "models": MODELS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
+               "processes": args.processes, "machine": machine.as_dict(), "results": rows}
+    print(table("step_time", payload), f"\n(written to {write('step_time', payload)})")
+
+
+if __name__ == "__main__":
+    main()
