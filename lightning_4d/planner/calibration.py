@@ -105,6 +105,8 @@ def measure_links(device: Any, ranks_per_node: int, repeats: int = 5) -> tuple[d
 
 
 def cache_key(device_name: str, backend: str, ranks_per_node: int, nodes: int) -> str:
+    """What makes two calibrations comparable: the host, its device, the backend, the rank counts, torch's version
+    and threads."""
     import torch
 
     parts = [platform.node(), platform.machine(), device_name, backend, str(ranks_per_node), str(nodes),
@@ -113,11 +115,13 @@ def cache_key(device_name: str, backend: str, ranks_per_node: int, nodes: int) -
 
 
 def cache_path(key: str) -> Path:
+    """Where the calibration of ``key`` is kept."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "lightning_4d")
     return root / "calibration" / f"{key}.json"
 
 
 def load_cached(key: str) -> Optional[Machine]:
+    """The cached machine of ``key``, or None (none yet, or unreadable)."""
     path = cache_path(key)
     try:
         return Machine.from_dict(json.loads(path.read_text()))
@@ -126,6 +130,7 @@ def load_cached(key: str) -> Optional[Machine]:
 
 
 def save_cached(key: str, machine: Machine) -> Path:
+    """``machine`` kept under ``key`` (written whole, then renamed into place)."""
     path = cache_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
