@@ -97,20 +97,20 @@ def _strategy(*args: str) -> FourDStrategy:
 
 
 def test_short_names_with_and_without_sizes():
-    assert _strategy("--trainer.strategy", "fourd")._sizes == {"dp": "auto", "pp": 1, "cp": 1, "tp": 1,
+    assert _strategy("--trainer.strategy", "fourd").requested_sizes == {"dp": "auto", "pp": 1, "cp": 1, "tp": 1,
                                                                "dp_shard": 1, "ep": 1}
     strategy = _strategy("--trainer.strategy", "FourDStrategy", "--trainer.strategy.tp", "2",
                          "--trainer.strategy.dp", "2")
-    assert strategy._sizes == {"dp": 2, "pp": 1, "cp": 1, "tp": 2, "dp_shard": 1, "ep": 1}
+    assert strategy.requested_sizes == {"dp": 2, "pp": 1, "cp": 1, "tp": 2, "dp_shard": 1, "ep": 1}
     strategy = _strategy("--trainer.strategy", "FourDStrategy", "--trainer.strategy.dp_shard", "2",
                          "--trainer.strategy.tp", "2")
-    assert strategy._sizes == {"dp": "auto", "pp": 1, "cp": 1, "tp": 2, "dp_shard": 2, "ep": 1}
+    assert strategy.requested_sizes == {"dp": "auto", "pp": 1, "cp": 1, "tp": 2, "dp_shard": 2, "ep": 1}
 
 
 def test_short_class_name_in_yaml(tmp_path):
     config = tmp_path / "strategy.yaml"
     config.write_text("trainer:\n  strategy:\n    class_path: FourDStrategy\n    init_args: {pp: 2, tp: 2}\n")
-    assert _strategy("--config", str(config))._sizes == {"dp": "auto", "pp": 2, "cp": 1, "tp": 2,
+    assert _strategy("--config", str(config)).requested_sizes == {"dp": "auto", "pp": 2, "cp": 1, "tp": 2,
                                                                   "dp_shard": 1, "ep": 1}
 
 
