@@ -548,9 +548,7 @@ def _judged(model: Model, training: Training, layout: Layout, build: str, memory
                             if peak > memory_per_device)
         est.fits = not est.exceeds
     if machine is not None:
-        from lightning_4d.planner.step_time import step_time
-
-        est.step = step_time(model, training, layout, machine)
+        est.step = machine.predict(model, training, layout)
     return est
 
 

@@ -95,6 +95,10 @@ class Machine:
         latency = (1 - weight) * self.links[below].latency_s + weight * self.links[above].latency_s
         return Link(latency, min(self.links[below].bandwidth, self.links[above].bandwidth))
 
+    def predict(self, model: Model, training: Training, layout: Layout) -> "StepTime":
+        """:func:`step_time` of ``layout`` on this machine (how the planner, which step_time imports, calls it)."""
+        return step_time(model, training, layout, self)
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "links": {str(size): asdict(link) for size, link in self.links.items()}}
 
