@@ -40,6 +40,17 @@ def test_compute_is_six_flops_per_parameter_and_token_plus_attention_over_the_th
     assert faster.parts["compute"] == pytest.approx(one.parts["compute"] / 2)
 
 
+def test_a_measured_block_curve_sets_the_compute_rate_at_the_layouts_width():
+    curve = _machine(block_flops={"float32": {128: 2e9, 512: 8e9}})
+    assert curve.flops("32-true", 256) == pytest.approx(4e9)  # halfway in log width, geometric in rate
+    assert curve.flops("32-true", 64) == 2e9 and curve.flops("32-true", 4096) == 8e9  # the nearest end
+    assert _machine().flops("32-true", 256) == 1e10  # no curve: the bare matmul's rate
+    tp2 = step_time(GPT, TRAINING, Layout(tp=2), curve)  # a rank's width is hidden / tp = 128
+    one = step_time(GPT, TRAINING, Layout(), curve)
+    assert tp2.parts["compute"] == pytest.approx(one.parts["compute"] / 2 * 4e9 / 2e9)
+    assert Machine.from_dict(curve.as_dict()) == curve
+
+
 def test_tp_pays_four_all_reduces_per_block_and_micro_batch_at_the_links_latency_and_bandwidth():
     result = step_time(GPT, TRAINING, Layout(tp=2), _machine())
     count = 4 * GPT.layers + 1
@@ -98,6 +109,8 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     assert machine.matmul_flops["float32"] > 1e8 and machine.memory_bandwidth > 1e8
     assert set(machine.links) == {2} and machine.links[2].latency_s > 0 and machine.links[2].bandwidth > 1e6
     assert machine.overlap is False and machine.cores_per_node >= 1 and machine.devices_per_node == 2
+    assert sorted(machine.block_flops["float32"]) == [64, 128, 256, 512]
+    assert all(flops > 1e8 for flops in machine.block_flops["float32"].values())
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
 
     def no_launch(*args, **kwargs):

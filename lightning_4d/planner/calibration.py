@@ -1,7 +1,9 @@
 """Calibrating the step-time model (:mod:`.step_time`) on the machine it runs on, in seconds, cached.
 
-What is measured is what the model divides by: one rank's matmul throughput per dtype and its memory bandwidth
-(rank 0's device alone, with its own thread settings: a CPU rank under ``OMP_NUM_THREADS=1`` measures one core),
+What is measured is what the model divides by: one rank's matmul throughput per dtype, the throughput a whole
+transformer block reaches forward and backward at several widths (what the matmuls leave to norms, softmax and
+small kernels shows there), and its memory bandwidth (rank 0's device alone, with its own thread settings: a CPU
+rank under ``OMP_NUM_THREADS=1`` measures one core),
 and, on the process groups themselves, the latency and bandwidth of an all-reduce for groups of 2 ranks and of
 the whole node (and of two ranks on different nodes when there are several). Measured with every rank of the
 machine running at once, as in training: where CPU ranks share cores, the figures include the sharing.
@@ -24,6 +26,7 @@ from typing import Any, Optional
 from lightning_4d.planner.step_time import Link, Machine
 
 DTYPES = ("float32", "bfloat16")
+VERSION = 2  # of what is measured: a cache of another version is measured again
 CACHE_ENV = "LIGHTNING_4D_CACHE"
 PRESETS = {
     # Spec-sheet figures (dense bf16 at the ~40% of peak large matmuls reach in training, HBM3, NVLink 4 bus
@@ -65,7 +68,51 @@ def measure_device(device: Any, size: Optional[int] = None, repeats: int = 5) ->
     source = torch.empty(32 * 2**20 // 4, device=device)
     target = torch.empty_like(source)
     bandwidth = 2 * source.numel() * 4 / _seconds(lambda: target.copy_(source), repeats)
-    return {"matmul_flops": flops, "memory_bandwidth": bandwidth}
+    return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "block_flops": measure_blocks(device)}
+
+
+def _block(width: int, device: Any, dtype: Any) -> Any:
+    """A pre-norm transformer block (causal attention, 4x GELU MLP) of ``width``, from torch's own modules."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norms = nn.ModuleList([nn.LayerNorm(width), nn.LayerNorm(width)])
+            self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+            self.heads = max(1, width // 64)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.norms[0](x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
+            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+            x = x + self.out(attention)
+            return x + self.down(F.gelu(self.up(self.norms[1](x))))
+
+    return Block().to(device=device, dtype=dtype)
+
+
+def measure_blocks(device: Any, repeats: int = 3) -> dict[str, dict[int, float]]:
+    """FLOP/s a whole transformer block reaches, forward and backward, by width (its matmul FLOPs over the time
+    of everything it runs: norms, softmax, activations, autograd), per dtype; fp32 only on CPU."""
+    import torch
+
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    widths, tokens, seq = ((512, 1024, 2048, 4096), 8192, 1024) if on_gpu else ((64, 128, 256, 512), 512, 128)
+    curves: dict[str, dict[int, float]] = {}
+    for name in (DTYPES if on_gpu else ("float32",)):
+        dtype = getattr(torch, name)
+        curve = {}
+        for width in widths:
+            block = _block(width, device, dtype)
+            x = torch.randn(tokens // seq, seq, width, device=device, dtype=dtype, requires_grad=True)
+            matmuls = 3 * tokens * (2 * 12 * width * width + 2 * width * seq)  # forward and backward, causal
+            curve[width] = matmuls / _seconds(lambda: block(x).float().sum().backward(), repeats)
+        curves[name] = curve
+    return curves
 
 
 def _fit(small: tuple[float, float], large: tuple[float, float]) -> Link:
@@ -109,7 +156,7 @@ def cache_key(device_name: str, backend: str, ranks_per_node: int, nodes: int) -
     and threads."""
     import torch
 
-    parts = [platform.node(), platform.machine(), device_name, backend, str(ranks_per_node), str(nodes),
+    parts = [str(VERSION), platform.node(), platform.machine(), device_name, backend, str(ranks_per_node), str(nodes),
              torch.__version__, str(torch.get_num_threads()), str(os.cpu_count())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -166,7 +213,7 @@ def calibrate(device: Any, ranks_per_node: int, use_cache: bool = True) -> Machi
     links, cross = measure_links(device, ranks_per_node)
     on_cpu = device.type == "cpu"
     machine = Machine(matmul_flops=figures["matmul_flops"], memory_bandwidth=figures["memory_bandwidth"],
-                      links=links, devices_per_node=ranks_per_node, cross_node=cross,
+                      block_flops=figures["block_flops"], links=links, devices_per_node=ranks_per_node, cross_node=cross,
                       cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
                       source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")
     if dist.get_rank() == 0:

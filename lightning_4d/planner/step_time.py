@@ -4,7 +4,8 @@ and bandwidth with the overlap each dimension has, and the pipeline's bubble.
 Bytes sent are not time: axes differ in bandwidth, some traffic hides behind compute, a pipeline idles, and
 activation checkpointing computes again. Per device, on the pipeline rank with most layers:
 
-* **compute**: matmul FLOPs at the machine's measured throughput for the precision's dtype. Per token and block,
+* **compute**: matmul FLOPs at the throughput a whole transformer block reaches at the layout's width
+  (``hidden / tp``) for the precision's dtype, as the probe measured it (the bare matmul's where it did not). Per token and block,
   forward: ``2 * matrix parameters / tp`` for the projections and ``2 * hidden * seq / tp`` for causal attention
   (scores and values over the whole sequence, half of it masked; cp splits the queries, not the keys), and
   ``2 * vocab * hidden / tp`` for the head on the last stage. Backward is twice the forward. Activation
@@ -68,9 +69,21 @@ class Machine:
     cores_per_node: Optional[int] = None  # CPU ranks: the cores they share (None: a device each)
     overlap: bool = False  # communication runs beside compute
     source: str = "given"
+    block_flops: dict[str, dict[int, float]] = field(default_factory=dict)  # a whole block's, by dtype and width
 
-    def flops(self, precision: str) -> float:
+    def flops(self, precision: str, width: Optional[float] = None) -> float:
+        """FLOP/s of the precision's dtype: a whole block's at ``width`` where measured (interpolated in log
+        width, the nearest end beyond the widths measured), else the bare matmul's."""
         dtype = DTYPES[precision]
+        curve = self.block_flops.get(dtype) or (self.block_flops.get("float32") if dtype == "float32" else None)
+        if curve and width:
+            widths = sorted(curve)
+            if width <= widths[0] or width >= widths[-1]:
+                return curve[widths[0] if width <= widths[0] else widths[-1]]
+            upper = next(w for w in widths if w >= width)
+            lower = widths[widths.index(upper) - 1]
+            weight = (math.log2(width) - math.log2(lower)) / (math.log2(upper) - math.log2(lower))
+            return math.exp((1 - weight) * math.log(curve[lower]) + weight * math.log(curve[upper]))
         if dtype in self.matmul_flops:
             return self.matmul_flops[dtype]
         return self.matmul_flops.get("bfloat16", self.matmul_flops["float32"])
@@ -100,13 +113,15 @@ class Machine:
         return step_time(model, training, layout, self)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "links": {str(size): asdict(link) for size, link in self.links.items()}}
+        return {**asdict(self), "links": {str(size): asdict(link) for size, link in self.links.items()},
+                "block_flops": {dtype: {str(w): f for w, f in curve.items()} for dtype, curve in self.block_flops.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Machine":
         links = {int(size): Link(**link) for size, link in data["links"].items()}
         cross = Link(**data["cross_node"]) if data.get("cross_node") else None
-        return cls(**{**data, "links": links, "cross_node": cross})
+        blocks = {dtype: {int(w): f for w, f in curve.items()} for dtype, curve in data.get("block_flops", {}).items()}
+        return cls(**{**data, "links": links, "cross_node": cross, "block_flops": blocks})
 
 
 @dataclass
@@ -156,7 +171,7 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     pbytes, gbytes, e = PRECISIONS[training.precision]
     m = _microbatches(training, layout)
     tokens = _tokens(training, layout) * m  # per device per step
-    tp, flops = layout.tp, machine.flops(training.precision)
+    tp, flops = layout.tp, machine.flops(training.precision, model.hidden / layout.tp)
     per_rank = _stage_layers(model.layers, layout.pp, training.pp_schedule)
     layers = max(per_rank)
 
