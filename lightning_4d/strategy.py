@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 from datetime import timedelta
 from functools import partialmethod
 from typing import Any, Literal, Optional, Union
@@ -28,7 +27,7 @@ from lightning_4d.arguments import positive, refuse_unknown
 from lightning_4d.callbacks import attach_prediction_writers, check_weight_averaging
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders, continue_as_uninterrupted
 from lightning_4d.checkpoint.writer import CheckpointWriter, honored_checkpoint_io
-from lightning_4d.composition.auto_layout import check_auto_layout, choose_for
+from lightning_4d.composition.auto_layout import adopt, check_auto_layout, choose_for
 from lightning_4d.composition.parallel_model import ParallelModel
 from lightning_4d.composition.parallelize import check_before_launch, parallelize, parallelized
 from lightning_4d.context_parallel import ContextParallelConfig
@@ -217,14 +216,7 @@ class FourDStrategy(ModelParallelStrategy):
         """``layout="auto"``: the sizes, checkpointing and micro-batches chosen now that the module and its data
         are set up (:mod:`lightning_4d.composition.auto_layout`)."""
         choice = choose_for(self, trainer)
-        layout, training = choice.layout, choice.training
-        self.requested_sizes.update(dp=layout.dp, dp_shard=layout.dp_shard, pp=layout.pp, cp=layout.cp, tp=layout.tp)
-        self.parallel_dims = ParallelDims.resolve(self.world_size, **self.requested_sizes)
-        self.pp_config = replace(self.pp_config, pp=layout.pp, microbatches=training.microbatches)
-        self.tp_config, self.cp_config = replace(self.tp_config, tp=layout.tp), replace(self.cp_config, cp=layout.cp)
-        self.composition.update(pipeline=self.pp_config, tensor=self.tp_config, context=self.cp_config,
-                                activation_checkpointing=ActivationCheckpointConfig(
-                                    training.activation_checkpointing, training.activation_checkpointing_every))
+        adopt(self, choice)  # its sizes, configs and composition options
         if self.global_rank == 0:
             rank_zero_info(choice.describe())
         check_before_launch(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config,

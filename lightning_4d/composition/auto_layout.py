@@ -17,7 +17,7 @@ parallelism's reach; :func:`~lightning_4d.composition.plans.make_plans`), and wh
 Context parallelism is considered only when no layout without it fits: whether a module's step is exact under cp
 is known only at its first batch (the step check), and a refusal there would end the run. Activation
 checkpointing and the pipeline's micro-batches are part of each candidate (the planner's
-:func:`~lightning_4d.planner.estimate.plan`). The dataloader's batch is per replica, so a layout with more
+:func:`~lightning_4d.planner.ranking.plan`). The dataloader's batch is per replica, so a layout with more
 replicas trains more samples per step: candidates are ranked by predicted time per sample.
 """
 
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_4d.planner import Layout, Model, PlanError, Training, all_layouts, layout_problems
-from lightning_4d.planner.estimate import Estimate, _format_bytes, _judged, _no_fit_message, _rank, _variants
+from lightning_4d.planner.estimate import Estimate, _format_bytes
+from lightning_4d.planner.ranking import _judged, _no_fit_message, _rank, _variants
 from lightning_4d.planner.step_time import Machine
 
 DEFAULT_SIZES = {"dp": "auto", "pp": 1, "cp": 1, "tp": 1, "dp_shard": 1}
@@ -226,3 +227,20 @@ def check_auto_layout(layout: Any, memory_per_device: Any) -> tuple[bool, Option
         raise ValueError(f"memory_per_device={memory_per_device!r} must be a positive size: bytes, or a string such as"
                          " \"80GiB\".")
     return True, float(memory_per_device)
+
+
+def adopt(strategy: Any, choice: Choice) -> None:
+    """The strategy takes the chosen sizes: its requested sizes, resolved dims, typed configs and the options
+    ``parallelize`` receives, as if the user had given them."""
+    from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig
+    from lightning_4d.parallel_dims import ParallelDims
+
+    layout, training = choice.layout, choice.training
+    strategy.requested_sizes.update(dp=layout.dp, dp_shard=layout.dp_shard, pp=layout.pp, cp=layout.cp, tp=layout.tp)
+    strategy.parallel_dims = ParallelDims.resolve(strategy.world_size, **strategy.requested_sizes)
+    strategy.pp_config = replace(strategy.pp_config, pp=layout.pp, microbatches=training.microbatches)
+    strategy.tp_config = replace(strategy.tp_config, tp=layout.tp)
+    strategy.cp_config = replace(strategy.cp_config, cp=layout.cp)
+    strategy.composition.update(pipeline=strategy.pp_config, tensor=strategy.tp_config, context=strategy.cp_config,
+                                activation_checkpointing=ActivationCheckpointConfig(
+                                    training.activation_checkpointing, training.activation_checkpointing_every))

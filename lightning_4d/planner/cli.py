@@ -29,8 +29,8 @@ from lightning_4d.planner.estimate import (
     _microbatches,
     choose_cp_comm,
     cp_exchanges,
-    plan,
 )
+from lightning_4d.planner.ranking import plan
 
 _UNITS = {"": 2**30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
