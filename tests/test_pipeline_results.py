@@ -40,6 +40,7 @@ def _worker(rank: int, world_size: int, out_dir: str, port: int) -> None:
     dist.barrier()
     store = compat.default_store()
     kept = [step for step in range(1, STEPS + 1) if store.check([f"{exchange._prefix}{step}"])]
+    dist.barrier()  # rank 0 hosts the store: it must not leave while rank 1 still reads it
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"mismatches": mismatches, "kept": kept}, f)
     dist.destroy_process_group()
