@@ -20,9 +20,9 @@ steps and hand-driven steps in turn (a hand step after each even FourD step and 
 processes), and it is the median over every pair of the rounds of FourD's step against the hand step beside it,
 milliseconds apart, with a 95% bootstrap interval of that median over the pairs, and the medians of the pairs in
 either order (``_fourd_first``, ``_hand_first``): which side runs first moves a pair's ratio by several points
-(``docs/performance.md``), so neither order alone is the overhead. ``--ablation`` adds such runs of FourD without
-its fused LM head, without token-weighted losses, and without both (``ABLATION``): what each costs against the hand
-stages.
+(``docs/performance-history.md``), so neither order alone is the overhead. ``--ablation`` adds such runs of FourD
+without its fused LM head, without token-weighted losses, and without both (``ABLATION``): what each costs against
+the hand stages.
 
 A control measures what each estimate reads with no overhead at all: the hand-driven pipeline against itself. In
 each round at ``m = 2p`` a second separate hand-driven run (``hand_control``, first in the round, so three runs

@@ -1,8 +1,8 @@
 """One rank's checkpoint shards written by a process of its own, from host memory it shares with training.
 
 Why a process: DCP's file writer serializes every tensor while holding the GIL (``torch.save`` into the file, its
-bytes copied through Python: 0.5 s of GIL-held time per 0.5 GB, ``docs/performance.md``). In a thread of the
-training process that time is taken from training whenever training returns from a collective and needs the
+bytes copied through Python: 0.5 s of GIL-held time per 0.5 GB, ``docs/performance-history.md``). In a thread
+of the training process that time is taken from training whenever training returns from a collective and needs the
 GIL back; tp and pp steps return from many. A process has a GIL of its own, runs at nice +10, and dies with its
 rank (``PR_SET_PDEATHSIG`` on Linux; elsewhere at the end of its current write). Not in the idle scheduling
 class: on a machine whose cores training fills, a write there gets so little time that the next save waits for
