@@ -79,7 +79,7 @@ def origin(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
         if "/torch/" in path or os.path.abspath(frame.filename) == here or path.endswith("/contextlib.py"):
             continue
         if "/lightning_4d/" in path and frame.name in STRATEGY_API and (
-                path.endswith("/strategy.py") or path.endswith("/_compat.py")):
+                path.endswith("/strategy.py") or "/lightning_4d/_compat/" in path):
             continue
         if frame.name in ("__torch_function__", "__torch_dispatch__") and (frame.line or "").strip().startswith("return func("):
             continue  # a torch-function mode passing a call through: the call is its caller's

@@ -1,5 +1,5 @@
 """The package's layout is its architecture: one package per dimension, each importing only the shared modules
-(``parallel_dims``, ``_compat`` and the small helpers at the root, ``numerics/`` and ``modules/``) and its own
+(``parallel_dims`` and the small helpers at the root, ``_compat/``, ``numerics/`` and ``modules/``) and its own
 modules, never another dimension nor the composition; no import cycle anywhere. Read from the source with ``ast`` by ``docs/package_graph.py``
 (every import statement counts, lazy ones and ``TYPE_CHECKING`` ones too), which also draws docs/packages.md."""
 
@@ -68,7 +68,7 @@ def test_root_modules_are_not_pieces_of_a_package():
 
 
 @pytest.mark.parametrize("package", [*layout.DIMENSIONS, "checkpoint", "planner", "faults", "callbacks", "composition",
-                                     "numerics", "memory", "observability", "modules"])
+                                     "numerics", "memory", "observability", "modules", "_compat"])
 def test_each_package_says_what_it_owns_and_lists_its_names(package):
     tree = ast.parse((layout.PACKAGE / package / "__init__.py").read_text())
     assert ast.get_docstring(tree), f"lightning_4d/{package}/__init__.py has no docstring"

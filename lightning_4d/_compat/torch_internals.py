@@ -1,42 +1,36 @@
-"""Every private name of torch, Lightning and torchmetrics that lightning-4d reaches, in one place.
+"""torch's private names that lightning-4d reaches: its functional collectives, process-group and mesh internals,
+FSDP2's state, the attention kernels that return the log-sum-exp, parallel styles' hooks, nn.Module's registries,
+the meta-device helpers (hooks, non-persistent buffers, dispatch modes) and its state-dict staging copy.
 
-A private name can change or vanish in any release without a deprecation. Reaching each one only through
-this module means an upgrade breaks here, in one file, and ``tests/test_compat.py`` fails naming the symbol
-instead of a parallel run going wrong somewhere else. Each entry says why no public API does the job.
+Split from :mod:`lightning_4d._compat` (which hands every name on) so that a torch upgrade is adapted in one file
+of torch's own; each entry says why no public API does the job.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available, _sync_ddp_if_available
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import nn
 from torch._ops import OpOverloadPacket
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import SequenceParallel
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map  # noqa: F401 (re-exported)
 from torch.utils.data import DataLoader
 
 from lightning_4d import _host_collectives as host
 
-__all__ = [
-    "OpOverloadPacket", "all_gather_ddp_if_available", "keystr", "sync_ddp_if_available", "tree_flatten",
-    "tree_flatten_with_path", "tree_map",
-]
 
 # ------------------------------------------------------------------------------------------------ torch
 
-# Re-exported above: pytree (torch's flattening of nested containers; torch has no public pytree module yet)
-# and OpOverloadPacket (the class of ``torch.ops.<namespace>.<op>``, by which telemetry tells ops apart).
+# Re-exported by lightning_4d._compat: pytree (torch's flattening of nested containers; torch has no public
+# pytree module yet) and OpOverloadPacket (the class of ``torch.ops.<namespace>.<op>``, by which telemetry
+# tells ops apart).
 
 
 def op_qualified_name(packet: OpOverloadPacket) -> str:
@@ -273,14 +267,6 @@ def graph_breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
-def fetches_inside_step(trainer: Any) -> bool:
-    """Whether the training loop's data fetcher hands ``training_step`` the iterator (a step that takes
-    ``dataloader_iter``): then whether a batch is the epoch's last is known only after the step."""
-    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
-
-    return isinstance(getattr(trainer.fit_loop, "_data_fetcher", None), _DataLoaderIterDataFetcher)
-
-
 def tensor_version(tensor: torch.Tensor) -> int:
     """A counter that every in-place change of ``tensor`` bumps: a mask checked once stays checked while it is
     unchanged (autograd's own use of it is the only public trace)."""
@@ -381,211 +367,14 @@ def wrap_index_sampler(loader_class: type, wrap: Callable[[Any, Any], Any]) -> N
     loader_class._index_sampler = property(lambda self: wrap(self, base.fget(self)))
 
 
-# ---------------------------------------------------------------------------------------------- Lightning
+def copy_state_dict(tensors: dict[str, Any], into: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
+    """``tensors`` copied into staging buffers of the same structure; other values taken as they are."""
+    from torch.distributed._state_dict_utils import _copy_state_dict
 
-# Lightning's reduce/gather over a group, the same ones its own strategies use for ``self.log(sync_dist=True)``.
-sync_ddp_if_available = _sync_ddp_if_available
-all_gather_ddp_if_available = _all_gather_ddp_if_available
-
-
-def skip_sigterm_broadcast(trainer: Any) -> Callable[[], None]:
-    """Lightning 2.6's training loop broadcasts rank 0's ``trainer.received_sigterm`` over the world before every
-    batch and reads it on the host (``_TrainingEpochLoop._broadcast_sigterm_tensor``): a blocking collective and a
-    device read per step, which also lines every rank up at each step's start (a pipeline's stages can no longer
-    overlap one step's end with the next one's start). Only Lightning's own SIGTERM handler sets that flag; the
-    caller has replaced it with one whose signal travels in its own step agreement, so the broadcast would only
-    ever carry 0. No public switch turns it off. Returns what puts it back."""
-    loop = trainer.fit_loop.epoch_loop
-    if not callable(getattr(type(loop), "_broadcast_sigterm_tensor", None)):
-        raise RuntimeError("lightning's training loop has no _broadcast_sigterm_tensor: update lightning_4d/_compat.py")
-    loop._broadcast_sigterm_tensor = _no_sigterm_broadcast
-    return lambda: loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+    return _copy_state_dict(tensors, into, non_blocking=non_blocking, type_check=False)
 
 
-def _no_sigterm_broadcast() -> None:
-    """In place of Lightning's per-step SIGTERM broadcast while FaultTolerance's handler holds SIGTERM."""
-
-
-def setup_distributed(strategy: Any, store: Optional[Callable[..., Optional[dist.Store]]] = None) -> None:
-    """ModelParallelStrategy's process-group set-up (environment, backend, timeout), which the strategy reuses;
-    ``store(rank, world_size, timeout)`` may give the store to make the default group on (Lightning's set-up
-    finds the group made and keeps it)."""
-    given = store(strategy.global_rank, strategy.world_size, strategy._timeout) if store is not None else None
-    if given is not None and not dist.is_initialized():
-        device = strategy.root_device
-        dist.init_process_group(strategy._get_process_group_backend(), rank=strategy.global_rank,
-                                world_size=strategy.world_size, timeout=strategy._timeout, store=given,
-                                device_id=device if device.type != "cpu" else None)
-    strategy._setup_distributed()
-
-
-# ``LightningModule.load_from_checkpoint`` reads one file through ``lightning.pytorch.core.saving.pl_load`` (a
-# private alias of fabric's ``_load``), which meets a directory, such as a lightning-4d checkpoint, with a bare
-# IsADirectoryError. Wrapped once, so that a directory is refused with ``message(path)`` instead; a file loads as
-# before.
-def refuse_directories_in_load_from_checkpoint(message: Callable[[str], str]) -> None:
-    from lightning.pytorch.core import saving
-
-    original = saving.pl_load
-    if getattr(original, "lightning_4d_wrapped", False):
-        return
-
-    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
-            raise IsADirectoryError(message(os.fspath(path_or_url)))
-        return original(path_or_url, *args, **kwargs)
-
-    pl_load.lightning_4d_wrapped = True
-    saving.pl_load = pl_load
-
-
-# ``Trainer(sync_batchnorm=True)`` reaches a strategy only as its private ``_layer_sync`` plugin (Lightning's
-# accelerator connector sets it on every ParallelStrategy; DDPStrategy applies it in its own setup).
-def sync_batchnorm_requested(strategy: Any) -> bool:
-    return getattr(strategy, "_layer_sync", None) is not None
-
-
-def set_device_mesh(owner: Any, mesh: DeviceMesh) -> None:
-    """What ``strategy.device_mesh`` and ``LightningModule.device_mesh`` return (their setters are private)."""
-    owner._device_mesh = mesh
-
-
-# -------------------------------------------------------------------------------------------- torchmetrics
-
-# Under pipelining only the last stage updates a metric; the other stages must still count the update (so
-# ``compute`` does not warn and syncs), and ``forward``'s cached batch value must be the last stage's.
-def metric_update_count(metric: Any) -> int:
-    return metric._update_count
-
-
-def count_metric_updates(metric: Any, count: int) -> None:
-    metric._update_count += count
-    metric._computed = None
-
-
-def metric_forward_cache(metric: Any) -> Any:
-    return metric._forward_cache
-
-
-def set_metric_forward_cache(metric: Any, value: Any) -> None:
-    metric._forward_cache = value
-
-
-def train_dataloader(trainer: Any) -> Any:
-    """The training dataloader as the module's (or data module's) hook returns it, before Lightning adds its
-    sampler; the first one where there are several."""
-    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
-
-    loader = _request_dataloader(trainer.fit_loop._data_source)
-    if hasattr(loader, "flattened"):  # a CombinedLoader
-        loader = loader.flattened[0]
-    if isinstance(loader, dict):
-        loader = next(iter(loader.values()))
-    if isinstance(loader, (list, tuple)):
-        loader = loader[0]
-    return loader
-
-
-def hf_loss_function(model: Any) -> Callable[..., Any]:
-    """The loss a Hugging Face model's ``loss_function`` property returns, without its warning for an unset
-    ``loss_type``: the one set on the instance (private ``_loss_function``), else HF's for its ``loss_type``,
-    else ``ForCausalLMLoss`` (HF's own fallback)."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    own = model.__dict__.get("_loss_function")
-    return own if own is not None else LOSS_MAPPING.get(getattr(model, "loss_type", None)) or LOSS_MAPPING["ForCausalLM"]
-
-
-def metric_reductions(metric: Any) -> dict[str, Any]:
-    """How torchmetrics reduces each state over processes: "sum", "mean", "max", "min", "cat", or the function
-    (or None) given to ``add_state`` (kept in the private ``_reductions``)."""
-    from torchmetrics.utilities import data
-
-    names = {data.dim_zero_sum: "sum", data.dim_zero_mean: "mean", data.dim_zero_max: "max",
-             data.dim_zero_min: "min", data.dim_zero_cat: "cat"}
-    return {name: names.get(reduce, reduce) for name, reduce in metric._reductions.items()}
-
-
-# Under pipelining a step's micro-batches update a metric one after another; its step value (what ``forward``
-# returns and Lightning logs per step) is that of the whole batch. ``MetricOnBatch`` keeps a second set of the
-# metric's states (named in the private ``_defaults``), reset per step and updated by the class's own ``update``
-# with every micro-batch, and computes it with the class's own ``compute``: no synchronization (``forward``'s
-# batch value is local too), no counters, and no copy of the module (a deep copy would meet process groups).
-class MetricOnBatch:
-    def __init__(self, metric: Any) -> None:
-        self.metric = metric
-        self.states = copy.copy(metric)  # its own attribute dict; the states are replaced by reset()
-        self.reset()
-
-    def reset(self) -> None:
-        for name, default in self.metric._defaults.items():
-            current = getattr(self.metric, name)
-            value = default.detach().clone().to(current.device) if isinstance(default, torch.Tensor) else []
-            setattr(self.states, name, value)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        type(self.metric).update(self.states, *args, **kwargs)
-
-    def compute(self) -> Any:
-        return type(self.metric).compute(self.states)
-
-
-# Context parallelism's step check runs the user's step twice on a sample and must leave every metric as it
-# was: torchmetrics has ``reset`` but no public way to save and restore a state (its ``metric_state`` is
-# read-only), so the states named in ``_defaults`` and the counters beside them are copied and put back.
-def metric_snapshot(metric: Any) -> dict[str, Any]:
-    states = {name: value.clone() if isinstance(value, torch.Tensor) else list(value) if isinstance(value, list)
-              else value for name, value in ((name, getattr(metric, name)) for name in metric._defaults)}
-    return {"states": states, "_update_count": metric._update_count, "_forward_cache": metric._forward_cache,
-            "_computed": metric._computed}
-
-
-def restore_metric(metric: Any, snapshot: dict[str, Any]) -> None:
-    for name, value in snapshot["states"].items():
-        setattr(metric, name, value)
-    for name in ("_update_count", "_forward_cache", "_computed"):
-        setattr(metric, name, snapshot[name])
-
-
-# ------------------------------------------------------------------------------------------ random streams
-
-# Every random stream a step may draw from (torch's, CUDA's, numpy's, Python's), saved and restored around the
-# step check's runs so that training draws as if they had not run: Lightning's own pair, private.
-def rng_states() -> dict[str, Any]:
-    return _collect_rng_states(include_cuda=torch.cuda.is_available())
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    _set_rng_states(states)
-
-
-# -------------------------------------------------------------------------------------------- transformers
-
-# Which attention a Hugging Face model runs ('eager', 'sdpa', ...) and whether its class offers 'sdpa': public
-# only as the ``attn_implementation`` argument of ``from_pretrained``/``from_config``, read back from the
-# config's private attribute and the model class's flag. Context parallelism refuses 'eager' before any
-# collective (its softmax is computed by hand, out of the reach of ring attention).
-def hf_attention_implementation(model: Any) -> Optional[str]:
-    """The attention implementation of a transformers ``PreTrainedModel`` (None for any other module)."""
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) if hasattr(model, "_supports_sdpa") else None
-
-
-def hf_supports_sdpa(model: Any) -> bool:
-    return bool(getattr(model, "_supports_sdpa", False))
-
-
-# A layer's own checkpointing (``gradient_checkpointing_enable``): transformers keeps the checkpoint function
-# it calls around each layer's ``__call__`` as a private attribute, a ``functools.partial`` of torch's checkpoint.
-def hf_reentrant_checkpointing(layer: Any) -> bool:
-    """Whether a transformers layer checkpoints itself reentrantly: ``use_reentrant=True``, or not given in
-    ``gradient_checkpointing_kwargs`` (torch's checkpoint then defaults to reentrant)."""
-    function = getattr(layer, "_gradient_checkpointing_func", None)
-    return bool(getattr(layer, "gradient_checkpointing", False)) and \
-        getattr(function, "keywords", {}).get("use_reentrant", True) is not False
-
-
-# ------------------------------------------------------------------------------ meta-device models
+# -------------------------------------------------------------------------------------- meta-device models
 
 def non_persistent_buffers(module: nn.Module) -> set[str]:
     """The names of ``module``'s own buffers left out of its state dict (rotary tables, caches): no checkpoint
@@ -629,71 +418,3 @@ def dispatch_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
-
-
-def hf_pretrained(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers ``PreTrainedModel`` (checked by class, without importing transformers)."""
-    return any(klass.__name__ == "PreTrainedModel" and klass.__module__.startswith("transformers")
-               for klass in type(module).__mro__)
-
-
-def hf_initialize_module(owner: nn.Module, module: nn.Module) -> None:
-    """Hugging Face's own initialization of one ``module`` of the ``PreTrainedModel`` ``owner`` (what
-    ``post_init`` -> ``initialize_weights`` does to every module), after clearing the ``_is_hf_initialized``
-    flags that would make it skip the module: transformers sets them while a model is built, also on the meta
-    device, where nothing was written. ``_init_weights`` and the flags are private; ``initialize_weights`` is
-    public but runs on the whole model, not the modules one rank holds."""
-    for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
-        if tensor is not None and "_is_hf_initialized" in tensor.__dict__:
-            del tensor.__dict__["_is_hf_initialized"]
-    module.__dict__.pop("_is_hf_initialized", None)
-    from transformers import initialization
-
-    with initialization.guard_torch_init_functions():
-        owner._init_weights(module)
-
-
-def hf_balancing_loss_modules(module: nn.Module) -> list[Any]:
-    """The transformers modeling modules of ``module``'s classes that compute the MoE load-balancing loss with
-    their module-level ``load_balancing_loss_func`` (Mixtral, Qwen2-MoE, Qwen3-MoE, ...), looked up by name."""
-    import sys
-
-    found = {}
-    for m in module.modules():
-        owner = sys.modules.get(type(m).__module__)
-        if (owner is not None and owner.__name__.startswith("transformers.")
-                and callable(getattr(owner, "load_balancing_loss_func", None))):
-            found[owner.__name__] = owner
-    return list(found.values())
-
-
-@contextmanager
-def module_function_replaced(owners: list[Any], name: str, replacement: Any) -> Iterator[None]:
-    """``owners``' module-level function ``name`` replaced by ``replacement`` while the context is open."""
-    saved = [(owner, getattr(owner, name)) for owner in owners]
-    for owner, _ in saved:
-        setattr(owner, name, replacement)
-    try:
-        yield
-    finally:
-        for owner, original in saved:
-            setattr(owner, name, original)
-
-
-def copy_state_dict(tensors: dict[str, Any], into: dict[str, Any], non_blocking: bool) -> dict[str, Any]:
-    """``tensors`` copied into staging buffers of the same structure; other values taken as they are."""
-    from torch.distributed._state_dict_utils import _copy_state_dict
-
-    return _copy_state_dict(tensors, into, non_blocking=non_blocking, type_check=False)
-
-
-def route_checkpoint_links(callbacks: list[Any], link: Callable[[Any, str, str], None]) -> None:
-    """``ModelCheckpoint(save_last="link")`` links ``last`` with a static method of its own; routed per instance
-    to ``link(trainer, target, path)``, so that the strategy makes the link once the target is complete."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    for callback in callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            if not callable(getattr(type(callback), "_link_checkpoint", None)):
-                raise RuntimeError("lightning's ModelCheckpoint has no _link_checkpoint: update lightning_4d/_compat.py")
-            callback._link_checkpoint = link
