@@ -56,14 +56,15 @@ def attempt_store(rank: int, world_size: int, timeout: timedelta) -> Optional[di
     return None
 
 
-def check_start_method(start_method: str) -> None:
-    """Refuse an unknown start method when the strategy is made, before any process starts."""
+def check_start_method(start_method: str) -> str:
+    """Refuse an unknown start method when the strategy is made, before any process starts; else return it."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not supported: use 'popen' (the default: every rank"
                          " runs the script again, as Lightning's DDP does) or 'fork' (CPU only: the other ranks are"
                          " forked from the launching process, which skips their start-up).")
     if start_method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
         raise ValueError("start_method='fork' is not available on this platform: use start_method='popen'.")
+    return start_method
 
 
 class ForkLauncher:

@@ -298,6 +298,12 @@ class ParallelMesh:
             return self._subgroup(name, self.dims.groups(_SHARED_BY[name]))
         raise KeyError(f"no process group {name!r}; groups: {', '.join((*DEVICE_MESH_DIMS, *self.flat, *_SHARED_BY))}")
 
+    def sampler_kwargs(self) -> dict[str, int]:
+        """``DistributedSampler``'s ``num_replicas`` and ``rank``: only the data-parallel ranks (replicas and
+        shards) get different samples; pp, cp and tp peers must see the same batch."""
+        dp_mesh = self.submesh("dp")
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
     def submesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of one dim, flattened (``dp``, ``dp_cp``, ...) or not (``tp``, ...)."""
         return self.flat[name] if name in self.flat else self.mesh[name]

@@ -4,8 +4,8 @@ each hook to the ``ParallelModel`` it got back; Lightning's ``reduce`` and ``all
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from functools import partialmethod
 from typing import Any, Literal, Optional, Union
@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -24,30 +24,22 @@ from typing_extensions import override
 
 from lightning_4d import _compat as compat, checkpoint
 from lightning_4d.arguments import positive, refuse_unknown
-from lightning_4d.callbacks import attach_prediction_writers, check_weight_averaging
+from lightning_4d.callbacks import attach_prediction_writers
 from lightning_4d.checkpoint.resumable_loader import TrainLoaders, continue_as_uninterrupted
-from lightning_4d.checkpoint.writer import CheckpointWriter, honored_checkpoint_io
+from lightning_4d.checkpoint.writer import CheckpointWriter, check_async_save, honored_checkpoint_io
 from lightning_4d.composition.auto_layout import adopt, check_auto_layout, choose_for
+from lightning_4d.composition.options import check_layout, composition_options
 from lightning_4d.composition.parallel_model import ParallelModel
-from lightning_4d.composition.parallelize import check_before_launch, parallelize, parallelized
-from lightning_4d.context_parallel import ContextParallelConfig
+from lightning_4d.composition.parallelize import parallelize_for_trainer
 from lightning_4d.context_parallel.config import DEFAULT_CHECK_TOKENS
-from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, check_reshard_after_forward, check_shard_units,
-                                        param_dtype_for)
-from lightning_4d.data_parallel.batchnorm import batchnorm_statistics, restore_batchnorm
-from lightning_4d.faults import attach as attach_fault_tolerance, report_failure
-from lightning_4d.faults.preemption import Preempted
+from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
+from lightning_4d.data_parallel.batchnorm import restore_batchnorm
+from lightning_4d.faults import Preempted, attach as attach_fault_tolerance, report_failure
 from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, attempt_store, check_start_method
-from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig
-from lightning_4d.memory.compile import CompileConfig
-from lightning_4d.numerics.clipping import install_clipping
-from lightning_4d.numerics.token_losses import check_normalization
 from lightning_4d.observability import DesyncMonitor, attach as attach_observability
-from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size, check_ep_size
-from lightning_4d.pipeline import PipelineConfig
-from lightning_4d.tensor_parallel import TensorParallelConfig
+from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -55,51 +47,43 @@ class FourDStrategy(ModelParallelStrategy):
 
     Args:
         dp, pp, cp, tp, ep: data-parallel replicas (``"auto"``: what the others leave of the world), pipeline stages,
-            context-parallel ranks splitting each sequence, tensor-parallel ranks splitting each layer, and expert
-            parallelism (experts split over ``ep`` ranks of ``dp x cp``; :mod:`lightning_4d.expert_parallel`).
+            ranks splitting each sequence (context), ranks splitting each layer (tensor), and ranks of ``dp x cp``
+            splitting the experts (:mod:`lightning_4d.expert_parallel`).
         dp_shard, reshard_after_forward, reduce_scatter_every_batch, shard_units: FSDP2 over ``dp_shard`` ranks per
             replica (HSDP with ``dp > 1``); whether a block frees its gathered weights after forward (``"auto"``: all
             but the last); whether every accumulation batch reduce-scatters; units per ``"blocks"`` or ``"modules"``
             (one per weight matrix: least memory); see :mod:`lightning_4d.data_parallel.fsdp`.
         bucket_mb: size of a gradient all-reduce bucket in megabytes.
-        timeout, init_timeout: how long a collective may wait, once training runs (2 minutes) and while the run
+        timeout, init_timeout: how long a collective may wait while training runs (2 minutes) and while the run
             starts or saves (10 minutes), before the waiting ranks fail naming what each rank was last doing.
         process_group_backend: ``"nccl"``/``"gloo"``; by default chosen from the device.
         init_from, init_from_prefix: weights to start from (a Hugging Face, DCP or lightning-4d directory, a
-            Lightning checkpoint or a ``state_dict`` file), each rank reading what it holds; the module path of the
-            file's keys (``None``: found); see :mod:`lightning_4d.checkpoint.pretrained`.
+            Lightning checkpoint or ``state_dict`` file), each rank reading what it holds, and the module path of
+            the file's keys (``None``: found); see :mod:`lightning_4d.checkpoint.pretrained`.
         cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers, cp_document_key, cp_check,
-            cp_check_tokens: see :class:`~lightning_4d.context_parallel.config.ContextParallelConfig` (``cp_check``:
-            the first batches' steps run sharded and whole, a difference refused before any weight changes).
-        pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: see
-            :class:`~lightning_4d.pipeline.PipelineConfig` (schedules ``gpipe``, ``1f1b``, ``interleaved_1f1b``,
-            ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``).
-        tp_plan, sequence_parallel, tp_self_check, tp_strict, loss_parallel: the plan (``"auto"``, ``"none"``, or
-            FQN globs to styles merged over the automatic one; a ``configure_model`` that made DTensors is kept),
-            activations sharded on the sequence between regions, the first batch's check of one sharded block per
-            type against a whole copy, raising when under 90% of the body is sharded, and cross entropy on
-            vocabulary-sharded logits; see :class:`~lightning_4d.tensor_parallel.TensorParallelConfig`.
-        loss_normalization: ``"tokens"`` weighs every valid target of the accumulation window once, wherever it is
-            held, as one process does; ``"batch"`` per batch (Lightning's accumulation); ``"replica"`` each rank's
-            own mean (DDPStrategy's); see :mod:`lightning_4d.numerics.token_losses`.
-        fuse_lm_loss: compute the LM head's cross entropy from the head's input in chunks of tokens, so that its
-            logits never exist whole; any other use of the logits gets them whole; see
-            :mod:`lightning_4d.numerics.head_loss`.
-        activation_checkpointing, activation_checkpointing_every, compile: ``"none"``/``"full"``/``"every_n"``/
-            ``"selective"`` and its ``n``; ``torch.compile`` per block (``True`` or its options); see
-            :mod:`lightning_4d.memory`.
+            cp_check_tokens: see :class:`~lightning_4d.context_parallel.config.ContextParallelConfig`.
+        pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages: the schedule, micro-batches,
+            block list, stage cuts and stages per rank; see :class:`~lightning_4d.pipeline.PipelineConfig`.
+        tp_plan, sequence_parallel, tp_self_check, tp_strict, loss_parallel: the plan (``"auto"``, ``"none"`` or FQN
+            globs to styles), sequence-sharded activations, a first-batch check against a whole copy, raising if
+            under-sharded, sharded cross entropy; see :class:`~lightning_4d.tensor_parallel.TensorParallelConfig`.
+        loss_normalization: ``"tokens"``: each valid target of the accumulation window weighs once, wherever it is
+            held, as in one process; ``"batch"``: per batch (Lightning's); ``"replica"``: each rank's own mean (DDP's);
+            see :mod:`lightning_4d.numerics.token_losses`.
+        fuse_lm_loss: the LM head's cross entropy computed from its input in chunks of tokens, its logits never
+            whole (any other use of them gets them whole); see :mod:`lightning_4d.numerics.head_loss`.
+        activation_checkpointing, activation_checkpointing_every, compile: ``"none"``, ``"full"``, ``"every_n"`` or
+            ``"selective"`` and its ``n``; ``torch.compile`` per block (``True``/options); :mod:`lightning_4d.memory`.
         debug, debug_steps: for the first steps, check that a replica's ranks get identical batches, keep
             replicated weights bit-identical and issue the same collectives.
         telemetry: add the :class:`~lightning_4d.observability.telemetry.Telemetry` callback.
         broadcast_buffers: broadcast buffers within each replica before every training step, as DDP does.
-        async_save: checkpoint saves block the step only while each rank copies its shard into host memory; the
-            writing goes on in the background (also with ``Trainer(plugins=[AsyncCheckpointIO()])``); see
-            :mod:`lightning_4d.checkpoint.writer`.
+        async_save: a save blocks the step only while each rank copies its shard to host memory, then writes in the
+            background (also set by ``Trainer(plugins=[AsyncCheckpointIO()])``; :mod:`lightning_4d.checkpoint.writer`).
         start_method: ``"popen"`` runs the script again per rank (as DDP does); ``"fork"`` (CPU) forks them.
-        layout: ``"auto"``: the sizes not given, activation checkpointing and the pipeline's micro-batches are chosen
-            at set-up by predicted time per sample (:mod:`lightning_4d.composition.auto_layout`).
-        memory_per_device: the budget ``layout="auto"`` chooses within (bytes, or ``"80GiB"``); default: the
-            device's free memory (GPU), the machine's memory shared by its ranks (CPU).
+        layout, memory_per_device: ``"auto"``: the sizes not given, activation checkpointing and micro-batches chosen
+            at set-up by predicted time per sample (:mod:`lightning_4d.composition.auto_layout`), within a budget per
+            device (bytes, or ``"80GiB"``; default: the GPU's free memory, or the machine's shared by its ranks).
     """
 
     strategy_name = "fourd"
@@ -113,9 +97,8 @@ class FourDStrategy(ModelParallelStrategy):
         init_from_prefix: Optional[str] = None, cp_comm: Literal["ring", "allgather", "a2a"] = "ring",
         cp_seq_dim: int = 1, cp_batch_keys: Optional[list[Union[str, int]]] = None,
         cp_position_modules: Optional[list[str]] = None, cp_buffers: Optional[list[str]] = None,
-        cp_document_key: Optional[str] = None,
-        cp_check: bool = True, cp_check_tokens: int = DEFAULT_CHECK_TOKENS, pp_schedule: str = "1f1b",
-        pp_microbatches: Optional[int] = None, pp_blocks: Optional[str] = None,
+        cp_document_key: Optional[str] = None, cp_check: bool = True, cp_check_tokens: int = DEFAULT_CHECK_TOKENS,
+        pp_schedule: str = "1f1b", pp_microbatches: Optional[int] = None, pp_blocks: Optional[str] = None,
         pp_split_points: Optional[list[int]] = None, pp_virtual_stages: Optional[int] = None,
         tp_plan: Union[str, dict, None] = "auto", sequence_parallel: bool = False, tp_self_check: bool = True,
         tp_strict: bool = False, loss_parallel: bool = True,
@@ -129,31 +112,20 @@ class FourDStrategy(ModelParallelStrategy):
         self.collective_timeouts = CollectiveTimeouts(init_timeout, timeout)  # read by FaultTolerance
         super().__init__(process_group_backend=process_group_backend, timeout=self.collective_timeouts.init)
         self.timeout = self.collective_timeouts.train
-        positive("bucket_mb", bucket_mb, "megabytes (default 25)")
         self.requested_sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_shard": dp_shard, "ep": ep}
-        ParallelDims.check_sizes(dp, pp, cp, tp, dp_shard), check_ep_size(ep)
-        check_reshard_after_forward(reshard_after_forward), check_normalization(loss_normalization)
-        if not isinstance(fuse_lm_loss, bool):
-            raise ValueError(f"fuse_lm_loss={fuse_lm_loss!r}: use True (the LM head's cross entropy computed in chunks,"
-                             " its logits never whole) or False (the head's logits computed whole, as the module"
-                             " computes them).")
+        self.composition = composition_options(  # validated now, before any process starts
+            self.requested_sizes, bucket_mb=bucket_mb, reshard_after_forward=reshard_after_forward,
+            reduce_scatter_every_batch=reduce_scatter_every_batch, shard_units=shard_units,
+            loss_normalization=loss_normalization, fuse_lm_loss=fuse_lm_loss, cp_comm=cp_comm, cp_seq_dim=cp_seq_dim,
+            cp_batch_keys=cp_batch_keys, cp_position_modules=cp_position_modules, cp_buffers=cp_buffers,
+            cp_document_key=cp_document_key, cp_check=cp_check, cp_check_tokens=cp_check_tokens,
+            pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_blocks=pp_blocks,
+            pp_split_points=pp_split_points, pp_virtual_stages=pp_virtual_stages, tp_plan=tp_plan,
+            sequence_parallel=sequence_parallel, tp_self_check=tp_self_check, tp_strict=tp_strict,
+            loss_parallel=loss_parallel, activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_every=activation_checkpointing_every, compile=compile)
+        self.cp_config, self.pp_config, self.tp_config = map(self.composition.get, ("context", "pipeline", "tensor"))
         self.init_from, self.init_from_prefix = init_from, init_from_prefix
-        # Typed per-dimension options, each validated on construction (before any process starts).
-        self.cp_config = ContextParallelConfig(cp, cp_comm, cp_seq_dim, cp_batch_keys, cp_position_modules, cp_buffers,
-                                               cp_document_key, cp_check, cp_check_tokens)
-        self.pp_config = PipelineConfig(pp, pp_schedule, pp_microbatches, pp_blocks, pp_split_points, pp_virtual_stages)
-        self.tp_config = TensorParallelConfig(tp, tp_plan, sequence_parallel, loss_parallel, tp_self_check, tp_strict)
-        self.tp_config.check_with_pipeline(self.pp_config.pp)
-        compile_config = CompileConfig.build(compile)
-        check_shard_units(shard_units, self.pp_config.pp, self.tp_config.tp, compile_config.enabled)
-        # The composition's options, as parallelize() takes them.
-        checkpointing = ActivationCheckpointConfig(activation_checkpointing, activation_checkpointing_every)
-        self.composition = dict(pipeline=self.pp_config, tensor=self.tp_config, context=self.cp_config,
-                           activation_checkpointing=checkpointing,
-                           compile=compile_config, bucket_mb=float(bucket_mb), shard_units=shard_units,
-                           reshard_after_forward=reshard_after_forward, loss_normalization=loss_normalization,
-                           fuse_lm_loss=fuse_lm_loss,
-                           reduce_scatter_every_batch=bool(reduce_scatter_every_batch))
         self.parallel_dims: Optional[ParallelDims] = None
         self.mesh: Optional[ParallelMesh] = None  # every process group by name: ``mesh.group("dp")``
         self.parallel: Optional[ParallelModel] = None  # the module made parallel, set in ``setup``
@@ -162,12 +134,9 @@ class FourDStrategy(ModelParallelStrategy):
         positive("debug_steps", debug_steps, "training steps", integer=True)
         self.debug, self.debug_steps, self.telemetry = debug, debug_steps, telemetry
         self.broadcast_buffers = bool(broadcast_buffers)  # read by lightning_4d.faults.FaultTolerance
-        check_start_method(start_method)
-        self.start_method, self._fork_launcher = start_method, None
+        self.start_method, self._fork_launcher = check_start_method(start_method), None
         self._desync: Optional[DesyncMonitor] = None
-        if not isinstance(async_save, bool):
-            raise ValueError(f"async_save={async_save!r}: use True (saves write in the background) or False.")
-        self.async_save, self.checkpoints = async_save, None  # the CheckpointWriter, made in setup_environment
+        self.async_save, self.checkpoints = check_async_save(async_save), None  # the CheckpointWriter, made at set-up
         self.auto_layout, self.memory_per_device = check_auto_layout(layout, memory_per_device)
 
     @property
@@ -187,12 +156,10 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        module, dims = self.lightning_module, self.parallel_dims
+        module = self.lightning_module
         own_layout = is_overridden("configure_model", module)
         if not self.auto_layout:  # with layout="auto", once chosen (setup)
-            check_before_launch(module, dims, pipeline=self.pp_config, tensor=self.tp_config,
-                                user_parallelized=own_layout)
-            check_weight_averaging(module.trainer.callbacks, dims)
+            check_layout(self, user_parallelized=own_layout)
         compat.setup_distributed(self, attempt_store)  # under torchrun: a store per attempt
         destroy_process_groups_at_exit()
         if not self.auto_layout:
@@ -212,18 +179,6 @@ class FourDStrategy(ModelParallelStrategy):
         compat.set_device_mesh(module, self.mesh.mesh)
         self._desync = attach_observability(self, module.trainer.callbacks, self._desync)
 
-    def _choose_layout(self, trainer: pl.Trainer) -> None:
-        """``layout="auto"``: the sizes, checkpointing and micro-batches chosen now that the module and its data
-        are set up (:mod:`lightning_4d.composition.auto_layout`)."""
-        choice = choose_for(self, trainer)
-        adopt(self, choice)  # its sizes, configs and composition options
-        if self.global_rank == 0:
-            rank_zero_info(choice.describe())
-        check_before_launch(self.lightning_module, self.parallel_dims, pipeline=self.pp_config, tensor=self.tp_config,
-                            user_parallelized=False)
-        check_weight_averaging(trainer.callbacks, self.parallel_dims)
-        self._lay_out(own_layout=False)
-
     def layout_table(self) -> str:
         """Every rank with its (dp, pp, cp, tp) coordinates and the members of its groups."""
         return self.parallel_dims.layout_table()
@@ -231,14 +186,11 @@ class FourDStrategy(ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Only replicas get different samples; pp, cp and tp peers must see the same batch.
-        dp_mesh = self.mesh.submesh("dp")  # every data-parallel rank: replicas and shards
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        return self.mesh.sampler_kwargs()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        training = self.lightning_module.trainer.state.stage == RunningStage.TRAINING
-        return self._train_loaders.track(dataloader) if training else dataloader
+        return self._train_loaders.track(dataloader) if self.lightning_module.trainer.training else dataloader
 
     @override
     def on_train_start(self) -> None:  # a resume at an epoch's end continues as the uninterrupted run
@@ -259,41 +211,27 @@ class FourDStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.mesh is None and self.auto_layout:
-            self._choose_layout(trainer)
+        if self.mesh is None and self.auto_layout:  # chosen now that the module and its data are set up
+            adopt(self, choose_for(self, trainer))  # its sizes, configs and options, checked as a user's
+            self._lay_out(own_layout=False)
         assert self.model is not None and self.accelerator is not None and self.mesh is not None
         self.accelerator.setup(trainer)
         self._train_loaders.clear()
         self.model = self.precision_plugin.convert_module(self.model)
-        first = parallelized(self.lightning_module) is None
-        # With init_from (strict), the load right below fills every weight: parallelize neither broadcasts rank
-        # 0's nor initializes a meta-built module's (only what no checkpoint holds: non-persistent buffers).
-        loading = self.init_from is not None and self.lightning_module.strict_loading
-        self.parallel = parallelize(self.lightning_module, self.mesh, self.root_device, **self.composition, loading=loading,
-                                    param_dtype=param_dtype_for(str(getattr(self.precision_plugin, "precision", ""))))
-        if first and self.global_rank == 0 and self.parallel.describe():
-            rank_zero_info(self.parallel.describe())
-        dims = self.parallel_dims
-        install_clipping(self.precision_plugin, self.parallel, whole_model=dims.tp_enabled or dims.pp_enabled
-                         or dims.dp_shard_enabled or dims.ep_enabled)
-        batchnorm_statistics(self.lightning_module, {"dp": dims.dp * dims.dp_shard, "cp": dims.cp},
-                             self.mesh.group("dp_cp"), compat.sync_batchnorm_requested(self), warn=first)
-        if self.init_from is not None:
-            self.parallel.load_weights(self.init_from, strict=self.lightning_module.strict_loading,
-                                       prefix=self.init_from_prefix)
-            self.init_from = None  # once: a later validate/test/predict keeps the trained weights
+        self.parallel = parallelize_for_trainer(
+            self.lightning_module, self.mesh, self.root_device, self.composition, self.precision_plugin, self.init_from,
+            self.init_from_prefix, sync_batchnorm=compat.sync_batchnorm_requested(self))
+        self.init_from = None  # loaded once: a later validate/test/predict keeps the trained weights
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self.parallel.attach_optimizers(self.optimizers)
         self.setup_precision_plugin()
 
     @override
-    @contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
+    def block_backward_sync(self) -> AbstractContextManager[None]:
         """``manual_backward`` inside accumulates this rank's gradients unsynchronized (DDP's ``no_sync``); the next
         one outside synchronizes all of them, and clipping or stepping before it raises."""
-        with self.parallel.block_sync() if self.parallel is not None else nullcontext():
-            yield
+        return self.parallel.block_sync() if self.parallel is not None else nullcontext()
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -306,10 +244,8 @@ class FourDStrategy(ModelParallelStrategy):
         trainer = module.trainer
         if self._desync is not None and trainer.training:
             self._desync.check_batch(batch, trainer.global_step)
-        # Prediction outputs are per token or per sequence, so prediction runs on whole sequences.
-        if trainer.predicting:
-            return batch
-        step = "training_step" if trainer.training else "test_step" if trainer.testing else "validation_step"
+        step = ("training_step" if trainer.training else "test_step" if trainer.testing
+                else "predict_step" if trainer.predicting else "validation_step")
         return self.parallel.shard_batch(batch, step, host=host)
 
     def _step(self, name: str, precision_context: str, *args: Any, **kwargs: Any) -> Any:
@@ -410,6 +346,5 @@ class FourDStrategy(ModelParallelStrategy):
 
 
 compat.refuse_directories_in_load_from_checkpoint(checkpoint.directory_message)
-StrategyRegistry.register(
-    FourDStrategy.strategy_name, FourDStrategy, description="4D parallelism (dp, pp, cp, tp) from lightning-4d"
-)
+StrategyRegistry.register(FourDStrategy.strategy_name, FourDStrategy,
+                          description="4D parallelism (dp, pp, cp, tp) from lightning-4d")

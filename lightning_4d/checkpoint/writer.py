@@ -44,6 +44,13 @@ from lightning_4d.checkpoint import sharded
 from lightning_4d.checkpoint.writer_process import WRITER_NICENESS, ProcessFileWriter, SharedBlock, WriterProcess
 
 
+def check_async_save(async_save: Any) -> bool:
+    """``FourDStrategy(async_save=...)`` checked when the strategy is made, before any process starts."""
+    if not isinstance(async_save, bool):
+        raise ValueError(f"async_save={async_save!r}: use True (saves write in the background) or False.")
+    return async_save
+
+
 def honored_checkpoint_io(checkpoint_io: Any) -> bool:
     """Whether the Trainer's checkpoint IO plugin asks for asynchronous saves (Lightning's ``AsyncCheckpointIO``
     around its default IO). Any other plugin the strategy cannot honor, since it writes DCP shards itself, is

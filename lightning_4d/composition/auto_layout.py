@@ -231,7 +231,11 @@ def check_auto_layout(layout: Any, memory_per_device: Any) -> tuple[bool, Option
 
 def adopt(strategy: Any, choice: Choice) -> None:
     """The strategy takes the chosen sizes: its requested sizes, resolved dims, typed configs and the options
-    ``parallelize`` receives, as if the user had given them."""
+    ``parallelize`` receives, as if the user had given them; rank 0 describes the choice, and the layout is refused
+    for this module as a user's would be, before any process group of it is built."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    from lightning_4d.composition.options import check_layout
     from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig
     from lightning_4d.parallel_dims import ParallelDims
 
@@ -244,3 +248,6 @@ def adopt(strategy: Any, choice: Choice) -> None:
     strategy.composition.update(pipeline=strategy.pp_config, tensor=strategy.tp_config, context=strategy.cp_config,
                                 activation_checkpointing=ActivationCheckpointConfig(
                                     training.activation_checkpointing, training.activation_checkpointing_every))
+    if strategy.global_rank == 0:
+        rank_zero_info(choice.describe())
+    check_layout(strategy, user_parallelized=False)

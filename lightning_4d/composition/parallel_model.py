@@ -146,8 +146,9 @@ class ParallelModel:
     def shard_batch(self, batch: Any, step: Optional[str] = None, host: Any = None) -> Any:
         """This rank's part of the batch: under context parallelism, its shard of every sequence (kept whole too
         when ``step``, the step method it is for, has its first batch checked). ``host``: the batch before it
-        went to the device, when it holds the same values (the masks' decisions are taken on it)."""
-        if self.context is None:
+        went to the device, when it holds the same values (the masks' decisions are taken on it). Prediction
+        (``"predict_step"``) runs on whole sequences: its outputs are per token or per sequence."""
+        if self.context is None or step == "predict_step":
             return batch
         return self.context.shard_batch(batch, keep_whole=self.step_check is not None and self.step_check.due(step),
                                         host=host)

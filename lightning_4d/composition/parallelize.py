@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -55,12 +56,14 @@ from lightning_4d.composition.plans import make_plans
 from lightning_4d.composition.weight_agreement import agreed_seed, broadcast_from_rank0
 from lightning_4d.context_parallel import ContextParallelConfig
 from lightning_4d.data_parallel import (DEFAULT_BUCKET_MB, ReshardAfterForward, apply_sharding, check_own_units,
-                                        own_unit_params, own_units)
+                                        own_unit_params, own_units, param_dtype_for)
+from lightning_4d.data_parallel.batchnorm import batchnorm_statistics
 from lightning_4d.expert_parallel import apply_expert_parallel, replaced_expert_lists
 from lightning_4d.memory.activation_checkpointing import (ActivationCheckpointConfig, apply_activation_checkpointing,
                                                           disable_kv_caches)
 from lightning_4d.memory.compile import CompileConfig, apply_compile, eager_reason
 from lightning_4d.numerics import head_loss
+from lightning_4d.numerics.clipping import install_clipping
 from lightning_4d.parallel_dims import ParallelMesh
 from lightning_4d.pipeline import PipelineConfig, PipelineRunner
 from lightning_4d.tensor_parallel import TensorParallelConfig, apply_tensor_parallel
@@ -216,6 +219,30 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, device: torch.device, *, 
         raise RuntimeError(f"lightning_4d made the frozen parameters {thawed[:3]} trainable while parallelizing"
                            f" {type(module).__name__}: a bug, please report it with this message.")
     module.__dict__[_ATTRIBUTE] = parallel
+    return parallel
+
+
+def parallelize_for_trainer(module: Any, mesh: ParallelMesh, device: torch.device, options: dict[str, Any],
+                            precision_plugin: Any, init_from: Optional[str], init_from_prefix: Optional[str], *,
+                            sync_batchnorm: bool) -> ParallelModel:
+    """:func:`parallelize` for a Lightning module (``options``: its keyword arguments), then what Lightning's loop
+    needs of the result: clipping on the precision plugin by the whole model's norm, BatchNorm statistics over the
+    split batch (``sync_batchnorm``: ``Trainer(sync_batchnorm=True)``), and the ``init_from`` weights loaded. With
+    ``init_from`` (strict) that load fills every weight: parallelize neither broadcasts rank 0's nor initializes a
+    meta-built module's (only what no checkpoint holds: non-persistent buffers)."""
+    first = parallelized(module) is None
+    loading = init_from is not None and module.strict_loading
+    parallel = parallelize(module, mesh, device, **options, loading=loading,
+                           param_dtype=param_dtype_for(str(getattr(precision_plugin, "precision", ""))))
+    if first and rank_zero_only.rank == 0 and parallel.describe():  # the rank that prints it builds it
+        rank_zero_info(parallel.describe())
+    dims = mesh.dims
+    install_clipping(precision_plugin, parallel, whole_model=dims.tp_enabled or dims.pp_enabled
+                     or dims.dp_shard_enabled or dims.ep_enabled)
+    batchnorm_statistics(module, {"dp": dims.dp * dims.dp_shard, "cp": dims.cp}, mesh.group("dp_cp"), sync_batchnorm,
+                         warn=first)
+    if init_from is not None:
+        parallel.load_weights(init_from, strict=module.strict_loading, prefix=init_from_prefix)
     return parallel
 
 

@@ -38,7 +38,9 @@ SCHEDULES = {
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """The ``pp_*`` options of ``FourDStrategy``, validated on construction."""
+    """The ``pp_*`` options of ``FourDStrategy``, validated on construction. ``schedule``: ``gpipe``, ``1f1b``,
+    ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv_zero_bubble`` or ``dualpipev``
+    (torch's class-style names, such as ``Interleaved1F1B``, too)."""
 
     pp: int
     schedule: str = "1f1b"

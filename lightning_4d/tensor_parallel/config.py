@@ -14,8 +14,12 @@ from lightning_4d.parallel_dims import ParallelDims
 class TensorParallelConfig:
     """The ``tp`` size and ``tp_*`` options of ``FourDStrategy``, validated on construction.
 
-    ``plan``: ``"auto"``, ``"none"``/``None`` (off) or a mapping of module globs to styles (its entries are
-    checked against the module by :func:`~lightning_4d.tensor_parallel.plan_tensor_parallel`).
+    ``plan``: ``"auto"``, ``"none"``/``None`` (off) or a mapping of module globs to styles, merged over the
+    automatic plan (its entries are checked against the module by
+    :func:`~lightning_4d.tensor_parallel.plan_tensor_parallel`); a ``configure_model`` that made DTensors is kept.
+    ``sequence_parallel``: activations sharded on the sequence between the sharded regions. ``self_check``: the
+    first batch runs one sharded block per type against a whole copy. ``strict``: raise, not warn, when under 90%
+    of the body is sharded. ``loss_parallel``: cross entropy on vocabulary-sharded logits.
     """
 
     tp: int = 1
