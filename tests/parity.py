@@ -231,7 +231,7 @@ def free_port() -> int:
 class LaunchResult:
     returncodes: list[int]
     output: str  # every rank's stdout/stderr, the failing ranks' first
-    results: dict[str, dict[str, Any]]  # case name -> rank 0's record
+    results: dict[str, dict[str, Any]]  # case name -> rank 0's record (every rank's agrees with it: run_layout)
     errors: dict[str, list[str]]  # failing case name -> what each rank raised, by rank
 
 
@@ -356,9 +356,32 @@ def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), 
                                      timeout=timeout, grace=grace, while_running=while_running)
         results = {case.name: torch.load(out / f"{case.name}.pt", weights_only=False)
                    for case in cases if (out / f"{case.name}.pt").exists()}
+        for name, record in results.items():
+            for rank in range(1, world_size):
+                path = out / f"{name}.rank{rank}.pt"
+                if path.exists():  # missing when the rank failed: its exit code says so
+                    assert_same_record(name, rank, torch.load(path, weights_only=False), record)
         errors = {case.name: [_read_outcome(out / f"{case.name}.rank{rank}.txt") for rank in range(world_size)]
                   for case in failing}
     return LaunchResult(returncodes, output, results, errors)
+
+
+def assert_same_record(name: str, rank: int, got: dict[str, Any], first: dict[str, Any]) -> None:
+    """Rank ``rank``'s losses, logged values and weights (its own replica's, gathered over its shards and stages)
+    within fp32 round-off of rank 0's: a replica or a rank that drifted fails here, though rank 0's record
+    alone matches one process."""
+    where = f"{name}: rank {rank} against rank 0"
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(first["losses"]), rtol=1e-5, atol=1e-7,
+                               msg=lambda m: f"{where}: losses: {m}")
+    assert len(got["logged"]) == len(first["logged"]), (where, len(got["logged"]), len(first["logged"]))
+    for index, (logged, ours) in enumerate(zip(got["logged"], first["logged"])):
+        for key in logged.keys() & ours.keys():
+            assert abs(logged[key] - ours[key]) <= 1e-5 * abs(ours[key]) + 1e-7, (
+                f"{where}: logged[{index}] {key}: {logged[key]} vs {ours[key]}")
+    assert set(got["weights"]) == set(first["weights"]), (where, set(got["weights"]) ^ set(first["weights"]))
+    for key, value in first["weights"].items():
+        torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{where}: weight {key}: {m}")
 
 
 def _read_outcome(path: Path) -> str:

@@ -1,4 +1,6 @@
-"""One rank of a parity launch: train every case of the spec file in turn; rank 0 saves each record.
+"""One rank of a parity launch: train every case of the spec file in turn; every rank saves its record (rank 0's
+``<name>.pt``, the others' ``<name>.rank<r>.pt``), so that a rank or replica that drifted is seen
+(:func:`tests.parity.run_layout` compares them with rank 0's).
 
 Cases under ``"failing"`` are expected to raise: every rank writes what it raised (or ``no error``) to
 ``<name>.rank<r>.txt``, for the test to judge that each rank stopped with the right message.
@@ -25,8 +27,8 @@ def main(spec_path: str) -> None:
 
     for fields in spec["cases"]:
         record = run(Case(**fields))
-        if record["rank"] == 0:
-            torch.save(record, out / f"{fields['name']}.pt")
+        name = fields["name"] if record["rank"] == 0 else f"{fields['name']}.rank{record['rank']}"
+        torch.save(record, out / f"{name}.pt")
     for fields in spec.get("failing", []):
         try:
             run(Case(**fields))

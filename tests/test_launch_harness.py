@@ -5,7 +5,7 @@ for the next launch, and a hang must end at its timeout with every rank killed."
 import lightning.pytorch as pl
 import pytest
 
-from tests.parity import _ForkServer, launch, rank_tails
+from tests.parity import Case, _ForkServer, launch, rank_tails, run_layout
 
 # Each rank sleeps as long as the file beside the script says (the environment stays the session's, so the
 # launches go through the fork server) and exits with 3 + its rank.
@@ -78,3 +78,12 @@ def test_a_rank_killed_by_a_signal_leaves_its_stack_and_its_log_is_shown(tmp_pat
     shown = rank_tails(output)
     assert "Fatal Python error: Segmentation fault" in shown and "crash_inside_a_step" in shown, shown[:3000]
     assert "Fatal Python error" not in output[-6000:], "the crashed rank's log is not at the output's end"
+
+
+def test_a_replica_that_drifts_fails_though_rank_0_matches_one_process():
+    """Every rank's record is compared with rank 0's (tests/parity_worker.py saves them all): rank 1 changes one
+    weight before its second step and trains on, unseen by rank 0, whose record still matches one process."""
+    drifting = Case("drifting", module="tests.models:Classifier", data="tests.models:classification_data",
+                    strategy={"dp": 2}, max_steps=3, callbacks=["tests.probes:PerturbWeightOnRank"])
+    with pytest.raises(AssertionError, match="drifting: rank 1 against rank 0: (losses|weight)"):
+        run_layout([drifting], 2, timeout=120)
