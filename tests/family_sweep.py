@@ -3,16 +3,23 @@ built from its configuration class's defaults shrunk (hidden 64, 2 layers, 4 hea
 meta device (no weights, no download), through the automatic tp plan at tp=2 (its share sharded), context
 parallelism's reachability check at cp=2 and the pipeline cut at pp=2. Pure: seconds per family.
 
-``sweep()`` returns one row per family; ``tests/test_family_sweep.py`` checks it and that docs/zoo.md holds
-the table ``docs/zoo_table.py`` writes from it for the installed transformers.
+``sweep()`` returns one row per family; ``tests/test_family_sweep.py`` checks its invariants (every family built
+plans or is refused by lightning-4d with a fix; no other error) and that docs/zoo.md holds the table
+``docs/zoo_table.py`` writes from it for the installed transformers, when the page has that version's section.
+A verdict is ``refused: ...`` only for lightning-4d's own refusal (:func:`_verdict`); anything else is
+``error: ...``, which the invariants fail.
 """
 
 from __future__ import annotations
 
+import re
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+import lightning_4d
 from lightning_4d.context_parallel.reachability import check_attention_reachable
 from lightning_4d.pipeline.config import PipelineConfig
 from lightning_4d.pipeline.plan import PipelinePlan
@@ -147,11 +154,27 @@ def _config(family: str, class_name: str):
     return config
 
 
+PACKAGE = Path(lightning_4d.__file__).resolve().parent
+# A refusal's message says what to do: use/pass/set another value, a tp_plan or pp_blocks, or a size of 1.
+NAMES_A_FIX = re.compile(r"\b([Uu]se|[Pp]ass|[Ss]et|[Gg]ive|[Mm]ake|[Aa]dd|[Nn]ame)\b|tp_plan|pp_blocks|=1\b")
+
+
+def is_refusal(error: BaseException) -> bool:
+    """lightning-4d refusing a model: a ValueError raised in lightning_4d's own code, whose message names a fix
+    (not a library's exception passing through it, not a crash)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    raised_here = bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(PACKAGE)
+    return isinstance(error, ValueError) and raised_here and bool(NAMES_A_FIX.search(str(error)))
+
+
 def _verdict(check) -> str:
     try:
         result = check()
     except Exception as error:  # noqa: BLE001 - the row records what each check says, refusal or failure
         first = str(error).strip().split("\n")[0]
+        if not is_refusal(error):
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            return f"error: {type(error).__name__}: {first[:700]} ({where.filename}:{where.lineno})"
         return f"refused: {type(error).__name__}: {first[:700]}"
     return result if isinstance(result, str) else "ok"
 
@@ -197,19 +220,17 @@ def _with_fixes(model, rounds: int = 8) -> str:
     """Plans again with the tp_plan each refusal names as its fix, merged, until one plans (its share) or a
     refusal names no tp_plan (that refusal)."""
     import ast
-    import re
 
     fixes: dict[str, str] = {}
     for _ in range(rounds):
         try:
             return f"{plan_tensor_parallel(model, 2, fixes).coverage.share:.0%}"
-        except ValueError as error:
-            named = re.search(r"tp_plan: (\{[^{}]*\})", str(error))
+        except Exception as error:  # noqa: BLE001 - a refusal naming a tp_plan is applied; any other is the verdict
+            named = re.search(r"tp_plan: (\{[^{}]*\})", str(error)) if is_refusal(error) else None
             if named is None:
-                return f"refused: {str(error).splitlines()[0][:700]}"
+                return f"{'refused' if is_refusal(error) else 'error'}: {str(error).splitlines()[0][:700]}"
             fixes.update(ast.literal_eval(re.sub(r": (\w+)", r": '\1'", named.group(1))))
     return f"refused: still refused after {rounds} fixes: {fixes}"
-
 
 
 def _block_share(model, plan) -> str:
