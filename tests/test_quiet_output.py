@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from tests.parity import child_env
+from tests.quiet_probe import PROBE_WARNING
 
 ROOT = Path(__file__).resolve().parent.parent
 WARNING_LINE = re.compile(r"^\S+\.py:\d+: .*$", re.M)  # how warnings.showwarning prints one
@@ -26,9 +27,10 @@ def test_the_16_process_demo_prints_each_warning_once(tmp_path):
     assert (tmp_path / "end.ckpt").is_dir(), "the probe's save did not happen"
 
     warnings = Counter(WARNING_LINE.findall(out))
-    assert warnings, "the run raises the LeafSpec deprecation; rank 0 must still show it"
+    assert out.count(PROBE_WARNING) == 1, "rank 0 must still show a warning, once"
     assert all(count == 1 for count in warnings.values()), warnings
-    assert out.count("`isinstance(treespec, LeafSpec)` is deprecated") == 1
+    # Lightning 2.6's own deprecation, dropped off rank 0 by lightning_4d._quiet: once where it is raised at all.
+    assert out.count("`isinstance(treespec, LeafSpec)` is deprecated") <= 1
     assert out.count("Seed set to 1234") == 1 and out.count("Initializing distributed: GLOBAL_RANK") == 1
     assert "Tip:" not in out and "litlogger" not in out
     assert "weights_only` was not set" not in out
