@@ -8,7 +8,8 @@ differs from what this writes, so the page cannot claim what the tests no longer
 Below the zoo, one section per transformers version holds the meta-device sweep of every causal-LM and
 masked-LM family (``tests/family_sweep.py``): running this script rewrites the installed version's section and
 keeps the others (the CI's two environments run two versions: ``--sweep-only`` writes that section alone);
-``tests/test_family_sweep.py`` fails when the installed version's section differs from the sweep.
+``tests/test_family_sweep.py`` fails when the installed version's section differs from the sweep (a version the
+page has no section for is held to the sweep's invariants only).
 """
 
 from __future__ import annotations

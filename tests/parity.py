@@ -231,7 +231,8 @@ def free_port() -> int:
 class LaunchResult:
     returncodes: list[int]
     output: str  # every rank's stdout/stderr, the failing ranks' first
-    results: dict[str, dict[str, Any]]  # case name -> rank 0's record (every rank's agrees with it: run_layout)
+    results: dict[str, dict[str, Any]]  # case name -> rank 0's record, with "disagreement": the first rank whose
+    # record differs from it (run_layout), or None
     errors: dict[str, list[str]]  # failing case name -> what each rank raised, by rank
 
 
@@ -356,11 +357,17 @@ def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), 
                                      timeout=timeout, grace=grace, while_running=while_running)
         results = {case.name: torch.load(out / f"{case.name}.pt", weights_only=False)
                    for case in cases if (out / f"{case.name}.pt").exists()}
-        for name, record in results.items():
+        for name, record in results.items():  # assert_parity fails a record whose ranks disagree
+            record["disagreement"] = None
             for rank in range(1, world_size):
                 path = out / f"{name}.rank{rank}.pt"
-                if path.exists():  # missing when the rank failed: its exit code says so
+                if not path.exists():  # the rank failed: its exit code says so
+                    continue
+                try:
                     assert_same_record(name, rank, torch.load(path, weights_only=False), record)
+                except AssertionError as disagreement:
+                    record["disagreement"] = str(disagreement)
+                    break
         errors = {case.name: [_read_outcome(out / f"{case.name}.rank{rank}.txt") for rank in range(world_size)]
                   for case in failing}
     return LaunchResult(returncodes, output, results, errors)
@@ -398,7 +405,8 @@ def assert_parity(case: Case, expected: dict[str, Any], got: dict[str, Any], *, 
                   atol: float = 1e-5, metrics: tuple[str, ...] = ("train_loss",),
                   epoch_metrics: tuple[str, ...] = ()) -> None:
     """Per-step losses, per-step ``metrics`` and end-of-epoch ``epoch_metrics`` within ``rtol`` relative;
-    final weights within ``atol + rtol*|w|``."""
+    final weights within ``atol + rtol*|w|``; and every rank's record agreeing with rank 0's (``run_layout``)."""
+    assert got.get("disagreement") is None, got["disagreement"]
     assert len(got["losses"]) == len(expected["losses"]) > 0, (case.name, got["losses"], expected["losses"])
     for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
         assert abs(a - b) <= rtol * abs(b) + 1e-7, f"{case.name}: loss at step {step}: {a} vs single-process {b}"

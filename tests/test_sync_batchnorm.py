@@ -35,3 +35,6 @@ def test_global_statistics_match_one_process(records, case):
 def test_without_it_each_replica_keeps_its_own_statistics(records, case):
     loss, weight = max_difference(reference(case), records[case.name])
     assert loss > 1e-4 or weight > 1e-3, (case.name, loss, weight)
+    # The replicas' statistics differ from each other too (every rank's record is compared with rank 0's).
+    assert "rank 1 against rank 0: weight" in records[case.name]["disagreement"] and \
+        "norm.running_" in records[case.name]["disagreement"], records[case.name]["disagreement"]

@@ -135,8 +135,11 @@ class Heartbeat:
             pass
 
     def alive_peers(self, within: float) -> set[int]:
-        """Ranks whose beat changed within the last ``within`` seconds (as this thread last saw them), and
-        which have not left."""
+        """Ranks whose beat changed within the last ``within`` seconds, and which have not left. Read from the
+        store now once this rank's thread has stopped (rank 0 waiting for the others' reports after its own):
+        its last view would make every peer look silent after ``within`` seconds."""
+        if self._stop.is_set():
+            self._note(self._read_peers(), time.monotonic())
         now = time.monotonic()
         return {rank for rank, (_, since) in self._seen.items()
                 if now - since <= within and "left" not in self._peers.get(rank, {})}
@@ -223,8 +226,8 @@ class Heartbeat:
         values = self.store.multi_get([_key(rank) for rank in present]) if present else []
         return {rank: json.loads(value) for rank, value in zip(present, values)}
 
-    def _judge(self, records: dict[int, dict[str, Any]]) -> None:
-        now = time.monotonic()
+    def _note(self, records: dict[int, dict[str, Any]], now: float) -> None:
+        """Each peer's last record, and when its beat last changed."""
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
@@ -235,6 +238,10 @@ class Heartbeat:
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
+
+    def _judge(self, records: dict[int, dict[str, Any]]) -> None:
+        now = time.monotonic()
+        self._note(records, now)
         failed = sorted(rank for rank, record in self._peers.items() if str(record.get("left", "")).startswith("failed"))
         if failed and not self.reporting:
             self._judge_blocked(now, failed)
