@@ -69,11 +69,12 @@ def _run_rank(argv: list[str], env: dict[str, str], log: str) -> int:
 
 
 def _leave(code: int) -> None:
-    """End this rank as ``sys.exit(code)`` would, but for the interpreter's finalization (module docstring)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # CPython's own call at exit; the test harness only, never the package
+    """End this rank as ``sys.exit(code)`` would, but for the interpreter's finalization (module docstring).
+    CPython's own two calls at exit, in its order (the test harness only, never the package):
+    ``threading._shutdown`` first tells the thread pools' workers to stop (concurrent.futures registers that
+    with it; inductor's compile pool is one) and joins the non-daemon threads; then the ``atexit`` handlers."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
