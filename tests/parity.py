@@ -375,8 +375,8 @@ def run_layout(cases: list[Case], world_size: int, *, failing: list[Case] = (), 
 
 def assert_same_record(name: str, rank: int, got: dict[str, Any], first: dict[str, Any]) -> None:
     """Rank ``rank``'s losses, logged values and weights (its own replica's, gathered over its shards and stages)
-    within fp32 round-off of rank 0's: a replica or a rank that drifted fails here, though rank 0's record
-    alone matches one process."""
+    within fp32 round-off of rank 0's: a replica or a rank that drifted fails here, where rank 0's record alone
+    could still match one process."""
     where = f"{name}: rank {rank} against rank 0"
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(first["losses"]), rtol=1e-5, atol=1e-7,
                                msg=lambda m: f"{where}: losses: {m}")
