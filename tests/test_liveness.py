@@ -76,6 +76,58 @@ def test_ranks_at_the_same_point_are_not_judged_stalled():
     assert exits == {0: [], 1: []}
 
 
+def test_a_rank_blocked_by_a_failure_names_it_and_leaves_as_failed_not_lost(capfd):
+    """Rank 1's own code raised and it claimed the first failure; rank 0 waits in a collective that will not
+    finish. Its heartbeat names rank 1's failure, marks itself left after a failure (a third rank whose
+    collective breaks when rank 0 ends must not call it lost), and takes the report from the main thread."""
+    import json
+    import threading
+
+    from lightning_4d.faults.liveness import FIRST_FAILURE_KEY
+
+    beats, exits = _pair(interval=0.2, lost_after=1.0, stall_after=None)
+    for beat in beats:
+        beat.start()
+    beats[0].mark("backward", 3)
+    store = beats[1].store
+    assert store.add(FIRST_FAILURE_KEY + "/count", 1) == 1  # rank 1 claims the slot, then formats its traceback
+    threading.Timer(0.5, lambda: store.set(FIRST_FAILURE_KEY, "rank 1 failed first:\nValueError: bad batch\n")).start()
+    beats[1].stop("failed (ValueError)")
+    _wait(lambda: exits[0], 6)
+    assert exits == {0: [EXIT_RANK_LOST], 1: []}, exits
+    err = capfd.readouterr().err
+    assert "rank 0 stopped because rank 1 failed first:\nValueError: bad batch" in err, err
+    assert json.loads(store.get("lightning_4d/heartbeat/0"))["left"] == "failed (blocked by rank 1)"
+    assert not beats[0].claim_report("main")  # the main thread's own report, if its collective fails now, yields
+
+
+def test_a_failed_collective_is_recognised_through_the_exceptions_it_was_raised_from():
+    from lightning_4d.faults.report import _is_communication_error
+
+    try:
+        try:
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:25763")
+        except RuntimeError as error:
+            raise RuntimeError("[Stage 1] failed to run forward:\nargs: ...") from error
+    except RuntimeError as wrapped:
+        assert _is_communication_error(wrapped)
+    assert not _is_communication_error(ValueError("bad batch"))
+
+
+def test_rank_0_keeps_the_store_until_every_rank_reported_not_until_a_count():
+    """A count can reach the world size while one rank has not read the failure yet (a rank counted by its
+    heartbeat and by its main thread): rank 0 waits for each rank's own key."""
+    from lightning_4d.faults.liveness import FIRST_FAILURE_KEY
+    from lightning_4d.faults.report import _waiting_for
+
+    store = dist.HashStore()
+    store.add(FIRST_FAILURE_KEY + "/count", 3)
+    store.set(FIRST_FAILURE_KEY + "/reported/0", "1")
+    assert _waiting_for(store, 2, None)
+    store.set(FIRST_FAILURE_KEY + "/reported/1", "1")
+    assert not _waiting_for(store, 2, None)
+
+
 def test_bad_settings_fail_before_anything_starts():
     with pytest.raises(ValueError, match="lost_after=0.5 must be at least twice heartbeat_interval=1"):
         Heartbeat(None, 0, 2, interval=1, lost_after=0.5)

@@ -66,6 +66,17 @@ def _key(rank: int) -> str:
     return f"{_PREFIX}{rank}"
 
 
+def read_first_failure(store: dist.Store, wait: float = 10.0) -> str:
+    """The first failure's text. The rank that claimed the slot (the first to count itself) writes it just after
+    (formatting its traceback takes a moment, longer on a loaded machine): a rank that comes second waits."""
+    deadline = time.monotonic() + wait
+    while not store.check([FIRST_FAILURE_KEY]):
+        if time.monotonic() > deadline:
+            return f"another rank failed first; it did not write its failure within {wait:.0f} s\n"
+        time.sleep(0.02)
+    return store.get(FIRST_FAILURE_KEY).decode(errors="replace")
+
+
 def check_options(interval: float, lost_after: float, stall_after: Optional[float]) -> None:
     """Bad settings fail when the callback is made, before any process group exists."""
     for name, value in (("heartbeat_interval", interval), ("lost_after", lost_after)):
@@ -103,7 +114,8 @@ class Heartbeat:
         self._job_progress: tuple[Any, float] = (None, time.monotonic())
         self._store_failing_since: Optional[float] = None
         self._still_since: Optional[tuple[int, float]] = None  # (progress, since) once a peer left failing
-        self.reporting = False  # the main thread reports its own failure: this thread judges nothing more
+        self._reporter: Optional[str] = None  # who reports this rank's end: "main" (its own failure) or "thread"
+        self._reporter_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------- main thread
 
@@ -133,6 +145,15 @@ class Heartbeat:
                                                         "coll": RECORDER.last()}))
         except Exception:  # noqa: BLE001  the store may be gone with rank 0
             pass
+
+    def claim_report(self, who: str) -> bool:
+        """Exactly one of the main thread (its own failure's report) and this thread (the "blocked" judgement)
+        reports this rank's end: both counting it would let rank 0 think every rank reported and take the store
+        away from one that has not."""
+        with self._reporter_lock:
+            if self._reporter is None:
+                self._reporter = who
+            return self._reporter == who
 
     def alive_peers(self, within: float) -> set[int]:
         """Ranks whose beat changed within the last ``within`` seconds, and which have not left. Read from the
@@ -243,7 +264,7 @@ class Heartbeat:
         now = time.monotonic()
         self._note(records, now)
         failed = sorted(rank for rank, record in self._peers.items() if str(record.get("left", "")).startswith("failed"))
-        if failed and not self.reporting:
+        if failed and self._reporter != "main":
             self._judge_blocked(now, failed)
         if any("left" in record for record in self._peers.values()):
             return  # a rank finished or failed on purpose: its own report (or the end of the job) follows
@@ -262,13 +283,16 @@ class Heartbeat:
         if self._still_since is None or self._still_since[0] != self.progress:
             self._still_since = (self.progress, now)
             return
-        if now - self._still_since[1] < 3 * self.interval:
+        if now - self._still_since[1] < 3 * self.interval or not self.claim_report("thread"):
             return
         try:
-            first = (self.store.get(FIRST_FAILURE_KEY).decode(errors="replace")
-                     if self.store.check([FIRST_FAILURE_KEY]) else f"rank {failed[0]} failed\n")
+            first = read_first_failure(self.store) if self.store.add(FIRST_FAILURE_KEY + "/count", 1) > 1 else (
+                f"rank {failed[0]} failed first: its failure was not recorded\n")
             self.store.set(f"{FIRST_FAILURE_KEY}/reported/{self.rank}", "1")
-            self.store.add(FIRST_FAILURE_KEY + "/count", 1)
+            # Left after a failure, not lost: a peer whose collective breaks when this process ends says so.
+            self.store.set(_key(self.rank), json.dumps({"left": f"failed (blocked by rank {failed[0]})",
+                                                        "step": self.step, "doing": self.doing,
+                                                        "coll": RECORDER.last()}))
         except Exception:  # noqa: BLE001  the store may be gone with rank 0: the store judgement follows
             return
         print(f"[lightning-4d] rank {self.rank} stopped because {first}[lightning-4d] rank {self.rank} was waiting"

@@ -21,6 +21,7 @@ import gc
 import sys
 import time
 import traceback
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -107,8 +108,11 @@ def report_failure(rank: int, exception: BaseException, world_size: int, linger:
             heartbeat.stop("preempted" if isinstance(exception, Preempted) else type(exception).__name__)
         release_signals()
         return
-    if heartbeat is not None:
-        heartbeat.reporting = True  # its thread leaves the judging of this failure to this report
+    if heartbeat is not None and not heartbeat.claim_report("main"):
+        # Its heartbeat thread already judged this rank blocked by a peer's failure: it is printing that failure
+        # and ends the process (exit EXIT_RANK_LOST); this failure is that one's consequence.
+        time.sleep(heartbeat.lost_after + 5 * heartbeat.interval)
+        return
     try:
         _report(store, heartbeat, rank, exception, world_size, linger)
     finally:
@@ -121,7 +125,9 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
     try:
         # A collective that failed because a peer vanished: find that peer by its heartbeat before blaming this
         # rank (gloo's "Connection reset by peer" names neither).
-        lost = heartbeat.find_lost() if heartbeat is not None and _is_communication_error(exception) else []
+        # Not when a rank has claimed the first failure already: the ranks that left after it are its consequence.
+        lost = (heartbeat.find_lost() if heartbeat is not None and _is_communication_error(exception)
+                and store.add(_KEY + "/count", 0) == 0 else [])
         if lost:
             names = ", ".join(f"rank {peer}" for peer in lost)
             text = (f"{names} {'was' if len(lost) == 1 else 'were'} lost (no heartbeat: the process died or was"
@@ -132,9 +138,8 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
         elif store.add(_KEY + "/count", 1) == 1:
             text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
             store.set(_KEY, f"rank {rank} failed first:\n{text}")
-        elif store.check([_KEY]):
-            first = store.get(_KEY).decode(errors="replace")
-            print(f"[lightning-4d] rank {rank} stopped because {first}", file=sys.stderr, flush=True)
+        else:  # the first rank claimed the slot and writes its traceback into it: wait for that
+            print(f"[lightning-4d] rank {rank} stopped because {liveness.read_first_failure(store)}", file=sys.stderr, flush=True)
         store.set(f"{_KEY}/reported/{rank}", "1")
         if _is_communication_error(exception) and not lost:
             mine = "\n".join(f"  {describe(record)}" for record in RECORDER.last(5)) or "  none"
@@ -148,14 +153,23 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
         deadline = time.monotonic() + linger
         while rank == 0 and time.monotonic() < deadline and _waiting_for(store, world_size, heartbeat):
             time.sleep(0.1)
-    except Exception:  # noqa: BLE001  the store may be gone with the rank that hosted it
-        return
+    except Exception as error:  # noqa: BLE001  the store may be gone with the rank that hosted it
+        print(f"[lightning-4d] rank {rank} failed with {_first_line(exception)}; the first failure of the job could"
+              f" not be read from the rendezvous store ({_first_line(error)}): rank 0, which hosts it, may be gone",
+              file=sys.stderr, flush=True)
 
 
-def _is_communication_error(exception: BaseException) -> bool:
+
+def _is_communication_error(exception: Optional[BaseException], depth: int = 0) -> bool:
+    """Whether the exception, or one it was raised from, is a failed collective (torch.distributed.pipelining
+    wraps a failed receive in ``RuntimeError("[Stage 1] failed to run forward ...")`` that names no peer)."""
+    if exception is None or depth > 8:
+        return False
     text = str(exception)
-    return isinstance(exception, dist.DistError) or any(
-        word in text for word in ("gloo", "Connection reset", "Connection closed", "NCCL", "Broken pipe"))
+    if isinstance(exception, dist.DistError) or any(
+            word in text for word in ("gloo", "Connection reset", "Connection closed", "NCCL", "Broken pipe")):
+        return True
+    return _is_communication_error(exception.__cause__ or exception.__context__, depth + 1)
 
 
 def _first_line(exception: BaseException) -> str:
@@ -164,8 +178,9 @@ def _first_line(exception: BaseException) -> str:
 
 
 def _waiting_for(store, world_size: int, heartbeat) -> bool:
-    """Whether rank 0 should keep the store up: some rank has not reported and may still (it is alive)."""
-    if store.add(_KEY + "/count", 0) >= world_size:
+    """Whether rank 0 should keep the store up: some rank has not reported and may still (it is alive). Each
+    rank's own key, not a count: a count could be reached while one rank has not read the failure yet."""
+    if store.check([f"{_KEY}/reported/{rank}" for rank in range(world_size)]):
         return False
     if heartbeat is None:
         return True
