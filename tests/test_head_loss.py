@@ -97,7 +97,12 @@ def test_a_chain_to_the_loss_gives_the_unfused_numbers(name, tied, in_backward):
     assert (owner.fused, owner.fallbacks) == (1, 0), (owner.fused, owner.fallbacks)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     for n in expected_grads:
-        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-6, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        # Round-off is relative to the gradient's scale (up to 280 under none_weighted's weights up to 32): a small
+        # element of a large gradient differs by an ulp of the large ones when the summation order changes
+        # (two intra-op threads instead of one: 5.7e-6 in emb.weight, whose largest element is 38).
+        scale = max(1.0, expected_grads[n].abs().max().item())
+        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-6, atol=1e-6 * scale,
+                                   msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["gradients_in_forward", "gradients_in_backward"])
@@ -305,7 +310,9 @@ TWO = [
          **SFT),
     Case("llama_labels_dp2_checkpointed", module=LABELS, module_kwargs=LLAMA,
          strategy={"dp": 2, "activation_checkpointing": "full"}, **SFT),
-    Case("llama_ce_cp2_compiled", module=ZOO, module_kwargs=LLAMA, strategy={"cp": 2, "compile": True}, **SFT),
+    # blocks compiled by dynamo and AOT autograd, the head outside them (inductor's code: tests/test_compile.py)
+    Case("llama_ce_cp2_compiled", module=ZOO, module_kwargs=LLAMA,
+         strategy={"cp": 2, "compile": {"backend": "aot_eager"}}, **SFT),
     Case("llama_unfused_dp2", module=LABELS, module_kwargs=LLAMA, strategy={"dp": 2, "fuse_lm_loss": False}, **SFT),
 ]
 EIGHT = [Case("llama_labels_dp2_pp2_cp2", module=LABELS, module_kwargs=LLAMA, strategy={"dp": 2, "pp": 2, "cp": 2},
