@@ -221,3 +221,24 @@ def pretrained_llama(path: str, **config) -> HFCausalLM:
     module = HFCausalLM(kind="llama", **config)
     module.model.load_state_dict(transformers.LlamaForCausalLM.from_pretrained(path).state_dict())
     return module
+
+
+def torch_file_of(checkpoint_dir: str, path: str) -> str:
+    """The lightning-4d checkpoint directory ``checkpoint_dir`` as one ``torch.save`` file at ``path``, written by
+    torch's own converter (``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``), not by ours."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint_dir, path)
+    return path
+
+
+def loaded_module(build: str, path: str, **kwargs) -> pl.LightningModule:
+    """The module ``build`` (``"package.module:factory"``) makes from ``kwargs``, with the ``state_dict`` of the
+    checkpoint file ``path`` loaded by ``torch.load`` and ``load_state_dict``, as a user of one plain process loads
+    one: the single-process side of a case that starts from a checkpoint through ``FourDStrategy(init_from=...)``."""
+    import importlib
+
+    where, name = build.split(":")
+    module = getattr(importlib.import_module(where), name)(**kwargs)
+    module.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+    return module

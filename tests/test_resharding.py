@@ -20,7 +20,7 @@ import torch
 
 from lightning_4d import checkpoint
 from lightning_4d.checkpoint import export_checkpoint
-from tests.lm_models import HFCausalLM, token_data
+from tests.lm_models import HFCausalLM, token_data, torch_file_of
 from tests.parity import ROOT, Case, after_step, assert_exact_resume, assert_parity, reference, train, train_layout
 
 SAVE = 2
@@ -50,8 +50,9 @@ def runs(tmp_path_factory):
              _case("A_async", strategy=dict(A, async_save=True), resume_at=SAVE)]  # written in the background
     records.update(train_layout(eight, 8, timeout=420, workdir=str(workdir)))
 
-    # The 2x2x1x2 checkpoint as one plain file: starts training, without optimizer state, in 1x1x2x2 and in
-    # one process; the two runs must agree with each other.
+    # The 2x2x1x2 checkpoint as one plain file (our export) starts training, without optimizer state, in 1x1x2x2;
+    # so does the asynchronously written one (init_from its directory). Both must train as one plain process that
+    # loads the weights without lightning-4d (below).
     plain = export_checkpoint(ckpt("A"), workdir / "A.ckpt")
     from_plain = dict(max_steps=SAVE)
     four = [_case("A_to_B", strategy=B, resume_from=ckpt("A")), _case("A_async_to_B", strategy=B, resume_from=ckpt("A_async")),
@@ -64,8 +65,12 @@ def runs(tmp_path_factory):
     records.update(train_layout(four, 4, timeout=300, workdir=str(workdir)))
     records["A_to_one"] = train(_case("A_to_one", resume_from=ckpt("A")), distributed=True)
     records["C_to_one"] = train(_case("C_to_one", resume_from=ckpt("C")), distributed=True)
-    records["plain_to_one"] = train(_case("plain_to_one", strategy={"init_from": str(plain)}, **from_plain),
-                                    distributed=True)
+    # One plain process (Lightning's own strategy) that loads the 2x2x1x2 checkpoint's weights as torch converts
+    # the directory and as a user loads a file: nothing of lightning-4d on this side.
+    torch_file = torch_file_of(ckpt("A"), str(workdir / "A_by_torch.pt"))
+    records["plain_to_one"] = train(_case("plain_to_one", module="tests.lm_models:loaded_module",
+                                          module_kwargs={"build": LLAMA.module, "path": torch_file,
+                                                         **LLAMA.module_kwargs}, **from_plain), distributed=False)
     return ckpt, records
 
 
@@ -109,8 +114,9 @@ def test_plain_weights_start_training_in_a_layout_as_in_one_process(runs):
 
 def test_a_4d_checkpoint_exports_to_a_plain_file_and_a_hugging_face_directory(runs, tmp_path):
     ckpt, _ = runs
-    trained = HFCausalLM(kind="llama")
-    checkpoint.load_weights(ckpt("A"), trained)
+    trained = HFCausalLM(kind="llama")  # the weights as torch's own converter reads the directory
+    by_torch = torch_file_of(ckpt("A"), str(tmp_path / "A.pt"))
+    trained.load_state_dict(torch.load(by_torch, weights_only=True)["state_dict"])
     tokens = token_data(train=False).tensors[0]
 
     module = HFCausalLM(kind="llama")

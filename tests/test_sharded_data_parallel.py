@@ -29,7 +29,7 @@ from lightning_4d.composition.parallelize import parallelize
 from lightning_4d.composition.plans import make_plans
 from lightning_4d.pipeline import PipelineConfig
 from lightning_4d.tensor_parallel import TensorParallelConfig
-from tests.lm_models import tiny_gpt
+from tests.lm_models import tiny_gpt, torch_file_of
 from tests.parity import Case, after_step, assert_exact_resume, assert_parity, reference, train, train_layout
 
 CLASSIFIER = dict(module="tests.models:Classifier", data="tests.models:classification_data")
@@ -101,8 +101,12 @@ def runs(tmp_path_factory):
     records.update(train_layout(_four(workdir), 4, timeout=600, workdir=str(workdir)))
     records["shard2_to_one"] = train(_gpt("shard2_to_one", {}, resume_from=_ckpt(workdir, "shard2_saved")),
                                      distributed=True)
-    records["one_init_from"] = train(_gpt("one_init_from", {"init_from": _ckpt(workdir, "shard2_saved")},
-                                          max_steps=2), distributed=True)
+    # One plain process (Lightning's own strategy) that loads the checkpoint's weights as torch converts the
+    # directory and as a user loads a file: nothing of lightning-4d on this side.
+    torch_file = torch_file_of(_ckpt(workdir, "shard2_saved"), str(workdir / "shard2_saved_by_torch.pt"))
+    plain = replace(_gpt("one_init_from", {}, max_steps=2), module="tests.lm_models:loaded_module",
+                    module_kwargs={"build": GPT["module"], "path": torch_file})
+    records["one_init_from"] = train(plain, distributed=False)
     return {case.name: case for case in _two(workdir) + _four(workdir)}, records
 
 
