@@ -76,7 +76,13 @@ def _losses(config: Path) -> list[tuple[int, str, float]]:
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_baseline_gives_the_parallel_loss_at_every_step(name, tmp_path):
-    """Both launchers: demo.yaml forks its ranks (``start_method: fork``), dp.yaml starts them as scripts."""
+    """Both launchers: demo.yaml forks its ranks (``start_method: fork``), dp.yaml starts them as scripts.
+
+    The baseline is FourDStrategy with every size 1, not Lightning's default strategy: under any multi-process
+    strategy Lightning draws training batches with a shuffling DistributedSampler (seeded by the run's seed),
+    even from a loader made with ``shuffle=False``, and one process under the default strategy draws another
+    order (measured: another first batch, loss 5.5553 against 5.5657), so no plain process sees the replicas'
+    batches. The harness's references everywhere else are Lightning's default strategy (tests/parity.py)."""
     parallel = _load(name)
     dp = parallel["trainer"]["strategy"]["init_args"]["dp"]
     assert dp == 2, "the 2-process layout below keeps the config's dp"
