@@ -67,10 +67,12 @@ def _cheap(config: dict, root: Path, layout: dict | None) -> Path:
     return path
 
 
-def _losses(config: Path) -> list[tuple[int, str, float]]:
+def _losses(config: Path, layout_line: str = "") -> list[tuple[int, str, float]]:
+    """The losses the run printed; it must also print ``layout_line`` (the strategy the YAML named was built)."""
     done = subprocess.run([sys.executable, "examples/train.py", "fit", "--config", str(config)], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert layout_line in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
     return [(int(step), name, float(value)) for step, name, value in LOSS_LINE.findall(done.stdout)]
 
 
@@ -86,7 +88,10 @@ def test_baseline_gives_the_parallel_loss_at_every_step(name, tmp_path):
     parallel = _load(name)
     dp = parallel["trainer"]["strategy"]["init_args"]["dp"]
     assert dp == 2, "the 2-process layout below keeps the config's dp"
-    got = _losses(_cheap(parallel, tmp_path / "parallel", {"dp": dp}))
+    # the YAML's class_path + init_args through LightningCLI build the strategy (tests/test_strategy_config.py
+    # replaces them by the registry name)
+    got = _losses(_cheap(parallel, tmp_path / "parallel", {"dp": dp}),
+                  "lightning-4d layout: dp=2 pp=1 cp=1 tp=1 (world 2)")
     want = _losses(_cheap(_load(BASELINES[name]), tmp_path / "baseline", None))
     assert [(step, kind) for step, kind, _ in want] == [(1, "train_loss"), (2, "train_loss"), (3, "train_loss"),
                                                         (3, "val_loss")]

@@ -56,11 +56,11 @@ def _train_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return result
 
 
-def test_yaml_class_path_and_registry_name_through_lightning_cli(tmp_path):
-    # class_path + init_args from examples/configs/dp.yaml (2 processes, Lightning's own launcher).
-    out = _train_cli("--trainer.default_root_dir", str(tmp_path / "yaml"))
-    assert "lightning-4d layout: dp=2 pp=1 cp=1 tp=1 (world 2)" in out.stdout + out.stderr
-    # The registry name from the command line replaces the YAML's strategy.
+def test_registry_name_through_lightning_cli_replaces_the_yaml_strategy(tmp_path):
+    # examples/configs/dp.yaml (2 processes, Lightning's own launcher), its class_path + init_args replaced by the
+    # registry name on the command line. The YAML's class_path itself trains in
+    # tests/test_demo_configs.py::test_baseline_gives_the_parallel_loss_at_every_step[dp.yaml], which checks the
+    # same layout line.
     out = _train_cli("--trainer.strategy", "fourd", "--trainer.default_root_dir", str(tmp_path / "name"))
     assert "lightning-4d layout: dp=2 pp=1 cp=1 tp=1 (world 2)" in out.stdout + out.stderr
 
