@@ -139,7 +139,8 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
             text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
             store.set(_KEY, f"rank {rank} failed first:\n{text}")
         else:  # the first rank claimed the slot and writes its traceback into it: wait for that
-            print(f"[lightning-4d] rank {rank} stopped because {liveness.read_first_failure(store)}", file=sys.stderr, flush=True)
+            first = liveness.read_first_failure(store)
+            print(f"[lightning-4d] rank {rank} stopped because {first}", file=sys.stderr, flush=True)
         store.set(f"{_KEY}/reported/{rank}", "1")
         if _is_communication_error(exception) and not lost:
             mine = "\n".join(f"  {describe(record)}" for record in RECORDER.last(5)) or "  none"
@@ -154,10 +155,9 @@ def _report(store, heartbeat, rank: int, exception: BaseException, world_size: i
         while rank == 0 and time.monotonic() < deadline and _waiting_for(store, world_size, heartbeat):
             time.sleep(0.1)
     except Exception as error:  # noqa: BLE001  the store may be gone with the rank that hosted it
-        print(f"[lightning-4d] rank {rank} failed with {_first_line(exception)}; the first failure of the job could"
-              f" not be read from the rendezvous store ({_first_line(error)}): rank 0, which hosts it, may be gone",
+        print(f"[lightning-4d] rank {rank} failed with {_first_line(exception)}; its report through the rendezvous"
+              f" store did not complete ({_first_line(error)}): rank 0, which hosts the store, may be gone",
               file=sys.stderr, flush=True)
-
 
 
 def _is_communication_error(exception: Optional[BaseException], depth: int = 0) -> bool:
