@@ -140,9 +140,8 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
-        try:  # the last collective stays readable: a peer's failure table shows it
-            self.store.set(_key(self.rank), json.dumps({"left": finished, "step": self.step, "doing": self.doing,
-                                                        "coll": RECORDER.last()}))
+        try:
+            self._publish_left(finished)
         except Exception:  # noqa: BLE001  the store may be gone with rank 0
             pass
 
@@ -221,6 +220,12 @@ class Heartbeat:
         self._beat += 1
         self.store.set(_key(self.rank), json.dumps(self._record()))
 
+    def _publish_left(self, why: str) -> None:
+        """This rank's record once it leaves on purpose (``why``): peers do not call it lost, and its last
+        collective stays readable (a peer's failure table shows it)."""
+        self.store.set(_key(self.rank), json.dumps({"left": why, "step": self.step, "doing": self.doing,
+                                                    "coll": RECORDER.last()}))
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
@@ -290,9 +295,7 @@ class Heartbeat:
                 f"rank {failed[0]} failed first: its failure was not recorded\n")
             self.store.set(f"{FIRST_FAILURE_KEY}/reported/{self.rank}", "1")
             # Left after a failure, not lost: a peer whose collective breaks when this process ends says so.
-            self.store.set(_key(self.rank), json.dumps({"left": f"failed (blocked by rank {failed[0]})",
-                                                        "step": self.step, "doing": self.doing,
-                                                        "coll": RECORDER.last()}))
+            self._publish_left(f"failed (blocked by rank {failed[0]})")
         except Exception:  # noqa: BLE001  the store may be gone with rank 0: the store judgement follows
             return
         print(f"[lightning-4d] rank {self.rank} stopped because {first}[lightning-4d] rank {self.rank} was waiting"
