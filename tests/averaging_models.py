@@ -6,7 +6,7 @@ puts the averaged weights into the module, so the final weights compared are the
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 
-from tests.lm_models import TinyGPT, VOCAB
+from tests.lm_models import TINY_GPT, TinyGPT
 
 
 class ExponentialAverage(Callback):
@@ -45,4 +45,4 @@ class AveragedGPT(TinyGPT):
 
 
 def averaged_gpt(averaging: str = "swa") -> AveragedGPT:
-    return AveragedGPT(averaging, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
+    return AveragedGPT(averaging, **TINY_GPT)

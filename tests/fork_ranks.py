@@ -13,8 +13,8 @@ as ``python -m tests.fork_ranks SPEC`` would (a new session, so that a timeout k
 answers on file descriptor FD with that process's pid, then with its exit code once it ended.
 
 A rank leaves as the interpreter's own exit would, up to its finalization (:func:`_leave`): thread pools told
-to stop and its non-daemon threads joined, every ``atexit`` handler run (lightning_4d's process-group teardown among them), output flushed;
-then ``os._exit``. Finalizing the interpreter a rank copied from the server (every module of torch, Lightning and
+to stop and its non-daemon threads joined, every ``atexit`` handler run (lightning_4d's process-group teardown
+among them), output flushed; then ``os._exit``. Finalizing the interpreter a rank copied from the server (every module of torch, Lightning and
 transformers, each page touched again and so copied) costs about 1.5 s of CPU per rank: 3 s of a 2-rank launch of
 a short fit on 2 cores. What happens in finalization itself is tested with processes of their own:
 ``tests/test_teardown.py`` (Lightning's own launcher), the torchrun and example-script tests.

@@ -18,11 +18,11 @@ from torch.utils.data import DataLoader
 
 from lightning_4d import FourDStrategy
 from tests.host_syncs import CountSteps
-from tests.lm_models import TinyGPT, manual_gpt, token_data
+from tests.lm_models import TINY_GPT, TinyGPT, manual_gpt, token_data
 
 STEPS = 10
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))  # read once: a finished fit may leave it changed
-GPT = dict(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64)
+GPT = TINY_GPT
 
 
 class ShardedByHand(TinyGPT):

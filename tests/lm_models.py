@@ -66,10 +66,11 @@ class TinyGPT(GPT):
         return sgd(self)
 
 
+TINY_GPT = dict(vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)  # the tests' GPT size
+
+
 def tiny_gpt(**overrides) -> GPT:
-    config = dict(vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
-    config.update(overrides)
-    return TinyGPT(**config)
+    return TinyGPT(**{**TINY_GPT, **overrides})
 
 
 class _DetachedEmbedding(nn.Embedding):
@@ -209,7 +210,7 @@ class ManualGPT(TinyGPT):
 
 
 def manual_gpt(**options) -> ManualGPT:
-    return ManualGPT(**options, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
+    return ManualGPT(**options, **TINY_GPT)
 
 
 def pretrained_llama(path: str, **config) -> HFCausalLM:
@@ -236,9 +237,8 @@ def loaded_module(build: str, path: str, **kwargs) -> pl.LightningModule:
     """The module ``build`` (``"package.module:factory"``) makes from ``kwargs``, with the ``state_dict`` of the
     checkpoint file ``path`` loaded by ``torch.load`` and ``load_state_dict``, as a user of one plain process loads
     one: the single-process side of a case that starts from a checkpoint through ``FourDStrategy(init_from=...)``."""
-    import importlib
+    from tests.parity import _load
 
-    where, name = build.split(":")
-    module = getattr(importlib.import_module(where), name)(**kwargs)
+    module = _load(build)(**kwargs)
     module.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
     return module

@@ -4,12 +4,12 @@ log them (``self.log(name, metric)`` after calling the metric); nothing here kno
 import torch.nn.functional as F
 import torchmetrics
 
-from tests.lm_models import VOCAB, TinyGPT
+from tests.lm_models import TINY_GPT, VOCAB, TinyGPT
 
 
 class MetricGPT(TinyGPT):
     def __init__(self):
-        super().__init__(vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
+        super().__init__(**TINY_GPT)
         self.perplexity = torchmetrics.text.Perplexity()
         self.f1 = torchmetrics.classification.MulticlassF1Score(num_classes=VOCAB, average="macro")
 

@@ -22,7 +22,7 @@ from dataclasses import replace
 import lightning.pytorch as pl
 import pytest
 
-from tests.lm_models import VOCAB, TinyGPT, tiny_gpt
+from tests.lm_models import TINY_GPT, TinyGPT, tiny_gpt
 from tests.parity import Case, reference, train, train_layout
 
 LOSS_BOUND = 2e-2
@@ -61,7 +61,7 @@ class HalvesGPT(TinyGPT):
 
 
 def halves_gpt() -> HalvesGPT:
-    return HalvesGPT(vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=32, block_size=64)
+    return HalvesGPT(**TINY_GPT)
 
 
 def _errors(case: Case, expected: dict, got: dict) -> tuple[list[float], dict[str, float]]:

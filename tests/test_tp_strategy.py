@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_4d import FourDStrategy
 from lightning_4d.numerics.clipping import clip_grad_norm_
 from lightning_4d.tensor_parallel import plan_tensor_parallel
-from tests.lm_models import TinyGPT, _CausalLM
+from tests.lm_models import TINY_GPT, TinyGPT, _CausalLM
 from tests.parity import Case, assert_error, assert_parity, reference, report_difference, train_layout_with_failures
 
 CLIP = {"gradient_clip_val": 0.3}
@@ -150,7 +150,7 @@ class MLPShardedInConfigureModel(TinyGPT):
     """Shards its MLPs itself, as a ModelParallelStrategy user would; the strategy must leave the rest alone."""
 
     def __init__(self):
-        super().__init__(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64)
+        super().__init__(**TINY_GPT)
 
     def configure_model(self):
         if self.device_mesh is None:  # one process

@@ -10,7 +10,7 @@ learning rate, the epoch means, and the final weights within 1e-5 of one process
 import pytest
 import torch
 
-from tests.lm_models import TinyGPT, token_data
+from tests.lm_models import TINY_GPT, TinyGPT, token_data
 from tests.parity import Case, assert_parity, reference, train_layout
 
 LAYOUTS = {"dp2": {"dp": 2}, "dp_shard2": {"dp_shard": 2}, "tp2": {"tp": 2}, "cp2": {"cp": 2},
@@ -34,7 +34,7 @@ class ScheduledGPT(TinyGPT):
 
 
 def scheduled_gpt() -> ScheduledGPT:
-    return ScheduledGPT(vocab_size=64, n_layer=4, n_head=4, n_embd=32, block_size=64)
+    return ScheduledGPT(**TINY_GPT)
 
 
 CASES = [Case(f"two_epochs_{name}", module="tests.test_two_epochs:scheduled_gpt", data="tests.lm_models:token_data",
