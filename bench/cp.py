@@ -3,7 +3,8 @@ process.
 
     OMP_NUM_THREADS=1 python bench/cp.py [--seq 16384 ...] [--cp 4 ...] [--variants single ring allgather a2a]
                                          [--mask causal|window|packed] [--window 1024] [--documents equal|mixed]
-                                         [--heads 4] [--head-dim 64] [--iters 2] [--name cp]
+                                         [--layout zigzag balanced] [--heads 4] [--head-dim 64] [--iters 2]
+                                         [--name cp]
 
 For every ``--seq``, one attention call, forward and backward, over that many tokens
 ([1, heads, seq, head_dim], fp32): computed by one process with ``F.scaled_dot_product_attention``, and for
@@ -11,8 +12,12 @@ every ``--cp`` by that many processes (gloo) each holding ``seq / cp`` tokens wi
 ``comm="ring"`` and ``comm="allgather"``, or with Ulysses (``a2a``). The mask is causal, or a causal sliding
 ``--window``, or packed documents (``--documents equal``: all of ``--window`` tokens; ``mixed``: lengths drawn
 from 1/16 to 4 times that, seeded), given to one process written out and to the others as a ``SequenceMask``.
-Every variant runs in fresh processes. Results go to ``bench/results/NAME.json``; each row also has the
-slowest and the fastest rank's CPU time, whose ratio is the load imbalance of the zigzag layout under the mask.
+Packed documents can be laid out over the ranks by ``--layout``: the zigzag split, or the document-balanced one
+(:mod:`lightning_4d.context_parallel.document_layout`). Every variant runs in fresh processes. Results go to
+``bench/results/NAME.json``; each row also has the slowest and the fastest rank's CPU time, whose ratio is the
+load imbalance of the layout under the mask, and the attention work each rank's ring computes (query x key
+elements of its tile pairs, those it runs with a mask weighed as the layout weighs them), the same imbalance
+counted exactly.
 
 Memory is the peak of tensor storage alive at once on a rank during one forward+backward, counted by a
 dispatch mode from the inputs on (q, k, v and the output gradient, the output, log-sum-exp, gradients,
@@ -46,12 +51,14 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from bench.common import command, write  # noqa: E402
 from bench.report import table  # noqa: E402
-from lightning_4d.context_parallel.ring_attention import ring_attention  # noqa: E402
+from lightning_4d.context_parallel.document_layout import MASKED_COST, WHOLE_COST, balanced_layout  # noqa: E402
+from lightning_4d.context_parallel.ring_attention import ring_attention, tile_work  # noqa: E402
 from lightning_4d.context_parallel.sequence_mask import SequenceMask  # noqa: E402
 from lightning_4d.context_parallel.ulysses import ulysses_attention  # noqa: E402
 
 VARIANTS = ("single", "ring", "allgather", "a2a")
 MASKS = ("causal", "window", "packed")
+LAYOUTS = ("zigzag", "balanced")
 TIMEOUT_S = 900
 
 
@@ -91,7 +98,8 @@ def worker(variant: str, rank: int, world: int, args: argparse.Namespace, out: P
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S))
 
-    mask = sequence_mask(args)
+    mask = sequence_mask(args, args.seq)
+    layout = args.layout[0]
 
     def attend(q, k, v):
         length = q.size(2) * world
@@ -101,8 +109,10 @@ def worker(variant: str, rank: int, world: int, args: argparse.Namespace, out: P
             whole = torch.arange(length)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=sized(mask, length).between(whole, whole))
         if variant == "a2a":
-            return ulysses_attention(q, k, v, group=None, is_causal=mask is None, mask=sized(mask, length))
-        return ring_attention(q, k, v, group=None, is_causal=mask is None, comm=variant, mask=sized(mask, length))
+            return ulysses_attention(q, k, v, group=None, is_causal=mask is None,
+                                     mask=sized(mask, length, layout, world))
+        return ring_attention(q, k, v, group=None, is_causal=mask is None, comm=variant,
+                              mask=sized(mask, length, layout, world))
 
     def inputs(tokens: int) -> list[torch.Tensor]:
         generator = torch.Generator().manual_seed(rank)
@@ -134,30 +144,33 @@ def worker(variant: str, rank: int, world: int, args: argparse.Namespace, out: P
         dist.destroy_process_group()
 
 
-def sequence_mask(args: argparse.Namespace):
-    """The benchmark's mask over ``args.seq`` tokens (None: plain causal)."""
+def sequence_mask(args: argparse.Namespace, seq: int):
+    """The benchmark's mask over ``seq`` tokens (None: plain causal)."""
     if args.mask == "causal":
         return None
     if args.mask == "window":
         return SequenceMask(causal=True, window=args.window)
     generator = torch.Generator().manual_seed(0)
     lengths, total = [], 0
-    while total < args.seq:
+    while total < seq:
         if args.documents == "equal":
             length = args.window
         else:
             length = int(torch.randint(max(args.window // 16, 1), 4 * args.window + 1, (1,), generator=generator))
-        lengths.append(min(length, args.seq - total))
+        lengths.append(min(length, seq - total))
         total += lengths[-1]
     documents = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
     return SequenceMask(causal=True, documents=documents)
 
 
-def sized(mask, length: int):
-    """``mask`` for a sequence of ``length`` (the warm-up runs a shorter one): documents cut to it."""
+def sized(mask, length: int, layout: str = "zigzag", cp: int = 1):
+    """``mask`` for a sequence of ``length`` (the warm-up runs a shorter one): documents cut to it, over ``cp``
+    ranks in ``layout``."""
     if mask is None or mask.documents is None:
         return mask
-    return SequenceMask(causal=True, documents=mask.documents[:, :length])
+    documents = mask.documents[:, :length]
+    return SequenceMask(causal=True, documents=documents,
+                        layout=balanced_layout(documents, cp) if layout == "balanced" and cp > 1 else None)
 
 
 def _free_port() -> int:
@@ -196,6 +209,8 @@ def main() -> None:
     parser.add_argument("--mask", choices=MASKS, default="causal")
     parser.add_argument("--window", type=int, default=1024, help="the sliding window; the packed documents' length")
     parser.add_argument("--documents", choices=("equal", "mixed"), default="mixed")
+    parser.add_argument("--layout", nargs="+", choices=LAYOUTS, default=["zigzag"],
+                        help="how packed documents are laid out over the cp ranks (--mask packed)")
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--worker", choices=VARIANTS)
     parser.add_argument("--rank", type=int, default=0)
@@ -211,6 +226,8 @@ def main() -> None:
         for cp in args.cp:
             if seq % (2 * cp):
                 raise SystemExit(f"--seq {seq} must be a multiple of 2*cp = {2 * cp}")
+    if args.layout != ["zigzag"] and args.mask != "packed":
+        raise SystemExit(f"--layout {' '.join(args.layout)}: only packed documents (--mask packed) have another layout")
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,15 +235,23 @@ def main() -> None:
             argv = ["--seq", str(seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
                     "--iters", str(args.iters), "--mask", args.mask, "--window", str(args.window),
                     "--documents", args.documents]
-            runs = [(variant, 1 if variant == "single" else cp) for variant in args.variants
-                    for cp in ([1] if variant == "single" else args.cp)]
-            for variant, world in runs:
-                ranks = run_variant(variant, world, argv, Path(tmp))
-                rows.append({"seq": seq, "mask": _mask_name(args), "variant": variant, "processes": world,
-                             "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
-                             "wall_s": max(r["wall_s"] for r in ranks),
-                             "cpu_s_per_rank": max(r["cpu_s"] for r in ranks),
-                             "cpu_s_fastest_rank": min(r["cpu_s"] for r in ranks)})
+            runs = [(variant, 1, "zigzag") if variant == "single" else (variant, cp, layout)
+                    for variant in args.variants for cp in ([1] if variant == "single" else args.cp)
+                    for layout in (["zigzag"] if variant == "single" else args.layout)]
+            for variant, world, layout in runs:
+                ranks = run_variant(variant, world, [*argv, "--layout", layout], Path(tmp))
+                row = {"seq": seq, "mask": _mask_name(args), "variant": variant, "processes": world,
+                       "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
+                       "wall_s": max(r["wall_s"] for r in ranks),
+                       "cpu_s_per_rank": max(r["cpu_s"] for r in ranks),
+                       "cpu_s_fastest_rank": min(r["cpu_s"] for r in ranks)}
+                if args.mask == "packed" and variant in ("ring", "allgather"):
+                    mask = sized(sequence_mask(args, seq), seq, layout, world)
+                    work = [WHOLE_COST * whole + MASKED_COST * masked
+                            for whole, masked in (tile_work(mask, seq, world, rank) for rank in range(world))]
+                    row.update(layout=layout, work_busiest_m=max(work) / WHOLE_COST / 1e6,
+                               work_busiest_vs_idlest=max(work) / min(work))
+                rows.append(row)
     for row in rows:
         single = [r for r in rows if r["seq"] == row["seq"] and r["variant"] == "single"]
         if single:

@@ -66,17 +66,21 @@ def _pp(payload: dict) -> str:
 
 
 def _cp_name(row: dict) -> str:
-    return "one process" if row["variant"] == "single" else f"cp={row['processes']}, {row['variant']}"
+    if row["variant"] == "single":
+        return "one process"
+    return f"cp={row['processes']}, {row['variant']}" + (f", {row['layout']}" if "layout" in row else "")
 
 
 def _cp(payload: dict) -> str:
     rows = [[str(r["seq"]), r.get("mask", "causal"), _cp_name(r), f"{r['peak_mib_per_rank']:.1f}",
              f"{r['memory_vs_single']:.2f}x" if "memory_vs_single" in r else "", f"{r['wall_s']:.2f}",
              f"{r['cpu_s_per_rank']:.2f}",
-             f"{r['cpu_s_per_rank'] / r['cpu_s_fastest_rank']:.2f}" if r.get("cpu_s_fastest_rank") else ""]
+             f"{r['cpu_s_per_rank'] / r['cpu_s_fastest_rank']:.2f}" if r.get("cpu_s_fastest_rank") else "",
+             f"{r['work_busiest_m']:.1f}M, {r['work_busiest_vs_idlest']:.2f}" if "work_busiest_m" in r else ""]
             for r in payload["results"]]
     return _rows(["tokens", "mask", "attention", "peak memory per rank (MiB)", "vs one process", "wall time (s)",
-                  "CPU time per rank (s)", "slowest / fastest rank"], rows)
+                  "CPU time per rank (s)", "slowest / fastest rank",
+                  "attention work: busiest rank, / idlest"], rows)
 
 
 def _memory(payload: dict) -> str:

@@ -37,7 +37,9 @@ from torch.overrides import TorchFunctionMode
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.batches import _map_tensors, _tensors, evidently_no_sequence, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
-from lightning_4d.context_parallel.masks import AttentionLayer, MaskReadings, SequenceFacts, attention_layer, unmasked
+from lightning_4d.context_parallel.document_layout import SequenceLayout, balanced_layout
+from lightning_4d.context_parallel.masks import (AttentionLayer, MaskReadings, SequenceFacts, attention_layer,
+                                                 packed_documents, unmasked)
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
 from lightning_4d.context_parallel.ring_attention import ring_attention
 from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
@@ -178,6 +180,8 @@ class ContextParallel:
         self._readings = MaskReadings(tuple(sorted(set(self.sliding_windows.values()))), document_key)
         self._sharded_shapes: dict[str, tuple[int, ...]] = {}  # the last sharded batch's entries, whole
         self._positions: Optional[Tensor] = None  # global positions of this rank's tokens, for the next step
+        self._layout: Optional[SequenceLayout] = None  # the next step's layout when balanced for documents
+        self._laid_out_causal: Optional[SequenceMask] = None  # causal attention in that layout
         self._seq_len = 0
         self._active = False
         self._verified = False
@@ -246,24 +250,26 @@ class ContextParallel:
                            f" {self.seq_dim}; global positions go to modules {sorted(self.position_modules)} and"
                            f" buffers {self.buffers}.")
             self._announced = True
-        positions = cached_positions(length, self.size, self.rank)
+        tensors, host_tensors = _tensors(batch), _tensors(host) if host is not None else {}
+        self._layout = self._document_layout(tensors, host_tensors, length)
+        self._laid_out_causal = None if self._layout is None else SequenceMask(causal=True, layout=self._layout)
+        positions = self._local_positions(length)
         selected = set(paths)
         on_device: dict[torch.device, Tensor] = {}
 
         def shard(path: str, tensor: Tensor) -> Tensor:
             if path not in selected:
                 return tensor
-            index = on_device.setdefault(tensor.device, cached_positions(length, self.size, self.rank, tensor.device))
+            index = on_device.setdefault(tensor.device, self._local_positions(length, tensor.device))
             return tensor.index_select(self.seq_dim, index)
 
-        tensors = _tensors(batch)
         self._sharded_shapes = {path: tuple(tensor.shape) for path, tensor in tensors.items() if path in selected}
         sharded = _map_tensors(batch, shard)
         shards = _tensors(sharded)
         self._shards = [(shards[path], tensors[path]) for path in paths]
         self._positions = next(iter(on_device.values()))
         self._seq_len = length
-        self._facts = self._sequence_facts(tensors, length, positions, _tensors(host) if host is not None else {})
+        self._facts = self._sequence_facts(tensors, length, positions, host_tensors)
         self._explained = {}
         self.whole_batch = batch if keep_whole else None
         return sharded
@@ -273,12 +279,45 @@ class ContextParallel:
         """Shard ``batch`` (a sample, for the step check) for a run inside :meth:`context`, and give the
         step's own batch its shard's state back afterwards."""
         saved = (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes, self.whole_batch,
-                 self._shards)
+                 self._shards, self._layout, self._laid_out_causal)
         try:
             yield self.shard_batch(batch)
         finally:
             (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes,
-             self.whole_batch, self._shards) = saved
+             self.whole_batch, self._shards, self._layout, self._laid_out_causal) = saved
+
+    def _local_positions(self, length: int, device: Optional[torch.device] = None) -> Tensor:
+        """The global positions this rank holds of the current batch's sequences of ``length``, on ``device``
+        (default: host memory): in its document-balanced layout, or else the zigzag's."""
+        if self._layout is None:
+            return cached_positions(length, self.size, self.rank, device)
+        return self._layout.of(self.rank, device)
+
+    def local_positions(self, batch: Any, device: Optional[torch.device] = None) -> Tensor:
+        """The global positions this rank would hold of ``batch`` (its layout decided as :meth:`shard_batch`
+        decides it), on ``device``; the current batch's layout stays."""
+        paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
+        layout = self._document_layout(_tensors(batch), {}, length)
+        return cached_positions(length, self.size, self.rank, device) if layout is None else layout.of(self.rank,
+                                                                                                        device)
+
+    def _document_layout(self, tensors: dict[str, Tensor], host: dict[str, Tensor],
+                         length: int) -> Optional[SequenceLayout]:
+        """The document-balanced layout (:mod:`.document_layout`) when some row of the batch packs documents (its
+        ``position_ids`` restart, or ``cp_document_key`` names their ids), or None: the zigzag. Decided in host
+        memory, on the batch as the data loader gave it where that is there."""
+        path = self.document_key
+        if path is None:
+            path = next((p for p, t in tensors.items() if p.rpartition(".")[2] == "position_ids" and t.dim() == 2
+                         and t.size(1) == length), None)
+        if path is None or path not in tensors or tensors[path].dim() != 2 or tensors[path].size(1) != length:
+            return None
+        given = host.get(path)
+        ids = given if given is not None and given.device.type == "cpu" else tensors[path].cpu()
+        documents = ids if self.document_key is not None else packed_documents(ids)
+        if bool((documents == documents[:, :1]).all()):
+            return None
+        return balanced_layout(documents, self.size)
 
     def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor,
                         host: dict[str, Tensor]) -> SequenceFacts:
@@ -307,7 +346,8 @@ class ContextParallel:
             return tensors[path].cpu()
 
         return SequenceFacts(*(tensors[p] if p is not None else None for p in paths), positions,
-                             host=tuple(on_host(p) for p in paths), device_positions=self._positions)
+                             host=tuple(on_host(p) for p in paths), device_positions=self._positions,
+                             layout=self._layout)
 
     def select_rows(self, index: int, count: int) -> None:
         """Pipeline parallelism runs micro-batch ``index`` of ``count``: its rows of the step's facts apply."""
@@ -445,7 +485,7 @@ class ContextParallel:
             labels = kwargs.get("labels")
             if not self._active or labels is None or kwargs.get("shift_labels") is not None:
                 return None
-            shifted = shifted_labels(labels, self._shards, self.seq_dim, self.size, self.rank)
+            shifted = shifted_labels(labels, self._shards, self.seq_dim, self._positions)
             if shifted is None:
                 raise ValueError(
                     f"{fqn or type(module).__name__} was called with labels= that are not a tensor of the batch as"
@@ -534,6 +574,8 @@ class ContextParallel:
             mask = unmasked(bool(is_causal), self._facts, self._layer, q.size(0), self._seq_len,
                             recomputing=compat.in_backward())
             is_causal = is_causal and mask is None
+        if is_causal and self._laid_out_causal is not None:  # causal order over shards laid out for documents
+            is_causal, mask = False, self._laid_out_causal
         return q, k, v, lead, value_dim, is_causal, scale, mask
 
     def _mask_meaning(self, attn_mask: Tensor, local: int) -> tuple[bool, Optional[SequenceMask]]:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_4d.context_parallel.document_layout import SequenceLayout
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
 
 __all__ = ["AttentionLayer", "MaskReadings", "Reading", "SequenceFacts", "agrees", "attention_layer", "explain",
@@ -73,8 +74,9 @@ class SequenceFacts:
 
     def __init__(self, padding: Optional[Tensor], position_ids: Optional[Tensor], documents: Optional[Tensor],
                  positions: Tensor, host: Optional[tuple[Optional[Tensor], ...]] = None,
-                 device_positions: Optional[Tensor] = None) -> None:
+                 device_positions: Optional[Tensor] = None, layout: Optional[SequenceLayout] = None) -> None:
         self.padding, self.position_ids, self.documents = padding, position_ids, documents
+        self.layout = layout  # the document-balanced layout of the shards (None: the zigzag), for the masks made
         self.host = host if host is not None else (padding, position_ids, documents)
         self.positions = positions  # global positions of this rank's tokens, in host memory
         self.device_positions = device_positions if device_positions is not None else positions
@@ -125,7 +127,8 @@ class SequenceFacts:
             return SequenceMask(reading.causal, reading.window, found["padding"][1] if reading.padded else None,
                                 found[reading.documents][1] if reading.documents else None, host)
 
-        return simplest(made(self.candidates(batch), made(self.candidates(batch, on_host=True))), whole_length)
+        return simplest(made(self.candidates(batch), made(self.candidates(batch, on_host=True))), whole_length,
+                        self.layout)
 
 
 class Reading(NamedTuple):
@@ -299,15 +302,15 @@ class MaskReadings:
                     " too (the tensor named above), or use cp=1.")
 
 
-def simplest(mask: SequenceMask, length: int) -> SequenceMask:
+def simplest(mask: SequenceMask, length: int, layout: Optional[SequenceLayout] = None) -> SequenceMask:
     """``mask`` without the parts that hide nothing: a window as long as the sequence, padding with every key
-    valid, one document per row (decided on its host twin)."""
+    valid, one document per row (decided on its host twin); over shards in ``layout``."""
     window = mask.window if mask.window is not None and mask.window < length else None
     host = mask.on_host()
     pads, splits = host.pads(), host.splits_documents()
     twin = SequenceMask(mask.causal, window, host.key_valid if pads else None, host.documents if splits else None)
     return SequenceMask(mask.causal, window, mask.key_valid if pads else None, mask.documents if splits else None,
-                        twin)
+                        twin, layout=layout)
 
 
 def unmasked(is_causal: bool, facts: SequenceFacts, layer: Optional[AttentionLayer], batch: int,

@@ -195,14 +195,30 @@ def _select_kernel(q: torch.Tensor, is_causal: bool):
 # --------------------------------------------------------------------------- tile schedule
 
 
-def _tile_rows(seq: int, window: Optional[int] = None) -> list[slice]:
+def _tile_rows(seq: int, window: Optional[int] = None, pieces: Optional[int] = None) -> list[slice]:
     """Equal tiles of the local sequence: ``_TILES`` of them where the length allows, else 2 or 1; under a
     sliding ``window``, enough (an even number) that a tile is no longer than the window where the length
     allows, so that the tiles outside it, skipped, leave work per query token flat as the sequence grows.
 
-    A causal (zigzag) local length is even, so its tiles never straddle the two chunks.
+    A causal (zigzag) local length is even, so its tiles never straddle the two chunks. The ``pieces`` of a
+    :class:`~.document_layout.SequenceLayout` are a tile each (split again under a window).
     """
-    count = next(count for count in (_TILES, 2, 1) if seq % count == 0)
+    if pieces is None:
+        return _split(seq, next(count for count in (_TILES, 2, 1) if seq % count == 0), window)
+    piece = seq // pieces
+    return [slice(p * piece + rows.start, p * piece + rows.stop)
+            for p in range(pieces) for rows in _split(piece, 1, window)]
+
+
+def _mask_tiles(seq: int, mask: Optional[SequenceMask]) -> list[slice]:
+    """The tiles of a local sequence of ``seq`` tokens under ``mask`` (its window and layout)."""
+    if mask is None:
+        return _tile_rows(seq)
+    return _tile_rows(seq, mask.window, mask.layout.pieces if mask.layout is not None else None)
+
+
+def _split(seq: int, count: int, window: Optional[int]) -> list[slice]:
+    """``seq`` rows as ``count`` equal tiles, or more under ``window`` (see :func:`_tile_rows`)."""
     if window is not None and seq // count > window:
         count = next((c for c in range(max(count, 2), seq + 1, 2) if seq % c == 0 and seq // c <= window), count)
     rows = seq // count
@@ -239,17 +255,33 @@ def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_
     if mask is None:
         return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
     length = cp * tiles[-1].stop  # tile masks on ``device``, the queries' (a window alone has no tensor to follow)
-    q_positions = cached_positions(length, cp, rank, device)
-    k_positions = cached_positions(length, cp, owner, device)[tiles[kv_tile]]
+    layout = mask.layout
+    q_positions = cached_positions(length, cp, rank, device) if layout is None else layout.of(rank, device)
+    k_positions = (cached_positions(length, cp, owner, device) if layout is None
+                   else layout.of(owner, device))[tiles[kv_tile]]
     # which pairs to compute, and which unmasked, is decided on the host, from the mask's host twin
-    host, q_host = mask.on_host(), cached_positions(length, cp, rank)
-    k_host = cached_positions(length, cp, owner)[tiles[kv_tile]]
+    host = mask.on_host()
+    q_host = cached_positions(length, cp, rank) if layout is None else layout.of(rank)
+    k_host = (cached_positions(length, cp, owner) if layout is None else layout.of(owner))[tiles[kv_tile]]
     pairs = []
     for i, rows in enumerate(tiles):
         anything, everything = host.seen_in(q_host[rows], k_host, (length, cp, rank, owner, kv_tile, i, len(tiles)))
         if anything:
             pairs.append((i, False, None if everything else mask.between(q_positions[rows], k_positions)))
     return pairs
+
+
+def tile_work(mask: SequenceMask, length: int, cp: int, rank: int) -> tuple[int, int]:
+    """Query x key elements of the tile pairs ring attention computes on ``rank`` of ``cp`` for sequences of
+    ``length`` under ``mask``: of those it runs unmasked, and of those it runs with the mask (the balance of a
+    layout; benchmarks and tests read it)."""
+    tiles = _mask_tiles(length // cp, mask)
+    work = [0, 0]
+    for owner in range(cp):
+        for j, keys in enumerate(tiles):
+            for i, _, seen in _pairs(rank, owner, j, tiles, cp, False, mask):
+                work[seen is not None] += (tiles[i].stop - tiles[i].start) * (keys.stop - keys.start)
+    return work[0], work[1]
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, tile_out: torch.Tensor, tile_lse: torch.Tensor) -> None:
@@ -313,7 +345,7 @@ def _backward_tile(kernel, dout, q, k, v, out, lse, aux, causal: bool, scale: fl
 
 def _forward_pass(q, k, v, group, is_causal: bool, scale: float, comm: str, kernel, mask=None):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    tiles = _tile_rows(q.size(2), mask.window if mask is not None else None)
+    tiles = _mask_tiles(q.size(2), mask)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
     auxes = []
@@ -374,7 +406,7 @@ class _RingAttention(torch.autograd.Function):
             lse = lse.masked_fill(lse == -math.inf, math.inf)
         # fp32 accumulation; for fp32 inputs it is the returned gradient itself.
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        grads = STREAMS[ctx.comm][1](k, ctx.group, _tile_rows(q.size(2), ctx.mask.window if ctx.mask else None))
+        grads = STREAMS[ctx.comm][1](k, ctx.group, _mask_tiles(q.size(2), ctx.mask))
         _backward_pass(ctx, dout.contiguous(), q, k, v, out, lse, dq, grads)
         dkv = grads.result()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
@@ -428,7 +460,8 @@ def ring_attention(
     rank's shards of a length ``L = S * cp`` sequence, where ``cp`` is the size of
     ``group`` (``None``: the default group). For ``is_causal`` the shards must be in the
     zigzag layout of :func:`shard_sequence` and masking uses global positions; without
-    masking any layout works. ``scale`` defaults to ``1/sqrt(D)``.
+    masking any layout works, and a mask's ``layout`` names another (a document-balanced one).
+    ``scale`` defaults to ``1/sqrt(D)``.
 
     ``comm="ring"`` passes K/V round the group with P2P overlapped with compute (memory
     stays O(S)); ``comm="allgather"`` gathers all K/V once (O(L) memory, fewer and larger

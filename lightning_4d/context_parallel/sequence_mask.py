@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_4d.context_parallel.document_layout import SequenceLayout
+
 __all__ = ["SequenceMask", "check_mask"]
 
 
@@ -19,9 +21,10 @@ class SequenceMask:
     ``causal``: keys at later positions are hidden. ``window``: keys ``window`` or more positions before the
     query are hidden too (Hugging Face's sliding window: a query at ``q`` sees ``q - window < k <= q``).
     ``key_valid`` ([B, L] bool): padding keys are hidden. ``documents`` ([B, L] integers): keys of another
-    document than the query's are hidden (packed sequences). The shards must be in the zigzag layout.
-    ``host``: the same mask over host-memory copies of ``key_valid`` and ``documents`` (made from the batch as
-    the data loader gave it), on which the host decides what to compute without reading the device.
+    document than the query's are hidden (packed sequences). ``layout``: the positions each rank holds
+    (:class:`~.document_layout.SequenceLayout`); None: the zigzag layout. ``host``: the same mask over host-memory
+    copies of ``key_valid`` and ``documents`` (made from the batch as the data loader gave it), on which the host
+    decides what to compute without reading the device.
     """
 
     causal: bool = True
@@ -31,6 +34,7 @@ class SequenceMask:
     host: Optional["SequenceMask"] = field(default=None, compare=False, repr=False)
     # what :meth:`seen_in` answered, by the caller's key: a step's layers ask about the same tiles
     answers: dict = field(default_factory=dict, compare=False, repr=False)
+    layout: Optional[SequenceLayout] = field(default=None, compare=False)
 
     def on_host(self) -> "SequenceMask":
         """This mask over host memory: its twin, itself when its tensors are there already, or else a copy (a
@@ -40,7 +44,8 @@ class SequenceMask:
         if all(t is None or t.device.type == "cpu" for t in (self.key_valid, self.documents)):
             return self
         return SequenceMask(self.causal, self.window, *(t if t is None else t.cpu() for t in (self.key_valid,
-                                                                                            self.documents)))
+                                                                                            self.documents)),
+                            layout=self.layout)
 
     def seen_in(self, q_pos: torch.Tensor, k_pos: torch.Tensor, key: Any) -> tuple[bool, bool]:
         """Whether any query of ``q_pos`` sees a key of ``k_pos``, and whether every one sees every one, once per
@@ -74,8 +79,12 @@ class SequenceMask:
 
 
 def check_mask(mask: SequenceMask, q: torch.Tensor, cp: int) -> None:
-    """``mask`` fits local queries ``q`` [B, H, S, D] of a sequence split over ``cp`` ranks (zigzag shards)."""
-    if q.size(2) % 2:
+    """``mask`` fits local queries ``q`` [B, H, S, D] of a sequence split over ``cp`` ranks (in its layout)."""
+    if mask.layout is not None:
+        if tuple(mask.layout.positions.shape) != (cp, q.size(2)):
+            raise ValueError(f"SequenceMask.layout holds {tuple(mask.layout.positions.shape)} positions (ranks, tokens"
+                             f" each), but the queries are {q.size(2)} tokens on each of cp={cp} ranks")
+    elif q.size(2) % 2:
         raise ValueError(f"local sequence length {q.size(2)} is odd, but a SequenceMask needs the zigzag layout (two"
                          " equal chunks per rank); make the global length a multiple of 2*cp")
     if mask.window is not None and mask.window < 1:

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.positions import _forward_parameters
-from lightning_4d.context_parallel.zigzag import cached_positions
 
 IGNORE_INDEX = -100  # Hugging Face's: the target after the last token
 
@@ -57,10 +56,11 @@ def _rows_of(tensor: Tensor, shard: Tensor) -> Optional[slice]:
     return slice(offset // step, offset // step + tensor.size(0))
 
 
-def shifted_labels(labels: Tensor, shards: list[tuple[Tensor, Tensor]], dim: int, size: int,
-                   rank: int) -> Optional[Tensor]:
+def shifted_labels(labels: Tensor, shards: list[tuple[Tensor, Tensor]], dim: int,
+                   positions: Tensor) -> Optional[Tensor]:
     """``labels`` (one of the sharded batch tensors ``shards`` pairs with its whole one, or consecutive rows of
-    one) shifted by one token over the whole sequence, as this rank's shard; None when it is none of them."""
+    one) shifted by one token over the whole sequence, as this rank's shard (the global ``positions`` it holds);
+    None when it is none of them."""
     for shard, whole in shards:
         rows = _rows_of(labels, shard)
         if rows is None:
@@ -69,5 +69,5 @@ def shifted_labels(labels: Tensor, shards: list[tuple[Tensor, Tensor]], dim: int
         after = whole.narrow(dim, 1, length - 1)
         last = after.new_full((*after.shape[:dim], 1, *after.shape[dim + 1:]), IGNORE_INDEX)
         shifted = torch.cat([after, last], dim)
-        return shifted[rows].index_select(dim, cached_positions(length, size, rank, labels.device))
+        return shifted[rows].index_select(dim, positions.to(labels.device))
     return None

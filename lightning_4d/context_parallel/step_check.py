@@ -41,7 +41,6 @@ from torch import Tensor, nn
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.apply import MODEL_REFUSAL, ContextParallel
 from lightning_4d.context_parallel.batches import _map_tensors, sequence_paths
-from lightning_4d.context_parallel.zigzag import cached_positions
 from lightning_4d.numerics.step_logging import StepLogs, _reduce_name
 
 STEPS = ("training_step", "validation_step", "test_step")
@@ -107,7 +106,7 @@ class StepCheck:
             return
         sample, length = self._sample(batch)
         context = self.context
-        positions = cached_positions(length, context.size, context.rank, self.device)
+        positions = context.local_positions(sample, self.device)
         whole = self._observe(name, lambda: run(sample, False), _Summaries(context.seq_dim, length, positions))
         with context.probing(sample) as shard:
             context.agreeing, context.failure_told = True, False

@@ -56,15 +56,15 @@ def _to_tokens(t: torch.Tensor, group: dist.ProcessGroup, cp: int, order: torch.
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Optional[dist.ProcessGroup],
                       is_causal: bool = False, scale: Optional[float] = None,
                       mask: Optional[SequenceMask] = None) -> torch.Tensor:
-    """Exact attention of zigzag-sharded ``q`` [B, Hq, S, D] over ``k``/``v`` [B, Hkv, S, D] of the whole
-    sequence, by all-to-all over heads; ``cp`` (the size of ``group``) must divide Hq and Hkv."""
+    """Exact attention of zigzag-sharded ``q`` [B, Hq, S, D] (or in ``mask.layout``) over ``k``/``v`` [B, Hkv, S, D]
+    of the whole sequence, by all-to-all over heads; ``cp`` (the size of ``group``) must divide Hq and Hkv."""
     group = group if group is not None else dist.group.WORLD
     cp = dist.get_world_size(group)
     check_heads(q.size(1), k.size(1), cp, "this attention call")
     if is_causal and mask is not None:
         raise ValueError("ulysses_attention: pass either is_causal=True or a SequenceMask, not both")
     length = q.size(2) * cp
-    order = cached_order(length, cp, q.device)
+    order = cached_order(length, cp, q.device) if mask is None or mask.layout is None else mask.layout.order(q.device)
     qh, kh, vh = (_to_heads(t, group, cp, order) for t in (q, k, v))
     dense = None
     if mask is not None:
