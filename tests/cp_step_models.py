@@ -194,6 +194,29 @@ class PoolerClassifier(HFCausalLM):
         return F.cross_entropy(self.model(input_ids=input_ids).logits, classes)
 
 
+class PackedPoolerClassifier(PoolerClassifier):
+    """The BERT classifier on rows that pack two documents (``position_ids`` restarting): under cp its batches are
+    laid out by document, so the rank holding the first token is the layout's, not always rank 0."""
+
+    def _loss(self, batch):
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        return F.cross_entropy(logits, batch["labels"])
+
+
+PACKED_DOCUMENTS = (12, 4)  # every row: a document of 12 tokens, then one of 4
+
+
+def packed_positions() -> torch.Tensor:
+    """The ``position_ids`` of every row of :func:`classified_packed_tokens`."""
+    return torch.cat([torch.arange(length) for length in PACKED_DOCUMENTS])
+
+
+def classified_packed_tokens(train: bool = True):
+    """:func:`classified_tokens` as dicts, each row packing the documents of :data:`PACKED_DOCUMENTS`."""
+    return [{"input_ids": inputs, "position_ids": packed_positions(), "labels": label}
+            for inputs, label in classified_tokens(train)]
+
+
 class LastTokenClassifier(PoolerClassifier):
     """A Llama classifier (``LlamaForSequenceClassification``): it reads the last token that is no padding."""
 

@@ -30,7 +30,10 @@ import pytest
 import torch
 
 from lightning_4d.context_parallel.config import ContextParallelConfig
-from tests.cp_step_models import AT_PARITY, DATA, FAILING_ON_SHARD, PER_STEP_METRIC, SILENT, StepPatternLlama
+from lightning_4d.context_parallel.document_layout import balanced_layout
+from lightning_4d.context_parallel.masks import packed_documents
+from tests.cp_step_models import (AT_PARITY, DATA, FAILING_ON_SHARD, PER_STEP_METRIC, SILENT, StepPatternLlama,
+                                  packed_positions)
 from tests.parity import (Case, assert_error, assert_parity, max_difference, reference, report_difference,
                           train_layout_with_failures)
 
@@ -86,6 +89,9 @@ def assert_refused(outcomes: list[str], pattern: str) -> None:
             assert phrase in outcome, (rank, phrase, outcome)
 
 
+# The cp rank holding the first token of the packed rows (tests/cp_step_models.py), in their document layout.
+_FIRST_TOKEN_RANK = int((balanced_layout(packed_documents(packed_positions()[None]), 2).positions == 0).any(1)
+                        .nonzero()[0])
 # Models whose forward computes something else on a shard: the refusal names the module that makes the
 # difference (its inputs still match the whole run's, its output does not) and what that says it does.
 NAMED = {
@@ -97,6 +103,11 @@ NAMED = {
                         data="tests.cp_step_models:classified_tokens", strategy={"cp": 2}, max_steps=2),
                    ["model (LlamaForSequenceClassification) is the first module whose output differs",
                     "only on cp rank 0"]),
+    # packed rows: the rank that holds the first token is the document layout's
+    "pooler_packed": (Case("cp2_pooler_packed", module="tests.cp_step_models:PackedPoolerClassifier",
+                           data="tests.cp_step_models:classified_packed_tokens", strategy={"cp": 2}, max_steps=2),
+                      ["model.bert.pooler (BertPooler) is the first module whose output differs",
+                       f"only on cp rank {_FIRST_TOKEN_RANK}, which holds the sequence's first token: it reads it"]),
     "position_scale": (Case("cp2_position_scale", module="tests.cp_step_models:PositionScaledLlama",
                             data="tests.lm_models:token_data", strategy={"cp": 2}, max_steps=2),
                        ["model.model.embed_tokens.1 (PositionScale) is the first module whose output differs from the"

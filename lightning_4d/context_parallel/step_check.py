@@ -119,7 +119,8 @@ class StepCheck:
         shards: list[Any] = [None] * self.context.size
         dist.all_gather_object(shards, None if sharded.error else sharded.logs, group=self.context.group)
         reports: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, self._report(whole, sharded, shards))
+        ends = [int(positions[0]) == 0, int(positions[-1]) == length - 1]  # the step check's batch only
+        dist.all_gather_object(reports, {**self._report(whole, sharded, shards), "ends": ends})
         self._decide(name, reports, sharded, length)
 
     def _sample(self, batch: Any) -> tuple[Any, int]:
@@ -230,9 +231,12 @@ class StepCheck:
             matched = sorted({r["cp_rank"] for r in reports
                               if r["module"] is None or (r["module"]["index"], r["module"]["fqn"])
                               != (first["index"], first["fqn"])})
-            reads = (" It gives the whole run's output only on cp rank 0, which holds the sequence's first and last"
-                     " tokens: it reads one of them (a pooler reading the first token, a head reading the last)."
-                     if matched == [0] else "")
+            holder = next((r for r in reports if r["cp_rank"] in matched), None) if len(matched) == 1 else None
+            held = [what for what, holds in zip(("first", "last"), holder["ends"] if holder else ()) if holds]
+            reads = (f" It gives the whole run's output only on cp rank {matched[0]}, which holds the sequence's"
+                     f" {' and '.join(held)} token{'s' if len(held) > 1 else ''}: it reads"
+                     f" {'one of them' if len(held) > 1 else 'it'} (a pooler reading the first token, a head reading"
+                     " the last)." if held else "")
             return (f"{name} is the first module whose output differs: its output has no sequence dim, so it"
                     f" combines or picks tokens of the sequence, of which each cp rank holds only part.{reads}")
         return (f"{name} is the first module whose output differs from the whole run's at the same tokens: it"
