@@ -53,7 +53,6 @@ STAGING = ("lightning_4d/faults/agreement.py",
            "lightning_4d/context_parallel/sequence_mask.py:pads",
            "lightning_4d/context_parallel/sequence_mask.py:splits_documents",
            # and lay out a packed batch by its documents, from the same host copy of its ids
-           "lightning_4d/context_parallel/apply.py:_document_layout",
            "lightning_4d/context_parallel/document_layout.py:piece_work",
            # the masks' device checks, read a step later (on CUDA from pinned memory behind an event)
            "lightning_4d/context_parallel/masks.py:read")

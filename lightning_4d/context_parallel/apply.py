@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_4d import _compat as compat
 from lightning_4d.context_parallel.batches import _map_tensors, _tensors, evidently_no_sequence, sequence_paths
 from lightning_4d.context_parallel.config import ContextParallelConfig, check_sequence_length
-from lightning_4d.context_parallel.document_layout import SequenceLayout, balanced_layout
+from lightning_4d.context_parallel.document_layout import SequenceLayout, balanced_layout, positions_of
 from lightning_4d.context_parallel.masks import (AttentionLayer, MaskReadings, SequenceFacts, attention_layer,
                                                  packed_documents, unmasked)
 from lightning_4d.context_parallel.positions import _forward_parameters, find_position_buffers, find_position_modules
@@ -45,7 +45,6 @@ from lightning_4d.context_parallel.ring_attention import ring_attention
 from lightning_4d.context_parallel.sdpa_shapes import sdpa_operands
 from lightning_4d.context_parallel.sequence_mask import SequenceMask
 from lightning_4d.context_parallel.shifted_labels import shifted_labels, shifts_labels
-from lightning_4d.context_parallel.zigzag import cached_positions
 from lightning_4d.context_parallel.ulysses import check_heads, ulysses_attention
 from lightning_4d.numerics.step_logging import StepLogs
 
@@ -250,17 +249,20 @@ class ContextParallel:
                            f" {self.seq_dim}; global positions go to modules {sorted(self.position_modules)} and"
                            f" buffers {self.buffers}.")
             self._announced = True
-        tensors, host_tensors = _tensors(batch), _tensors(host) if host is not None else {}
-        self._layout = self._document_layout(tensors, host_tensors, length)
+        tensors = _tensors(batch)
+        fact_paths = self._fact_paths(tensors, length)
+        host_facts = self._host_copies(tensors, _tensors(host) if host is not None else {}, fact_paths)
+        self._layout = self._document_layout(host_facts)
         self._laid_out_causal = None if self._layout is None else SequenceMask(causal=True, layout=self._layout)
-        positions = self._local_positions(length)
+        positions = positions_of(self._layout, length, self.size, self.rank)
         selected = set(paths)
         on_device: dict[torch.device, Tensor] = {}
 
         def shard(path: str, tensor: Tensor) -> Tensor:
             if path not in selected:
                 return tensor
-            index = on_device.setdefault(tensor.device, self._local_positions(length, tensor.device))
+            index = on_device.setdefault(tensor.device, positions_of(self._layout, length, self.size, self.rank,
+                                                                     tensor.device))
             return tensor.index_select(self.seq_dim, index)
 
         self._sharded_shapes = {path: tuple(tensor.shape) for path, tensor in tensors.items() if path in selected}
@@ -269,7 +271,8 @@ class ContextParallel:
         self._shards = [(shards[path], tensors[path]) for path in paths]
         self._positions = next(iter(on_device.values()))
         self._seq_len = length
-        self._facts = self._sequence_facts(tensors, length, positions, host_tensors)
+        self._facts = SequenceFacts(*(tensors[p] if p is not None else None for p in fact_paths), positions,
+                                    host=host_facts, device_positions=self._positions, layout=self._layout)
         self._explained = {}
         self.whole_batch = batch if keep_whole else None
         return sharded
@@ -286,57 +289,35 @@ class ContextParallel:
             (self._positions, self._seq_len, self._facts, self._explained, self._sharded_shapes,
              self.whole_batch, self._shards, self._layout, self._laid_out_causal) = saved
 
-    def _local_positions(self, length: int, device: Optional[torch.device] = None) -> Tensor:
-        """The global positions this rank holds of the current batch's sequences of ``length``, on ``device``
-        (default: host memory): in its document-balanced layout, or else the zigzag's."""
-        if self._layout is None:
-            return cached_positions(length, self.size, self.rank, device)
-        return self._layout.of(self.rank, device)
-
     def local_positions(self, batch: Any, device: Optional[torch.device] = None) -> Tensor:
         """The global positions this rank would hold of ``batch`` (its layout decided as :meth:`shard_batch`
         decides it), on ``device``; the current batch's layout stays."""
         paths, length = sequence_paths(batch, self.seq_dim, self.batch_keys)
-        layout = self._document_layout(_tensors(batch), {}, length)
-        return cached_positions(length, self.size, self.rank, device) if layout is None else layout.of(self.rank,
-                                                                                                        device)
+        tensors = _tensors(batch)
+        layout = self._document_layout(self._host_copies(tensors, {}, self._fact_paths(tensors, length)))
+        return positions_of(layout, length, self.size, self.rank, device)
 
-    def _document_layout(self, tensors: dict[str, Tensor], host: dict[str, Tensor],
-                         length: int) -> Optional[SequenceLayout]:
-        """The document-balanced layout (:mod:`.document_layout`) when some row of the batch packs documents (its
-        ``position_ids`` restart, or ``cp_document_key`` names their ids), or None: the zigzag. Decided in host
-        memory, on the batch as the data loader gave it where that is there."""
-        path = self.document_key
-        if path is None:
-            path = next((p for p, t in tensors.items() if p.rpartition(".")[2] == "position_ids" and t.dim() == 2
-                         and t.size(1) == length), None)
-        if path is None or path not in tensors or tensors[path].dim() != 2 or tensors[path].size(1) != length:
-            return None
-        given = host.get(path)
-        ids = given if given is not None and given.device.type == "cpu" else tensors[path].cpu()
-        documents = ids if self.document_key is not None else packed_documents(ids)
-        if bool((documents == documents[:, :1]).all()):
-            return None
-        return balanced_layout(documents, self.size)
-
-    def _sequence_facts(self, tensors: dict[str, Tensor], length: int, positions: Tensor,
-                        host: dict[str, Tensor]) -> SequenceFacts:
-        """The whole batch's ``attention_mask`` and ``position_ids`` ([batch, length], by name) and the named
-        document ids, for the masks the model builds on its shard (:mod:`.masks`), each with its copy in host
-        memory: ``host``'s tensor at the same path, or else (a batch the loader put on the device) read back."""
+    def _fact_paths(self, tensors: dict[str, Tensor], length: int) -> tuple[Optional[str], ...]:
+        """Where the whole batch's ``attention_mask`` and ``position_ids`` ([batch, length], by name) and the
+        named document ids are (None: not in it), for the masks the model builds on its shard (:mod:`.masks`)
+        and for the layout."""
         def named(name: str) -> Optional[str]:
             found = [path for path, t in tensors.items() if path.rpartition(".")[2] == name and t.dim() == 2
                      and t.size(1) == length]
             return found[0] if found else None
 
-        documents = None
         if self.document_key is not None:
             documents = tensors.get(self.document_key)
             if documents is None or documents.dim() != 2 or documents.size(1) != length:
                 raise ValueError(f"cp_document_key={self.document_key!r}: the batch has no [batch, {length}] tensor"
                                  f" there (tensors: {', '.join(f'{p}: {tuple(t.shape)}' for p, t in tensors.items())}).")
-        paths = (named("attention_mask"), named("position_ids"), self.document_key if documents is not None else None)
+        return named("attention_mask"), named("position_ids"), self.document_key
 
+    @staticmethod
+    def _host_copies(tensors: dict[str, Tensor], host: dict[str, Tensor],
+                     paths: tuple[Optional[str], ...]) -> tuple[Optional[Tensor], ...]:
+        """The tensors at ``paths`` in host memory: ``host``'s tensor at the same path (the batch as the data
+        loader gave it), or else (a batch the loader put on the device) read back."""
         def on_host(path: Optional[str]) -> Optional[Tensor]:
             if path is None:
                 return None
@@ -345,9 +326,18 @@ class ContextParallel:
                 return given
             return tensors[path].cpu()
 
-        return SequenceFacts(*(tensors[p] if p is not None else None for p in paths), positions,
-                             host=tuple(on_host(p) for p in paths), device_positions=self._positions,
-                             layout=self._layout)
+        return tuple(on_host(path) for path in paths)
+
+    def _document_layout(self, host_facts: tuple[Optional[Tensor], ...]) -> Optional[SequenceLayout]:
+        """The document-balanced layout (:mod:`.document_layout`) when some row of the batch packs documents (the
+        ids ``cp_document_key`` names, or else ``position_ids`` that restart), or None: the zigzag. Decided on the
+        host copies of the batch's facts."""
+        _, position_ids, documents = host_facts
+        if documents is None and position_ids is not None:
+            documents = packed_documents(position_ids)
+        if documents is None or not SequenceMask(documents=documents).splits_documents():
+            return None
+        return balanced_layout(documents, self.size)
 
     def select_rows(self, index: int, count: int) -> None:
         """Pipeline parallelism runs micro-batch ``index`` of ``count``: its rows of the step's facts apply."""

@@ -19,7 +19,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["SequenceLayout", "balanced_layout", "piece_work"]
+from lightning_4d.context_parallel.zigzag import cached_positions
+
+__all__ = ["SequenceLayout", "balanced_layout", "piece_work", "positions_of"]
 
 # Pieces per rank: finer pieces balance better and let ring attention skip more of what a document mask hides, at
 # the cost of more (smaller) kernel calls.
@@ -38,14 +40,6 @@ class SequenceLayout:
     positions: Tensor  # [cp, L / cp] int64, in host memory
     pieces: int
     _on_device: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def cp(self) -> int:
-        return self.positions.size(0)
-
-    @property
-    def length(self) -> int:
-        return self.positions.numel()
 
     def of(self, rank: int, device: Optional[torch.device] = None) -> Tensor:
         """Rank ``rank``'s positions, on ``device`` (default: host memory), copied there once."""
@@ -66,6 +60,13 @@ class SequenceLayout:
             pinned = positions.pin_memory() if device.type == "cuda" else positions
             self._on_device[key] = (pinned, pinned.to(device, non_blocking=True))
         return self._on_device[key][1]
+
+
+def positions_of(layout: Optional[SequenceLayout], length: int, cp: int, rank: int,
+                 device: Optional[torch.device] = None) -> Tensor:
+    """The global positions ``rank`` of ``cp`` holds of sequences of ``length`` in ``layout`` (None: the
+    zigzag's), on ``device`` (default: host memory)."""
+    return cached_positions(length, cp, rank, device) if layout is None else layout.of(rank, device)
 
 
 def piece_work(documents: Tensor, piece: int) -> list[int]:

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_4d import _compat as compat
+from lightning_4d.context_parallel.document_layout import positions_of
 from lightning_4d.context_parallel.kv_streams import STREAMS
 from lightning_4d.context_parallel.sequence_mask import SequenceMask, check_mask
-from lightning_4d.context_parallel.zigzag import cached_positions
 
 __all__ = ["ring_attention"]
 
@@ -255,14 +255,12 @@ def _pairs(rank: int, owner: int, kv_tile: int, tiles: list[slice], cp: int, is_
     if mask is None:
         return [(i, causal, None) for i, causal in _visible(rank, owner, kv_tile, len(tiles), cp, is_causal)]
     length = cp * tiles[-1].stop  # tile masks on ``device``, the queries' (a window alone has no tensor to follow)
-    layout = mask.layout
-    q_positions = cached_positions(length, cp, rank, device) if layout is None else layout.of(rank, device)
-    k_positions = (cached_positions(length, cp, owner, device) if layout is None
-                   else layout.of(owner, device))[tiles[kv_tile]]
+    q_positions = positions_of(mask.layout, length, cp, rank, device)
+    k_positions = positions_of(mask.layout, length, cp, owner, device)[tiles[kv_tile]]
     # which pairs to compute, and which unmasked, is decided on the host, from the mask's host twin
     host = mask.on_host()
-    q_host = cached_positions(length, cp, rank) if layout is None else layout.of(rank)
-    k_host = (cached_positions(length, cp, owner) if layout is None else layout.of(owner))[tiles[kv_tile]]
+    q_host = positions_of(mask.layout, length, cp, rank)
+    k_host = positions_of(mask.layout, length, cp, owner)[tiles[kv_tile]]
     pairs = []
     for i, rows in enumerate(tiles):
         anything, everything = host.seen_in(q_host[rows], k_host, (length, cp, rank, owner, kv_tile, i, len(tiles)))
