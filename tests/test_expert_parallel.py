@@ -20,6 +20,7 @@ One 2-process and one 4-process launch hold every case; plans, refusals and rout
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import replace
@@ -51,7 +52,9 @@ STRICT = {"tp_strict": True}
 SAVE = 2
 RESHARD = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe"}, data="tests.lm_models:token_data",
                max_steps=4)
-WORKDIR = Path(tempfile.mkdtemp(prefix="l4d_experts_"))  # the launches' checkpoints (removed at module end)
+# the launches' checkpoints (removed at module end): named, not made, here, since each rank imports this module
+# for its callbacks; the launches make it
+WORKDIR = Path(tempfile.gettempdir()) / f"l4d_experts_{os.getpid()}"
 
 
 HAND_RESHARD = dict(RESHARD, module=M + "HandMoELM", module_kwargs={})
