@@ -53,7 +53,7 @@ SAVE = 2
 RESHARD = dict(module=M + "HFMoELM", module_kwargs={"kind": "qwen2_moe"}, data="tests.lm_models:token_data",
                max_steps=4)
 # the launches' checkpoints (removed at module end): named, not made, here, since each rank imports this module
-# for its callbacks; the launches make it
+# for its callbacks; the fixture `two` makes it
 WORKDIR = Path(tempfile.gettempdir()) / f"l4d_experts_{os.getpid()}"
 
 
@@ -148,6 +148,7 @@ class TelemetryProbe(Callback):
 
 @pytest.fixture(scope="module")
 def two():
+    WORKDIR.mkdir()
     yield train_layout_with_failures(TWO, [], 2, timeout=600, workdir=str(WORKDIR))
     shutil.rmtree(WORKDIR, ignore_errors=True)
 
