@@ -244,13 +244,14 @@ def main() -> None:
                        "peak_mib_per_rank": max(r["peak_mib"] for r in ranks),
                        "wall_s": max(r["wall_s"] for r in ranks),
                        "cpu_s_per_rank": max(r["cpu_s"] for r in ranks),
-                       "cpu_s_fastest_rank": min(r["cpu_s"] for r in ranks)}
+                       "cpu_s_fastest_rank": min(r["cpu_s"] for r in ranks),
+                       "cpu_s_by_rank": [r["cpu_s"] for r in ranks]}
                 if args.mask == "packed" and variant in ("ring", "allgather"):
                     mask = sized(sequence_mask(args, seq), seq, layout, world)
                     work = [WHOLE_COST * whole + MASKED_COST * masked
                             for whole, masked in (tile_work(mask, seq, world, rank) for rank in range(world))]
                     row.update(layout=layout, work_busiest_m=max(work) / WHOLE_COST / 1e6,
-                               work_busiest_vs_idlest=max(work) / min(work))
+                               work_busiest_vs_idlest=max(work) / min(work), work_by_rank=work)
                 rows.append(row)
     for row in rows:
         single = [r for r in rows if r["seq"] == row["seq"] and r["variant"] == "single"]
