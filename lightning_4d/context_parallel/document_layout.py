@@ -26,10 +26,12 @@ __all__ = ["SequenceLayout", "balanced_layout", "piece_work", "positions_of"]
 # Pieces per rank: finer pieces balance better and let ring attention skip more of what a document mask hides, at
 # the cost of more (smaller) kernel calls.
 PIECES = 8
-# What a tile pair costs when one document covers it wholly, and when the mask hides part of it (the diagonal, a
-# document's edge): ATen's CPU flash attention with a boolean mask made for the tile took 1.45 times as long as
-# without one (256- and 512-token tiles, 4 heads of 64); on CUDA such tiles run the math kernel.
-WHOLE_COST, MASKED_COST = 2, 3
+# What a tile pair costs, forward and backward, when one document covers it wholly, and when the mask hides part of
+# it (the diagonal, a document's edge): fitted over packings by bench/cp_tile_cost.py (ATen's CPU flash attention,
+# 256- and 512-token tiles, 4 heads of 64), a masked pair took 1.02-1.42 times a whole one (1.28-1.29 at 256 tokens)
+# and per-rank CPU time at cp=2 fitted 1.07; with 1.25 the ranks' CPU times at cp=2 came within 1-2%, against 5-6%
+# with the 1.5 a forward-only measurement gave. On CUDA such tiles run the math kernel.
+WHOLE_COST, MASKED_COST = 4, 5
 
 
 @dataclass(frozen=True, eq=False)
