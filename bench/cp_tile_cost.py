@@ -35,6 +35,7 @@ def packings(tile: int, pieces: int) -> dict[str, list[int]]:
     """Document lengths that fill ``pieces`` tiles of ``tile`` tokens, by name."""
     length = tile * pieces
     half = tile // 2
+    mixed = [3 * half, tile, 5 * half, half]
     return {
         "one document": [length],
         "1 tile each": [tile] * pieces,
@@ -42,7 +43,7 @@ def packings(tile: int, pieces: int) -> dict[str, list[int]]:
         "4 tiles each": [4 * tile] * (pieces // 4),
         "1 tile, shifted": [half] + [tile] * (pieces - 1) + [half],
         "2 tiles, shifted": [half] + [2 * tile] * (pieces // 2 - 1) + [tile + half],
-        "mixed": [3 * half, tile, 5 * half, half, length - 6 * tile - half + 2 * half],
+        "mixed": [*mixed, length - sum(mixed)],
     }
 
 
@@ -89,9 +90,8 @@ def main() -> None:
     if args.pieces % 4 or args.pieces < 8:
         raise SystemExit(f"--pieces {args.pieces}: the packings need a multiple of 4, at least 8")
     torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=600))
+    # a group of one in its own in-memory store: no port to find or collide on
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=600))
     results = []
     for tile in args.tile:
         rows = [{"packing": name, **measure(lengths, tile, args.pieces, args)}
