@@ -221,10 +221,35 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _port_block() -> range:
+    """This test process's own ports: below the kernel's ephemeral range, so no outgoing connection (gloo opens
+    dozens per launch) is handed one between :func:`free_port` and the launch's store listening on it, and a
+    block per xdist worker, so two workers never pick the same one. A port the kernel handed out as free (bind to
+    port 0) was taken that way in CI: EADDRINUSE in rank 0, seconds after the check."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    size = 1000
+    start = max(1024, low - size * (index + 1))
+    return range(start, start + size)
+
+
+_ports = itertools.cycle(_port_block())
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port no launch of this process used lately and that nothing listens on now (see :func:`_port_block`)."""
+    for _ in range(len(_port_block())):
+        port = next(_ports)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_port_block()}: every one is taken on this machine")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Run documentation snippets as scripts, each in a process of its own forked from this one.
 
-``python tests/snippet_runner.py SPEC`` (SPEC: JSON with ``snippets``, a list of ``{"where", "script"}``, the
+``python tests/snippet_runner.py SPEC`` (SPEC: JSON with ``snippets``, a list of ``{"where", "script", "port"}``, the
 ``preload`` modules, the per-snippet ``timeout`` and the ``out`` file). This process imports torch, Lightning,
 lightning_4d and transformers once; each snippet then runs in a fresh fork as ``python SCRIPT`` would run it (its
 own folder as working directory and ``sys.path[0]``, ``__name__ == "__main__"``, a fresh namespace, atexit
@@ -24,10 +24,14 @@ import time
 import traceback
 
 
-def _run_child(script: str, write_fd: int) -> None:
-    """In the fork: become the script and exit with its status (never return into the runner's loop)."""
+def _run_child(script: str, port: int, write_fd: int) -> None:
+    """In the fork: become the script and exit with its status (never return into the runner's loop). ``port``
+    is the snippet's ``MASTER_PORT``, as a cluster sets it: one the test process picked outside the kernel's
+    ephemeral range, where the port Lightning finds by itself could be taken by another worker's connections
+    before the snippet's ranks listen on it."""
     code = 1
     try:
+        os.environ["MASTER_PORT"] = str(port)
         os.setpgid(0, 0)  # the snippet and the ranks it starts: one group, killed together on a timeout
         os.dup2(write_fd, 1)
         os.dup2(write_fd, 2)
@@ -54,7 +58,7 @@ def _run_child(script: str, write_fd: int) -> None:
         os._exit(code)
 
 
-def run_one(script: str, timeout: float) -> dict:
+def run_one(script: str, port: int, timeout: float) -> dict:
     """Fork, run ``script`` in the child, collect its output until every writer closed it; kill on timeout."""
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
@@ -63,7 +67,7 @@ def run_one(script: str, timeout: float) -> dict:
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        _run_child(script, write_fd)
+        _run_child(script, port, write_fd)
     os.close(write_fd)
     chunks, timed_out = [], False
     while True:
@@ -99,7 +103,7 @@ def main(spec_path: str) -> None:
         importlib.import_module(name)
     results = {}
     for snippet in spec["snippets"]:
-        results[snippet["where"]] = run_one(snippet["script"], spec["timeout"])
+        results[snippet["where"]] = run_one(snippet["script"], snippet["port"], spec["timeout"])
         with open(spec["out"], "w") as f:  # after each snippet: a runner killed later still reports the rest
             json.dump(results, f)
 

@@ -13,7 +13,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from lightning_4d import FourDStrategy
-from tests.parity import child_env
+from tests.parity import child_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
@@ -71,7 +71,7 @@ def snippet_runs(installed, tmp_path_factory) -> dict[str, dict]:
         folder = root / f"{index:02d}"
         folder.mkdir()
         (folder / "snippet.py").write_text(code)
-        snippets.append({"where": where, "script": str(folder / "snippet.py")})
+        snippets.append({"where": where, "script": str(folder / "snippet.py"), "port": free_port()})
     out = root / "results.json"
     spec = root / "spec.json"
     spec.write_text(json.dumps({"snippets": snippets, "preload": PRELOAD, "timeout": SNIPPET_TIMEOUT,

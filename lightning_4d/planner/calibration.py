@@ -225,11 +225,11 @@ def _measure_rank(rank: int, world: int, port: int, backend: str, result: str) -
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # the parent's (measure_here)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         machine = calibrate(device, world, use_cache=False)
         if rank == 0:
@@ -241,7 +241,6 @@ def _measure_rank(rank: int, world: int, port: int, backend: str, result: str) -
 def measure_here(devices: int, use_cache: bool = True) -> Machine:
     """The machine as ``devices`` ranks on this host see it (``python -m lightning_4d.plan --measure``): GPUs with
     NCCL where there are enough, else CPU processes with gloo; from the cache when it holds this host's figures."""
-    import socket
     import tempfile
 
     import torch
@@ -253,10 +252,13 @@ def measure_here(devices: int, use_cache: bool = True) -> Machine:
     key = cache_key(name, backend, devices, 1)
     if use_cache and (cached := load_cached(key)) is not None:
         return cached
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    import torch.distributed as dist
+
+    # The store listens before the ranks start, on a port it bound itself: a port found free and handed to the
+    # ranks could be taken by another connection before rank 0 listened on it.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as folder:
         result = os.path.join(folder, "machine.json")
-        mp.start_processes(_measure_rank, args=(devices, port, backend, result), nprocs=devices, start_method="spawn")
+        mp.start_processes(_measure_rank, args=(devices, store.port, backend, result), nprocs=devices,
+                           start_method="spawn")
         return Machine.from_dict(json.loads(Path(result).read_text()))  # cached by calibrate
