@@ -221,6 +221,13 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def script_env(**extra: str) -> dict[str, str]:
+    """:func:`child_env` for a script whose Trainer starts its own ranks (Lightning's launcher), with the
+    ``MASTER_PORT`` a cluster would set, from :func:`free_port`: the port Lightning finds by itself (bind to
+    port 0) can be taken by another worker's connections while the ranks import."""
+    return child_env(MASTER_PORT=str(free_port()), **extra)
+
+
 def _port_block() -> range:
     """This test process's own ports: below the kernel's ephemeral range, so no outgoing connection (gloo opens
     dozens per launch) is handed one between :func:`free_port` and the launch's store listening on it, and a

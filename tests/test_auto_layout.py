@@ -15,7 +15,7 @@ from lightning_4d import FourDStrategy
 from lightning_4d.composition.auto_layout import check_auto_layout, choose, fixed_sizes
 from lightning_4d.planner import Model, PlanError, Training, plan
 from lightning_4d.planner.step_time import Link, Machine
-from tests.parity import ROOT, Case, assert_parity, child_env, reference, run_layout
+from tests.parity import ROOT, Case, assert_parity, reference, run_layout, script_env
 
 GPT = Model.from_sizes(layers=4, hidden=256, heads=4, vocab=512)
 TRAINING = Training(seq_len=1, global_batch=1)
@@ -97,7 +97,7 @@ def test_the_cli_yaml_takes_layout_auto(tmp_path, budget):
     path = tmp_path / "auto.yaml"
     path.write_text(yaml.safe_dump(config))
     run = subprocess.run([sys.executable, "examples/train.py", "fit", "--config", str(path)], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT, env=child_env())
+                         text=True, timeout=300, cwd=ROOT, env=script_env())
     if budget == "4GiB":
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
         assert "layout=\"auto\" chose dp=1 pp=1 cp=1 tp=1" in run.stdout + run.stderr

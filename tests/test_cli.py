@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.parity import child_env
+from tests.parity import script_env
 
 PLAN = [sys.executable, "-m", "lightning_4d.plan"]
 EXPORT = [sys.executable, "-m", "lightning_4d.export"]
@@ -16,7 +16,7 @@ PLAN_SIZES = ["--devices", "2", "--seq", "64", "--global-batch", "4"]
 
 
 def _run(command, tmp_path, *extra):
-    return subprocess.run([*command, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+    return subprocess.run([*command, *extra], cwd=tmp_path, env=script_env(), capture_output=True, text=True,
                           timeout=180)
 
 
@@ -32,7 +32,7 @@ def _assert_one_line_error(done, prog: str, *fragments: str) -> None:
 @pytest.mark.parametrize("command", [PLAN, EXPORT, VERIFY], ids=["plan", "export", "verify_checkpoint"])
 def test_help_imports_neither_torch_nor_lightning(command, tmp_path):
     done = subprocess.run([sys.executable, "-X", "importtime", *command[1:], "--help"], cwd=tmp_path,
-                          env=child_env(), capture_output=True, text=True, timeout=60)
+                          env=script_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "usage: python -m lightning_4d." in done.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import")}

@@ -13,7 +13,7 @@ import yaml
 
 from lightning_4d import FourDStrategy
 from lightning_4d.demos.cli import main
-from tests.parity import child_env
+from tests.parity import script_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
@@ -70,7 +70,7 @@ def _cheap(config: dict, root: Path, layout: dict | None) -> Path:
 def _losses(config: Path, layout_line: str = "") -> list[tuple[int, str, float]]:
     """The losses the run printed; it must also print ``layout_line`` (the strategy the YAML named was built)."""
     done = subprocess.run([sys.executable, "examples/train.py", "fit", "--config", str(config)], cwd=ROOT,
-                          env=child_env(), capture_output=True, text=True, timeout=300)
+                          env=script_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert layout_line in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
     return [(int(step), name, float(value)) for step, name, value in LOSS_LINE.findall(done.stdout)]
@@ -126,7 +126,7 @@ def test_short_class_name_in_yaml(tmp_path):
 
 
 def test_fit_help_names_the_short_names():
-    done = subprocess.run([sys.executable, "examples/train.py", "fit", "--help"], cwd=ROOT, env=child_env(),
+    done = subprocess.run([sys.executable, "examples/train.py", "fit", "--help"], cwd=ROOT, env=script_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())

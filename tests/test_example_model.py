@@ -10,7 +10,7 @@ import torch
 
 from lightning_4d.demos.data import TextDataModule, read_stdlib_source
 from lightning_4d.demos.gpt import GPT
-from tests.parity import child_env
+from tests.parity import script_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
@@ -90,7 +90,7 @@ def test_a_few_steps_reduce_the_loss():
 
 
 def test_cli_runs_single_process(tmp_path):
-    env = child_env()
+    env = script_env()
     cmd = [
         sys.executable,
         "examples/train.py",

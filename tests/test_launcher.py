@@ -13,7 +13,7 @@ import torch
 
 from lightning_4d import FourDStrategy
 from lightning_4d.launcher import ForkLauncher
-from tests.parity import child_env
+from tests.parity import script_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,7 @@ def test_fork_refuses_a_gpu_run_before_starting_anything():
 
 def _run(mode: str) -> tuple[int, str, float]:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "tests.launcher_script", mode], cwd=ROOT, env=child_env(),
+    done = subprocess.run([sys.executable, "-m", "tests.launcher_script", mode], cwd=ROOT, env=script_env(),
                           capture_output=True, text=True, timeout=240)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 

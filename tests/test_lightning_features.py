@@ -5,11 +5,11 @@ import os
 import subprocess
 import sys
 
-from tests.parity import ROOT, child_env
+from tests.parity import ROOT, script_env
 
 
 def test_lightning_features_work_under_fourd(tmp_path):
-    env = child_env()
+    env = script_env()
     done = subprocess.run([sys.executable, "tests/lightning_features_script.py", str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

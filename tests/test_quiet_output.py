@@ -8,7 +8,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tests.parity import child_env
+from tests.parity import script_env
 from tests.quiet_probe import PROBE_WARNING
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ def test_the_16_process_demo_prints_each_warning_once(tmp_path):
                "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
                "--model.n_layer", "2", "--data.max_bytes", "30000", "--trainer.default_root_dir", str(tmp_path),
                "--trainer.callbacks+=tests.quiet_probe.SaveAtEnd"]
-    done = subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-5000:]
     assert "lightning-4d layout: dp=2 pp=2 cp=2 tp=2 (world 16)" in out

@@ -130,12 +130,12 @@ def _all_runs(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    from tests.parity import ROOT, child_env
+    from tests.parity import ROOT, script_env
 
     out = tmp_path_factory.mktemp("resume_positions")
     start = time.time()
     done = subprocess.run([sys.executable, "-m", "tests.test_resume_positions", str(out)], cwd=ROOT,
-                          env=child_env(), capture_output=True, text=True, timeout=600)
+                          env=script_env(), capture_output=True, text=True, timeout=600)
     print(f"resume positions: all runs in {time.time() - start:.1f} s")
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out / "results.pt")

@@ -11,7 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_4d
 from lightning_4d import FourDStrategy, ParallelDims
-from tests.parity import child_env
+from tests.parity import script_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def _train_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
                "--model.n_layer", "1", "--data.max_bytes", "20000", *args]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env=child_env())
+                            env=script_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

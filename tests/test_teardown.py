@@ -9,14 +9,14 @@ import subprocess
 import sys
 from typing import Optional
 
-from tests.parity import ROOT, child_env
+from tests.parity import ROOT, script_env
 
 LAUNCHES = 6
 
 
 def finished_cleanly() -> Optional[str]:
     """One launch of tests/teardown_script.py; None when both ranks finished and none aborted, else what happened."""
-    done = subprocess.run([sys.executable, "-m", "tests.teardown_script"], cwd=ROOT, env=child_env(),
+    done = subprocess.run([sys.executable, "-m", "tests.teardown_script"], cwd=ROOT, env=script_env(),
                           capture_output=True, text=True, timeout=120)
     output = done.stdout + done.stderr
     finished = all(f"finished rank {rank} of 2" in output for rank in (0, 1))
