@@ -3,8 +3,8 @@ callbacks with ``--trainer.callbacks+=tests.restart_probe.RestartProbe``. It doe
 ``RESTART_PROBE_OUT`` names a directory; there it writes, per rank, one JSON line per event with its wall-clock time
 and attempt (``events-rank<r>.jsonl``), and rank 0 writes the final weights (``weights.pt``).
 
-``RESTART_PROBE_KILL`` makes rank 1 SIGKILL itself, in torchrun's first attempt only
-(``TORCHELASTIC_RESTART_COUNT`` 0):
+``RESTART_PROBE_KILL`` makes rank 1 SIGKILL itself: a comma-separated list whose i-th entry is for torchrun's
+i-th attempt (``TORCHELASTIC_RESTART_COUNT`` i); attempts past the list run to the end. An entry is
 
 * ``step:N``: as training step N begins (``global_step == N``);
 * ``save:N``: while it writes its shard of the N-th checkpoint this attempt writes (half a file on disk and no
@@ -33,8 +33,9 @@ class RestartProbe(Callback):
 
     def __init__(self) -> None:
         self.out = Path(os.environ["RESTART_PROBE_OUT"]) if os.environ.get("RESTART_PROBE_OUT") else None
-        kind, _, value = os.environ.get("RESTART_PROBE_KILL", "").partition(":")
-        self.kill = (kind, int(value)) if kind else None
+        entries = [entry for entry in os.environ.get("RESTART_PROBE_KILL", "").split(",") if entry]
+        kind, _, value = entries[_attempt()].partition(":") if _attempt() < len(entries) else ("", "", "")
+        self.kill = (kind, int(value)) if kind else None  # this attempt's
         self.rank = int(os.environ.get("RANK", "0"))  # torchrun's; the Trainer's once it exists
         self.first_step_seen = False
         self._event("built")  # the process is up: imports done, the CLI has parsed the config
@@ -54,7 +55,7 @@ class RestartProbe(Callback):
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _kills(self, kind: str) -> bool:
-        return self.kill is not None and self.kill[0] == kind and self.rank == 1 and _attempt() == 0
+        return self.kill is not None and self.kill[0] == kind and self.rank == 1
 
     def _checkpoints(self, trainer) -> list[str]:
         folder = Path(trainer.checkpoint_callback.dirpath)

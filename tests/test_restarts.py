@@ -2,9 +2,11 @@
 
 The example CLI (examples/train.py) with tests/restarts.yaml: dp=2, the demo GPT made tiny, 24 steps, a
 ``ModelCheckpoint`` every 4 steps with ``save_last``, and ``ckpt_path: last``, started by
-``torchrun --standalone --nproc-per-node 2 --max-restarts 1``. tests/restart_probe.py (added to the callbacks on
-the command line) makes rank 1 SIGKILL itself in the first attempt only, writes timestamped events and saves the
-final weights. Every run is the same command; only the probe's environment differs.
+``torchrun --standalone --nproc-per-node 2 --max-restarts 2``. tests/restart_probe.py (added to the callbacks on
+the command line) makes rank 1 SIGKILL itself in the attempts it is told to, writes timestamped events and saves
+the final weights. Every run is the same command; only the probe's environment differs. Two jobs: one
+uninterrupted, and one where rank 1 dies twice (mid-training in the first attempt, while writing its shard of a
+checkpoint in the second), so the third attempt comes back from a restart after a restart.
 
 Torch's defaults are kept: the agent keeps one store for every attempt, and the package makes each attempt's
 process group under the attempt's own name (``launcher.attempt_store``; without it, 5 of 6 restarts here failed or
@@ -28,7 +30,7 @@ import torch
 
 from tests.parity import ROOT, child_env, free_port, spawn
 
-COMMAND = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+COMMAND = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
            "examples/train.py", "fit", "--config", "tests/restarts.yaml"]
 LIMIT = 420  # seconds for one torchrun job; a hang is killed and fails the test
 NO_LAST = 'ckpt_path="last") is set, but there is no last checkpoint available. No checkpoint will be loaded.'
@@ -62,7 +64,7 @@ def _stop(agent: subprocess.Popen) -> None:
 
 
 def _torchrun(out: Path, kill: str | None = None) -> dict:
-    """One job of the same command; ``kill`` tells the probe when rank 1 dies in the first attempt."""
+    """One job of the same command; ``kill`` tells the probe when rank 1 dies, per attempt (tests/restart_probe.py)."""
     out.mkdir()
     env = child_env(PYTHONUNBUFFERED="1", RESTART_PROBE_OUT=str(out))
     if kill:
@@ -101,14 +103,21 @@ def uninterrupted(tmp_path_factory):
     return torch.load(run["out"] / "weights.pt")
 
 
-def _restarted_once(run: dict, resumed_at: int) -> None:
-    """Exit 0 after exactly one restart (attempts 0 and 1, both ranks in the second), which resumed at
-    ``resumed_at`` from last.ckpt and trained to the end."""
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory):
+    """Rank 1 dies at step 10 in the first attempt (the newest checkpoint is step 8) and, in the second, while it
+    writes its shard of that attempt's second checkpoint (step 16; last.ckpt is at step 12)."""
+    return _torchrun(tmp_path_factory.mktemp("restarts") / "killed", kill="step:10,save:2")
+
+
+def _restarted(run: dict, attempt: int, resumed_at: int) -> None:
+    """Exit 0 after two restarts (attempts 0, 1 and 2, both ranks in each restarted one); ``attempt`` resumed at
+    ``resumed_at`` from last.ckpt."""
     assert run["code"] == 0, run["output"][-6000:]
-    assert {e["attempt"] for e in run["events"]} == {0, 1}, run["events"]
-    assert len(_of(run, "kill", 0)) == 1 and "SIGKILLs itself" in run["output"]
-    assert [e["step"] for e in _of(run, "train_start", 1)] == [resumed_at] * 2, run["events"]
-    assert [e["step"] for e in _of(run, "train_end", 1)] == [24, 24], run["events"]
+    assert {e["attempt"] for e in run["events"]} == {0, 1, 2}, run["events"]
+    assert len(_of(run, "kill", attempt - 1)) == 1 and "SIGKILLs itself" in run["output"]
+    assert [e["step"] for e in _of(run, "train_start", attempt)] == [resumed_at] * 2, run["events"]
+    assert [e["step"] for e in _of(run, "train_end")] == [24, 24], run["events"]  # only the last attempt ends
     assert "Restored all states from the checkpoint at" in run["output"] and "last.ckpt" in run["output"]
 
 
@@ -119,43 +128,47 @@ def _equal_weights(run: dict, reference: dict) -> None:
     assert not different, f"differ from the uninterrupted run: {different}"
 
 
-def _recovery_time(run: dict) -> dict[str, float]:
-    """Seconds from the kill to: the restarted processes being up (imports done, config parsed), training
-    starting (checkpoint restored), and the first step after the restart done (the last rank of each)."""
-    kill = _of(run, "kill", 0)[0]["t"]
-    return {name: max(e["t"] for e in _of(run, event, 1)) - kill
+def _recovery_time(run: dict, attempt: int) -> dict[str, float]:
+    """Seconds from the kill in ``attempt - 1`` to: ``attempt``'s processes being up (imports done, config parsed),
+    training starting (checkpoint restored), and the first step after the restart done (the last rank of each)."""
+    kill = _of(run, "kill", attempt - 1)[0]["t"]
+    return {name: max(e["t"] for e in _of(run, event, attempt)) - kill
             for name, event in (("processes up", "built"), ("training started", "train_start"),
                                 ("first step done", "first_step"))}
 
 
-def test_a_rank_killed_mid_training_restarts_and_ends_with_the_uninterrupted_weights(tmp_path, uninterrupted):
+def test_a_rank_killed_mid_training_restarts_and_ends_with_the_uninterrupted_weights(killed_twice, uninterrupted):
     """Rank 1 dies at step 10 (the newest checkpoint is step 8); torchrun restarts both ranks, which resume from
-    last.ckpt at step 8 and end with the weights of the uninterrupted run, bit for bit."""
-    run = _torchrun(tmp_path / "killed", kill="step:10")
-    _restarted_once(run, resumed_at=8)
+    last.ckpt at step 8 and, after the second restart below, end with the weights of the uninterrupted run, bit for
+    bit."""
+    run = killed_twice
+    _restarted(run, attempt=1, resumed_at=8)
+    assert _of(run, "kill", 0)[0]["where"] == "training step" and _of(run, "kill", 0)[0]["step"] == 10
     _equal_weights(run, uninterrupted)
-    times = _recovery_time(run)
-    print(f"torchrun with one restart: {run['took']:.1f} s in all; from the kill: "
+    times = _recovery_time(run, 1)
+    print(f"torchrun with two restarts: {run['took']:.1f} s in all; from the first kill: "
           + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items()))
     assert times["processes up"] < times["training started"] < times["first step done"]
 
 
-def test_a_rank_killed_while_saving_leaves_a_partial_that_the_restarted_run_replaces(tmp_path, uninterrupted):
-    """Rank 1 dies while it writes its shard of step 16's checkpoint: last.ckpt stays at step 12 and
-    ``epoch=0-step=16.ckpt.partial`` is left half-written. The restarted run sees it, resumes at step 12, saves
-    step 16 under the same name again (over the leftover), ends with the uninterrupted weights and leaves no
-    ``.partial`` behind."""
-    run = _torchrun(tmp_path / "killed-saving", kill="save:4")
-    _restarted_once(run, resumed_at=12)
-    assert _of(run, "kill", 0)[0]["where"] == "writing epoch=0-step=16.ckpt.partial", run["events"]
-    found = [e["checkpoints"] for e in _of(run, "train_start", 1) if e["rank"] == 0][0]
+def test_a_rank_killed_while_saving_leaves_a_partial_that_the_restarted_run_replaces(killed_twice, uninterrupted):
+    """In the restarted attempt rank 1 dies while it writes its shard of step 16's checkpoint: last.ckpt stays at
+    step 12 and ``epoch=0-step=16.ckpt.partial`` is left half-written. The run restarted again sees it, resumes at
+    step 12, saves step 16 under the same name again (over the leftover), ends with the uninterrupted weights and
+    leaves no ``.partial`` behind."""
+    run = killed_twice
+    _restarted(run, attempt=2, resumed_at=12)
+    assert _of(run, "kill", 1)[0]["where"] == "writing epoch=0-step=16.ckpt.partial", run["events"]
+    found = [e["checkpoints"] for e in _of(run, "train_start", 2) if e["rank"] == 0][0]
     assert "epoch=0-step=16.ckpt.partial" in found and "last.ckpt" in found, found
-    assert 16 in [e["step"] for e in _of(run, "save", 1) if e["rank"] == 0], run["events"]
-    left = [e["checkpoints"] for e in _of(run, "teardown", 1) if e["rank"] == 0][0]
+    assert 16 in [e["step"] for e in _of(run, "save", 2) if e["rank"] == 0], run["events"]
+    left = [e["checkpoints"] for e in _of(run, "teardown", 2) if e["rank"] == 0][0]
     assert left == ["epoch=0-step=24.ckpt", "last.ckpt"], left
     _equal_weights(run, uninterrupted)
-    print(f"torchrun, killed while saving: {run['took']:.1f} s in all; from the kill: "
-          + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in _recovery_time(run).items()))
+    times = _recovery_time(run, 2)
+    print("torchrun, killed while saving: from the kill: "
+          + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in times.items()))
+    assert times["processes up"] < times["training started"] < times["first step done"]
 
 
 def _two_runs_on_one_store(rank: int, world_size: int, out_dir: str, port: int) -> None:
