@@ -243,20 +243,21 @@ def _port_block() -> range:
     return range(start, start + size)
 
 
-_ports = itertools.cycle(_port_block())
+_PORTS = _port_block()
+_next_ports = itertools.cycle(_PORTS)
 
 
 def free_port() -> int:
     """A port no launch of this process used lately and that nothing listens on now (see :func:`_port_block`)."""
-    for _ in range(len(_port_block())):
-        port = next(_ports)
+    for _ in range(len(_PORTS)):
+        port = next(_next_ports)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {_port_block()}: every one is taken on this machine")
+    raise RuntimeError(f"no free port in {_PORTS}: every one is taken on this machine")
 
 
 @dataclass
