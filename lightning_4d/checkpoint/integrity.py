@@ -1,8 +1,9 @@
 """Checkpoint integrity: every file of a checkpoint directory has its size and CRC-32 in ``checksums.json``.
 
-Each rank checksums the shard files it wrote right after writing them (in memory-sized chunks); loading
-verifies them first, every rank a share of the files, and every rank refuses a damaged checkpoint with the
-same message, naming each damaged file and the tensors in it, before any state changes.
+Each rank checksums the shard files it wrote right after writing them (through a memory map; in an asynchronous
+save the writer process checksums what it wrote); loading verifies them first, every rank a share of the files,
+and every rank refuses a damaged checkpoint with the same message, naming each damaged file and the tensors in
+it, before any state changes.
 ``python -m lightning_4d.verify_checkpoint DIR`` checks a directory offline (:mod:`.verify`).
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -21,30 +21,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_4d.checkpoint.writer_process import fingerprint
+
 CHECKSUM_FILE = "checksums.json"
 META_FILE = "meta.pt"  # Lightning's own state in a checkpoint directory (:mod:`.sharded`)
-_CHUNK = 16 << 20
+
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file does not match the size or checksum it was written with (or is missing)."""
 
 
-def _crc32(file: Path) -> str:
-    crc = 0
-    with open(file, "rb") as stream:
-        while chunk := stream.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
-
-def _fingerprint(file: Path) -> dict[str, Any]:
-    return {"size": file.stat().st_size, "crc32": _crc32(file)}
-
-
-def _write_checksums(directory: Path, is_writer: bool, group: Optional[dist.ProcessGroup] = None) -> None:
+def _write_checksums(directory: Path, is_writer: bool, group: Optional[dist.ProcessGroup] = None,
+                     known: Optional[Mapping[str, Any]] = None) -> None:
     """Collective over ``group`` (default: the world): each rank checksums the shard files it wrote
-    (``__<rank>_*``); the writer also its own index and ``meta.pt``, gathers everyone's (only the writer holds
-    them all, as DCP's coordinator holds every plan) and writes ``checksums.json``."""
+    (``__<rank>_*``; those in ``known`` were checksummed by whoever wrote them); the writer also its own index and
+    ``meta.pt``, gathers everyone's (only the writer holds them all, as DCP's coordinator holds every plan) and
+    writes ``checksums.json``."""
+    known = known or {}
     rank = dist.get_rank() if dist.is_initialized() else None
     mine = {}
     for file in sorted(directory.iterdir()):
@@ -52,7 +45,7 @@ def _write_checksums(directory: Path, is_writer: bool, group: Optional[dist.Proc
             continue
         own_shard = rank is None or file.name.startswith(f"__{rank}_")
         if own_shard or (is_writer and not file.name.startswith("__")):
-            mine[file.name] = _fingerprint(file)
+            mine[file.name] = known[file.name] if file.name in known else fingerprint(file)
     everyone: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group) if is_writer else None
@@ -69,7 +62,7 @@ def _save_checksums(directory: Path, files: Mapping[str, Any]) -> None:
 def _copy_checksums(source: Path, directory: Path) -> None:
     """``directory`` holds ``source``'s files (linked) but its own ``meta.pt``: the same checksums, that one new."""
     files = dict(expected_files(source) or {})
-    files[META_FILE] = _fingerprint(directory / META_FILE)
+    files[META_FILE] = fingerprint(directory / META_FILE)
     _save_checksums(directory, files)
 
 
@@ -99,7 +92,7 @@ def _problems(directory: Path, files: Mapping[str, Mapping[str, Any]]) -> list[s
         size = file.stat().st_size
         if size != expected["size"]:
             problems.append(f"{name}: {size} bytes, written with {expected['size']} (truncated or overwritten)")
-        elif _crc32(file) != expected["crc32"]:
+        elif fingerprint(file)["crc32"] != expected["crc32"]:
             problems.append(f"{name}: checksum mismatch (the bytes changed after writing)")
     return problems
 

@@ -182,7 +182,7 @@ def write(tensors: dict[str, Any], meta: dict[str, Any], partial: Path, is_write
     dcp.save(tensors, checkpoint_id=partial, planner=_planner(), process_group=group, storage_writer=storage_writer)
     if is_writer:
         torch.save(_plain(meta), partial / META_FILE)
-    _write_checksums(partial, is_writer, group)
+    _write_checksums(partial, is_writer, group, known=getattr(storage_writer, "fingerprints", None))
 
 
 def publish(partial: Path, path: Path) -> None:

@@ -27,11 +27,13 @@ import sys
 import tempfile
 import threading
 import traceback
+import zlib
 from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.futures import Future
+from torch.utils.serialization import config as serialization_config
 
 # The writer's nice value above training's: where training keeps every core busy (CPU-only machines), the writer
 # takes about a tenth of a core's time from it (CFS weights 1024 against 110), and all of what training leaves idle
@@ -40,6 +42,17 @@ WRITER_NICENESS = 10
 ALIGNMENT = 64  # bytes; every staged tensor starts on a cache line
 
 _BOOT = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__')"
+
+
+def fingerprint(file: Any) -> dict[str, Any]:
+    """A file's size and CRC-32, as ``checksums.json`` records them (:mod:`.integrity`), read through a memory map:
+    no copy of the file into the process. Here, not in :mod:`.integrity`, because the writer process runs this
+    file alone, and it checksums what it wrote."""
+    size, crc = os.stat(file).st_size, 0
+    if size:
+        with open(file, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            crc = zlib.crc32(mapped)
+    return {"size": size, "crc32": f"{crc:08x}"}
 
 
 def _send(connection: socket.socket, message: Any) -> None:
@@ -141,8 +154,9 @@ class WriterProcess:
             self._ask(("block", block.size), fds=[block.fd])
             self._block = block
 
-    def write(self, path: str, plan: Any, items: list[tuple], sync_files: bool) -> list[Any]:
-        """DCP's write results for ``plan``; ``items`` are :func:`describe`'s, in the plan's order."""
+    def write(self, path: str, plan: Any, items: list[tuple], sync_files: bool) -> tuple[list[Any], dict[str, Any]]:
+        """DCP's write results for ``plan`` and the :func:`fingerprint` of every file written, by name; ``items``
+        are :func:`describe`'s, in the plan's order."""
         with self._lock:
             return self._ask(("write", path, plan, items, sync_files))
 
@@ -177,16 +191,19 @@ class WriterProcess:
 
 
 class ProcessFileWriter(FileSystemWriter):
-    """DCP's file writer (same files, same index) whose data-writing phase runs in a :class:`WriterProcess`."""
+    """DCP's file writer (same files, same index) whose data-writing phase runs in a :class:`WriterProcess`.
+    ``fingerprints``: the files it wrote, checksummed by the process right after writing them."""
 
     def __init__(self, path: Any, process: WriterProcess) -> None:
         super().__init__(path)
         self.writer_process = process
+        self.fingerprints: dict[str, Any] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         items = [self.writer_process.describe(planner.resolve_data(item)) for item in plan.items]
+        results, self.fingerprints = self.writer_process.write(str(self.path), plan, items, self.sync_files)
         future: Future = Future()
-        future.set_result(self.writer_process.write(str(self.path), plan, items, self.sync_files))
+        future.set_result(results)
         return future
 
 
@@ -227,6 +244,9 @@ def _serve(fd: int, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops training; the save in flight still completes
     os.nice(WRITER_NICENESS)
     torch.set_num_threads(1)
+    # torch.save's own CRC-32 of each record, a pass over every byte, is not needed: the files' checksums
+    # (``fingerprint``) cover them, and loading reads records whose CRC is not recorded as it reads the others.
+    serialization_config.save.compute_crc32 = False
     connection = socket.socket(fileno=fd)
     block: Optional[mmap.mmap] = None
     while True:
@@ -243,7 +263,9 @@ def _serve(fd: int, parent: int) -> None:
             else:
                 _, path, plan, items, sync_files = message
                 writer = FileSystemWriter(path, sync_files=sync_files)
-                answer = writer.write_data(plan, _Resolved(plan, items, block)).wait()
+                results = writer.write_data(plan, _Resolved(plan, items, block)).wait()
+                written = sorted({result.storage_data.relative_path for result in results})
+                answer = (results, {name: fingerprint(os.path.join(path, name)) for name in written})
             _send(connection, ("done", answer))
         except Exception:  # noqa: BLE001  sent back and raised in the training process
             _send(connection, ("failed", traceback.format_exc()))
