@@ -59,7 +59,7 @@ BENCHMARKS = {
     "checkpoint": Benchmark("Distributed checkpoint: save, load and bytes per rank",
                             ("--steps", "3", "--repeats", "3"), ("--steps", "2", "--repeats", "1"), 8),
     "async_checkpoint": Benchmark("Checkpoint saves that never stop training: sync against async saves per layout",
-                                  ("--saves", "20", "--sync-saves", "5"),
+                                  ("--saves", "20", "--sync-saves", "5", "--rounds", "2"),
                                   ("--layouts", "dp2", "--saves", "3", "--sync-saves", "2"), 2),
     "step_time": Benchmark("Predicted against measured step time per layout, and layout=\"auto\"'s choice",
                            ("--processes", "4", "--steps", "4"), ("--processes", "2", "--steps", "2", "--models",

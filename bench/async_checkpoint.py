@@ -2,15 +2,20 @@
 load time against the world size with and without DCP's plan caching.
 
     OMP_NUM_THREADS=1 python bench/async_checkpoint.py [--layouts dp2 dp_shard2 tp2 pp2] [--saves 20] [--sync-saves 5]
+        [--rounds 1]
     OMP_NUM_THREADS=1 python bench/async_checkpoint.py --scaling [--worlds 2 4 8 16] [--repeats 3]
 
 Layouts: the example GPT (12 layers, n_embd 768, vocabulary 256: 85M parameters, whose weights and AdamW state make
 1.0 GB) trains with ``trainer.save_checkpoint`` every ``--every`` steps: ``--sync-saves`` times with
 ``FourDStrategy(async_save=False)``, ``--saves`` times with ``True`` (separate launches). Per save, the time
 ``save_checkpoint`` held the step (the slowest rank); per step, its wall time and whether a background write was
-running while it ran; each rank's resident memory before the first save, after the 2nd and after the last. The
-step-time ratio compares steps that ran during a background write with the median step of the synchronous run's
-steps that ran with no save near them.
+running while it ran; each rank's resident memory before the first save, after the 2nd and after the last. A
+save holds the step from the moment the last rank calls ``save_checkpoint`` to the moment the last rank returns
+(a rank that arrives early waits for the others at the step's next collective anyway, save or not); each rank's
+own wait is kept beside it. The step-time ratio compares steps that ran during a background write with the
+median step of the synchronous run. ``--rounds R`` runs every layout's synchronous and asynchronous launches R
+times, alternating, so that each ratio compares launches minutes apart (this machine's step time drifts by 20-40%
+over tens of minutes).
 
 Writers (``--writers``): which background writer costs training least. Two processes each hold ``--mb`` MB of
 tensors and run a CPU-bound loop (matrix products) standing in for training steps; each of 3 saves is written by
@@ -84,9 +89,9 @@ class _Saves(Callback):
             return
         if not self.blocked:
             self.rss["before_first_save"] = rss_bytes()
-        started = time.perf_counter()
+        entered = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the machine
         trainer.save_checkpoint(self.directory / f"step={step}.ckpt")
-        self.blocked.append(time.perf_counter() - started)
+        self.blocked.append((entered, time.perf_counter()))
         if len(self.blocked) == 2:
             self.rss["after_2_saves"] = rss_bytes()
         sharded.remove(self.directory / f"step={step - 2 * self.every}.ckpt") if trainer.is_global_zero else None
@@ -108,7 +113,10 @@ def layout_worker(spec: str, asynchronous: bool, every: int, saves: int, directo
     blocked = _gathered(probe.blocked)
     steps, rss = _gathered(probe.steps), _gathered(probe.rss)
     write_rows({"layout": spec, "async": asynchronous, "parameters": sum(p.numel() for p in GPT(**BIG).parameters()),
-                "blocked_s": [max(per_rank) for per_rank in zip(*blocked)],  # the slowest rank holds the step
+                # per save: from the last rank's call to the last rank's return, and the longest wait of one rank
+                "held_s": [max(left for _, left in ranks) - max(entered for entered, _ in ranks)
+                           for ranks in zip(*blocked)],
+                "rank_wait_s": [max(left - entered for entered, left in ranks) for ranks in zip(*blocked)],
                 "steps": [{"step": rows[0]["step"], "s": max(r["s"] for r in rows),
                            "during_write": any(r["during_write"] for r in rows)} for rows in zip(*steps)],
                 "rss": rss, "staging_allocations": trainer.strategy.checkpoints.staging.allocations
@@ -225,10 +233,11 @@ def writers_kinds(megabytes: int) -> list:
     return rows
 
 
-def _summary(row: dict) -> dict:
+def _summary(row: dict, round_: int) -> dict:
     steps = row["steps"][2:]  # the first steps warm up
-    return {"layout": row["layout"], "async": row["async"], "saves": len(row["blocked_s"]),
-            "blocked_median_s": statistics.median(row["blocked_s"]), "blocked_max_s": max(row["blocked_s"]),
+    return {"layout": row["layout"], "async": row["async"], "round": round_, "saves": len(row["held_s"]),
+            "held_median_s": statistics.median(row["held_s"]), "held_max_s": max(row["held_s"]),
+            "rank_wait_median_s": statistics.median(row["rank_wait_s"]),
             "step_median_s": statistics.median(s["s"] for s in steps),
             "steps_during_write": [s["s"] for s in steps if s["during_write"]],
             "rss_gb": {rank: {k: v / 1e9 for k, v in per.items()} for rank, per in enumerate(row["rss"])},
@@ -240,6 +249,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["dp2", "dp_shard2", "tp2", "pp2"])
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--scaling", action="store_true")
     parser.add_argument("--writers", action="store_true")
     parser.add_argument("--mb", type=int, default=512)
@@ -270,14 +280,15 @@ def main() -> None:
                                                       str(args.repeats), "--dir", tmp] + ["--caching"] * caching,
                                            TIMEOUT_S))
         else:
-            for spec in args.layouts:
-                for asynchronous in (False, True):
-                    row = run_worker(__file__, ["--layouts", spec, "--every", str(args.every),
-                                                "--saves", str(args.saves if asynchronous else args.sync_saves),
-                                                "--dir", tmp]
-                                     + ["--async-save"] * asynchronous, TIMEOUT_S, env=CPU_MALLOC_ENV)
-                    rows.append(_summary(row))
-                    print(rows[-1], flush=True)
+            for round_ in range(args.rounds):
+                for spec in args.layouts:
+                    for asynchronous in (False, True):
+                        row = run_worker(__file__, ["--layouts", spec, "--every", str(args.every),
+                                                    "--saves", str(args.saves if asynchronous else args.sync_saves),
+                                                    "--dir", tmp]
+                                         + ["--async-save"] * asynchronous, TIMEOUT_S, env=CPU_MALLOC_ENV)
+                        rows.append(_summary(row, round_))
+                        print(rows[-1], flush=True)
     name = "async_checkpoint" + ("_writers" if args.writers else "_scaling" if args.scaling else "")
     payload = {"command": command("async_checkpoint.py"), "model": SCALING if args.scaling else BIG,
                "batch_per_replica": BATCH, "seq_len": SEQ, "results": rows}

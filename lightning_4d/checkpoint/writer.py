@@ -7,11 +7,11 @@
   only while each rank copies what it holds into host memory shared with its writer process, allocated on the
   first save and reused (pinned on CUDA). A thread then saves with DCP over a process group of its own (the
   training thread's collectives never queue behind it): it plans, the writer process writes the shard files
-  (:mod:`.writer_process`: serializing takes the GIL, so not in the training process), and the thread checksums
-  them and gathers the checksums to rank 0, which renames the
-  ``.partial`` directory into place. DCP's last step gathers every rank's write result to rank 0, so the rename
-  comes after every rank's files are written, and no training step waits for that agreement. At most one save is
-  in flight: the next one waits for it, and rank 0 says so once.
+  (:mod:`.writer_process`: serializing takes the GIL, so not in the training process) and checksums them, and
+  the thread gathers the checksums to rank 0, which renames the ``.partial`` directory into place. DCP's last
+  step gathers every rank's write result to rank 0, so the rename comes after every rank's files are written,
+  and no training step waits for that agreement. At most one save is in flight: the next one waits for it, and
+  rank 0 says so once.
 - **Nothing visible early**: Lightning's ``ModelCheckpoint`` removes superseded top-k checkpoints and links ``last``
   right after a save returns. While a save is in flight those wait for it and run, in order, once it is in place;
   links and copies before removals. A crash at any point leaves the previous complete checkpoint the newest one.
