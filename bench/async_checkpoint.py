@@ -74,7 +74,7 @@ class _Saves(Callback):
 
     def __init__(self, directory: Path, every: int, saves: int) -> None:
         self.directory, self.every, self.saves = directory, every, saves
-        self.blocked, self.steps, self.rss = [], [], {}
+        self.saved_at, self.steps, self.rss = [], [], {}  # saved_at: (entered, left) per save
         self._start, self._writing = 0.0, False
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -85,20 +85,20 @@ class _Saves(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         self.steps.append({"step": step, "s": time.perf_counter() - self._start, "during_write": self._writing})
-        if step % self.every or len(self.blocked) >= self.saves:
+        if step % self.every or len(self.saved_at) >= self.saves:
             return
-        if not self.blocked:
+        if not self.saved_at:
             self.rss["before_first_save"] = rss_bytes()
         entered = time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process of the machine
         trainer.save_checkpoint(self.directory / f"step={step}.ckpt")
-        self.blocked.append((entered, time.perf_counter()))
-        if len(self.blocked) == 2:
+        self.saved_at.append((entered, time.perf_counter()))
+        if len(self.saved_at) == 2:
             self.rss["after_2_saves"] = rss_bytes()
         sharded.remove(self.directory / f"step={step - 2 * self.every}.ckpt") if trainer.is_global_zero else None
 
     def on_train_end(self, trainer, pl_module):
         trainer.strategy.checkpoints.finish()
-        self.rss[f"after_{len(self.blocked)}_saves"] = rss_bytes()
+        self.rss[f"after_{len(self.saved_at)}_saves"] = rss_bytes()
 
 
 def layout_worker(spec: str, asynchronous: bool, every: int, saves: int, directory: str, out: str) -> None:
@@ -110,13 +110,13 @@ def layout_worker(spec: str, asynchronous: bool, every: int, saves: int, directo
     replicas = dims.get("dp", 1) * dims.get("dp_shard", 1)  # pp_microbatches is no size of the world
     trainer.fit(GPT(**BIG), DataLoader(random_tokens(BATCH * replicas * (every * saves + 2), SEQ, 256),
                                        batch_size=BATCH))
-    blocked = _gathered(probe.blocked)
+    saved_at = _gathered(probe.saved_at)
     steps, rss = _gathered(probe.steps), _gathered(probe.rss)
     write_rows({"layout": spec, "async": asynchronous, "parameters": sum(p.numel() for p in GPT(**BIG).parameters()),
                 # per save: from the last rank's call to the last rank's return, and the longest wait of one rank
                 "held_s": [max(left for _, left in ranks) - max(entered for entered, _ in ranks)
-                           for ranks in zip(*blocked)],
-                "rank_wait_s": [max(left - entered for entered, left in ranks) for ranks in zip(*blocked)],
+                           for ranks in zip(*saved_at)],
+                "rank_wait_s": [max(left - entered for entered, left in ranks) for ranks in zip(*saved_at)],
                 "steps": [{"step": rows[0]["step"], "s": max(r["s"] for r in rows),
                            "during_write": any(r["during_write"] for r in rows)} for rows in zip(*steps)],
                 "rss": rss, "staging_allocations": trainer.strategy.checkpoints.staging.allocations

@@ -109,18 +109,18 @@ def _checkpoint(payload: dict) -> str:
 
 
 def _async_checkpoint(payload: dict) -> str:
-    sync = {(r["layout"], r.get("round", 0)): r for r in payload["results"] if not r["async"]}
+    sync = {(r["layout"], r["round"]): r for r in payload["results"] if not r["async"]}
     rows = []
     for r in payload["results"]:
-        base = sync.get((r["layout"], r.get("round", 0)))
+        base = sync[r["layout"], r["round"]]
         during = r["steps_during_write"]
-        ratio = statistics.median(during) / base["step_median_s"] if during and base else None
+        ratio = statistics.median(during) / base["step_median_s"] if during else None
         rss = [per for per in r["rss_gb"].values()]
         growth = max(per[f"after_{r['saves']}_saves"] / per["after_2_saves"] - 1 for per in rss)
         staging = max(per["after_2_saves"] - per["before_first_save"] for per in rss)
-        rows.append([r["layout"], str(r.get("round", 0)), "async" if r["async"] else "sync", str(r["saves"]),
+        rows.append([r["layout"], str(r["round"]), "async" if r["async"] else "sync", str(r["saves"]),
                      f"{r['held_median_s']:.3f} (max {r['held_max_s']:.2f})",
-                     f"{r['held_median_s'] / base['held_median_s']:.1%}" if base else "",
+                     f"{r['held_median_s'] / base['held_median_s']:.1%}",
                      f"{r['rank_wait_median_s']:.3f}", f"{r['step_median_s']:.2f}",
                      f"{ratio:.2f}x ({len(during)} steps)" if ratio else "", f"{staging:.2f}", f"{growth:+.1%}"])
     return _rows(["layout", "round", "saves", "n", "step held per save, median s", "of sync",
