@@ -65,6 +65,30 @@ def test_the_rank_behind_is_named_stalled_and_the_others_exit_too(capfd):
     assert "this rank is stalled; where its threads are" in err
 
 
+def test_rank_0_keeps_the_store_up_until_a_peer_that_still_beats_has_judged_too(capfd):
+    """Rank 0 judges first (here: it is the rank behind, stalled) while rank 1's thread has not judged yet (a
+    loaded machine delayed it; here it never judges a stall). Rank 0 hosts the store: it exits only once rank 1
+    stopped beating (rank 1 judges rank 0 lost after its ``lost_after``), not after a fixed three beats, which
+    left rank 1's collective broken before its judgement (it exited 1 instead of 76 in a CI run). A collective
+    failing in rank 0's main thread after the judgement is its consequence: the thread reports, not main."""
+    port = free_port()
+    stores = [dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False) for rank in (0, 1)]
+    exits = {0: [], 1: []}
+    options = [dict(interval=0.2, lost_after=1.0, stall_after=1.0), dict(interval=0.2, lost_after=1.0, stall_after=None)]
+    beats = [Heartbeat(stores[rank], rank, 2, exit=lambda code, rank=rank: exits[rank].append((code, time.monotonic())),
+                       **options[rank]) for rank in (0, 1)]
+    for beat in beats:
+        beat.start()
+    beats[1].mark("training_step", 3)
+    beats[1].mark("backward", 3)  # rank 1 waits in backward's all-reduce for rank 0
+    beats[0].mark("training_step", 3)  # rank 0 never gets there
+    _wait(lambda: exits[0] and exits[1], 10)
+    assert [code for code, _ in exits[0]] == [EXIT_STALLED] and [code for code, _ in exits[1]] == [EXIT_RANK_LOST]
+    assert exits[0][0][1] > exits[1][0][1], "rank 0 took the store away while rank 1 still beat"
+    assert not beats[0].claim_report("main")
+    assert "rank 0 (it hosts" not in capfd.readouterr().err  # rank 1 saw rank 0's beat stop, not its store go
+
+
 def test_ranks_at_the_same_point_are_not_judged_stalled():
     beats, exits = _pair(interval=0.2, lost_after=1.0, stall_after=1.0)
     for beat in beats:

@@ -164,6 +164,12 @@ class Heartbeat:
         return {rank for rank, (_, since) in self._seen.items()
                 if now - since <= within and "left" not in self._peers.get(rank, {})}
 
+    def _peers_beating(self) -> bool:
+        try:
+            return bool(self.alive_peers(within=2 * self.interval))
+        except Exception:  # noqa: BLE001  nothing to wait for if the store cannot be read
+            return False
+
     def find_lost(self, wait: Optional[float] = None) -> list[int]:
         """Peers whose beat does not change within ``wait`` seconds (default: two intervals and a half) and who
         did not leave on purpose, read from the store now (on the failure path: a collective just failed).
@@ -336,9 +342,16 @@ class Heartbeat:
         print(f"[lightning-4d] rank {self.rank} stops (exit {code}): {message}.{compared} Last"
               f" known state of every rank (as seen by rank {self.rank}):\n{self.table()}", file=sys.stderr, flush=True)
         self._stop.set()
+        # This judgement is the rank's report: a collective that breaks in the main thread as the peers leave after
+        # it is its consequence, and must not end the process first with an exit of its own (report_failure).
+        self.claim_report("thread")
         if self.rank == 0:
-            # This process hosts the store: keep it up while the peers read it and reach the same judgement.
-            time.sleep(3 * self.interval)
+            # This process hosts the store: keep it up while the peers still beat, reading it to reach the same
+            # judgement (a loaded machine can delay a peer's thread by seconds); a peer that judges nothing else
+            # finds this rank's beat gone after ``lost_after`` and a beat, and is seen to stop two beats later.
+            deadline = time.monotonic() + self.lost_after + 4 * self.interval
+            while time.monotonic() < deadline and self._peers_beating():
+                time.sleep(0.1)
         elif behind_alive:
             # The stalled rank reaches the same judgement within a heartbeat: leaving now would break the
             # collective it waits in before it has printed its stack (which shows the user's line).
