@@ -4,10 +4,12 @@ against the peak measured in CPU runs of the example GPT under several layouts.
 Measuring on CPU: the peak is the process's resident-set high-water mark (``VmHWM``), restarted right before
 the model is built, minus the resident set at that moment, so the runtime's own ~300 MB is not counted.
 glibc's malloc raises its mmap threshold after large frees and then keeps freed memory in its heap; the
-measured processes fix the threshold (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors go back to the
-system and the resident set follows live tensors, as ``max_memory_allocated`` does on a GPU.
+measured ranks fix the threshold (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` does at start-up,
+called before the model is built in each rank, forked from the harness's server like any launch's) so that freed
+tensors go back to the system and the resident set follows live tensors, as ``max_memory_allocated`` does on a GPU.
 """
 
+import ctypes
 import gc
 import json
 import os
@@ -348,8 +350,14 @@ LAYOUTS = {1: [{}], 2: [{"dp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2}]}
 _peak = PeakMemory(torch.device("cpu"))
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
 def measured_gpt(**config):
-    """The harness's module factory: restart the peak and take the baseline right before the model exists."""
+    """The harness's module factory: fix malloc's mmap threshold (module docstring), restart the peak and take the
+    baseline right before the model exists."""
+    if not ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 131072):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: the peak would count memory malloc keeps after frees")
     gc.collect()
     _peak.start()
     return GPT(**config)
@@ -380,15 +388,13 @@ def measured_peaks():
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to restart the peak resident-set size")
     peaks = {}
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
-        for world_size, layouts in LAYOUTS.items():
-            cases = [Case(_name(layout), module="tests.test_plan:measured_gpt", module_kwargs=MEASURED_MODEL,
-                          data="tests.test_plan:measured_tokens", strategy=layout, batch_size=GLOBAL_BATCH,
-                          max_steps=2, callbacks=["tests.test_plan:PeakGrowth"]) for layout in layouts]
-            results = train_layout(cases, world_size, timeout=300)
-            for layout, case in zip(layouts, cases):
-                peaks[case.name] = (Layout(**layout), max(results[case.name]["extras"]["peak_growth"]))
+    for world_size, layouts in LAYOUTS.items():
+        cases = [Case(_name(layout), module="tests.test_plan:measured_gpt", module_kwargs=MEASURED_MODEL,
+                      data="tests.test_plan:measured_tokens", strategy=layout, batch_size=GLOBAL_BATCH,
+                      max_steps=2, callbacks=["tests.test_plan:PeakGrowth"]) for layout in layouts]
+        results = train_layout(cases, world_size, timeout=300)
+        for layout, case in zip(layouts, cases):
+            peaks[case.name] = (Layout(**layout), max(results[case.name]["extras"]["peak_growth"]))
     return peaks
 
 
