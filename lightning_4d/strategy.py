@@ -67,23 +67,21 @@ class FourDStrategy(ModelParallelStrategy):
         tp_plan, sequence_parallel, tp_self_check, tp_strict, loss_parallel: the plan (``"auto"``, ``"none"`` or FQN
             globs to styles), sequence-sharded activations, a first-batch check against a whole copy, raising if
             under-sharded, sharded cross entropy; see :class:`~lightning_4d.tensor_parallel.TensorParallelConfig`.
-        loss_normalization: ``"tokens"``: each valid target of the accumulation window weighs once, wherever it is
-            held, as in one process; ``"batch"``: per batch (Lightning's); ``"replica"``: each rank's own mean (DDP's);
-            see :mod:`lightning_4d.numerics.token_losses`.
+        loss_normalization: ``"tokens"``: each valid target of the accumulation window weighs once, as in one process;
+            ``"batch"``: per batch (Lightning's); ``"replica"``: per rank (DDP's); see ``numerics.token_losses``.
         fuse_lm_loss: the LM head's cross entropy computed from its input in chunks of tokens, its logits never
             whole (any other use of them gets them whole); see :mod:`lightning_4d.numerics.head_loss`.
         activation_checkpointing, activation_checkpointing_every, compile: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"`` and its ``n``; ``torch.compile`` per block (``True``/options); :mod:`lightning_4d.memory`.
-        debug, debug_steps: for the first steps, check that a replica's ranks get identical batches, keep
-            replicated weights bit-identical and issue the same collectives.
+        debug, debug_steps: for the first steps, check that a replica's ranks agree on batches, weights and collectives.
         telemetry: add the :class:`~lightning_4d.observability.telemetry.Telemetry` callback.
         broadcast_buffers: broadcast buffers within each replica before every training step, as DDP does.
         async_save: a save blocks the step only while each rank copies its shard to host memory, then writes in the
             background (also set by ``Trainer(plugins=[AsyncCheckpointIO()])``; :mod:`lightning_4d.checkpoint.writer`).
         start_method: ``"popen"`` runs the script again per rank (as DDP does); ``"fork"`` (CPU) forks them.
-        layout, memory_per_device: ``"auto"``: the sizes not given, activation checkpointing and micro-batches chosen
-            at set-up by predicted time per sample (:mod:`lightning_4d.composition.auto_layout`), within a budget per
-            device (bytes, or ``"80GiB"``; default: the GPU's free memory, or the machine's shared by its ranks).
+        layout, memory_per_device, layout_trials: ``"auto"``: sizes not given, checkpointing and micro-batches chosen
+            at set-up by predicted time per sample, within a budget per device (bytes, ``"80GiB"``; default: free GPU
+            memory, or the machine's per rank); ``layout_trials=k``: the k predicted fastest run steps, fastest wins.
     """
 
     strategy_name = "fourd"
@@ -106,7 +104,8 @@ class FourDStrategy(ModelParallelStrategy):
         activation_checkpointing: str = "none", activation_checkpointing_every: int = 2,
         compile: Union[bool, dict] = False, debug: bool = False, debug_steps: int = 2, telemetry: bool = False,
         broadcast_buffers: bool = True, start_method: Literal["popen", "fork"] = "popen", async_save: bool = False,
-        layout: Optional[Literal["auto"]] = None, memory_per_device: Union[str, float, None] = None, **unknown: Any,
+        layout: Optional[Literal["auto"]] = None, memory_per_device: Union[str, float, None] = None,
+        layout_trials: int = 1, **unknown: Any,
     ) -> None:
         refuse_unknown(FourDStrategy.__init__, unknown)
         self.collective_timeouts = CollectiveTimeouts(init_timeout, timeout)  # read by FaultTolerance
@@ -137,7 +136,8 @@ class FourDStrategy(ModelParallelStrategy):
         self.start_method, self._fork_launcher = check_start_method(start_method), None
         self._desync: Optional[DesyncMonitor] = None
         self.async_save, self.checkpoints = check_async_save(async_save), None  # the CheckpointWriter, made at set-up
-        self.auto_layout, self.memory_per_device = check_auto_layout(layout, memory_per_device)
+        self.auto_layout, self.memory_per_device, self.layout_trials = check_auto_layout(layout, memory_per_device,
+                                                                                         layout_trials)
 
     @property
     @override

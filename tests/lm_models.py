@@ -73,6 +73,18 @@ def tiny_gpt(**overrides) -> GPT:
     return TinyGPT(**{**TINY_GPT, **overrides})
 
 
+class _DrawingGPT(TinyGPT):
+    def training_step(self, batch, batch_idx):
+        torch.rand(())  # as dropout would draw; the loss does not depend on it
+        return super().training_step(batch, batch_idx)
+
+
+def drawing_gpt(**overrides) -> GPT:
+    """The tests' GPT whose training step also draws from torch's random stream: a step run before training (a
+    layout trial's) shows in the stream's state unless the state is put back."""
+    return _DrawingGPT(**{**TINY_GPT, **overrides})
+
+
 class _DetachedEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight.detach())

@@ -223,7 +223,14 @@ class PredictionWrites(Callback):
 
 
 class ChosenLayout(Callback):
-    """The layout ``layout="auto"`` chose, as every rank holds it (``parity_extras``: the sizes, and each rank's)."""
+    """The layout ``layout="auto"`` chose, as every rank holds it (``parity_extras``: the sizes, and each rank's),
+    and whether the strategy's set-up, where the choice and its trials run, left torch's random state as it was."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.before = torch.get_rng_state()
+
+    def on_fit_start(self, trainer, pl_module):
+        self.random_state_kept = bool(torch.equal(self.before, torch.get_rng_state()))
 
     def parity_extras(self, trainer):
         import torch.distributed as dist
@@ -232,5 +239,5 @@ class ChosenLayout(Callback):
         sizes = {name: strategy.requested_sizes[name] for name in ("dp", "dp_shard", "pp", "cp", "tp")}
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, sizes)
-        return {"chosen": {**sizes, "every_rank": every_rank,
+        return {"chosen": {**sizes, "every_rank": every_rank, "random_state_kept": self.random_state_kept,
                            "activation_checkpointing": strategy.composition["activation_checkpointing"].mode}}

@@ -60,7 +60,12 @@ def test_an_impossible_budget_is_refused_naming_the_smallest_memory_that_fits():
 
 def test_arguments_are_checked_at_construction():
     assert fixed_sizes({"dp": "auto", "tp": 2, "pp": 1, "cp": 1, "dp_shard": "auto", "ep": 1}) == {"tp": 2}
-    assert check_auto_layout("auto", "2GiB") == (True, 2.0 * 2**30)
+    assert check_auto_layout("auto", "2GiB") == (True, 2.0 * 2**30, 1)
+    assert check_auto_layout("auto", None, 3) == (True, None, 3)
+    with pytest.raises(ValueError, match=r"layout_trials=0 must be a positive number of layouts"):
+        FourDStrategy(layout="auto", layout_trials=0)
+    with pytest.raises(ValueError, match=r"layout_trials=2 tries the layouts that layout=\"auto\" ranks"):
+        FourDStrategy(layout_trials=2)
     with pytest.raises(ValueError, match=r"layout='manual': use \"auto\""):
         FourDStrategy(layout="manual")
     with pytest.raises(ValueError, match=r"memory_per_device=.80GiB. is the budget layout=\"auto\" chooses within"):
@@ -71,27 +76,51 @@ def test_arguments_are_checked_at_construction():
 
 def test_two_processes_choose_one_layout_and_train_at_one_process_numbers(tmp_path):
     """The harness gives each rank a batch of ``batch_size // 2``; the reference takes the global batch of the
-    layout chosen (that per-replica batch times its data-parallel ranks)."""
-    case = Case("auto", module="tests.lm_models:tiny_gpt", data="tests.lm_models:token_data",
-                strategy={"layout": "auto"}, batch_size=8, max_steps=4, callbacks=["tests.probes:ChosenLayout"])
-    result = run_layout([case], 2, timeout=300, workdir=str(tmp_path))
+    layout chosen (that per-replica batch times its data-parallel ranks). With ``layout_trials=3`` the three
+    layouts predicted fastest each run steps of a copy of the module first: the run then trains as without trials
+    (the module untouched, torch's random state as before the set-up), every rank holding the same choice, and
+    rank 0's description gives the three measured steps beside the predictions."""
+    common = dict(module="tests.lm_models:drawing_gpt", data="tests.lm_models:token_data", batch_size=8, max_steps=4,
+                  callbacks=["tests.probes:ChosenLayout"])
+    cases = [Case("auto", strategy={"layout": "auto"}, **common),
+             Case("auto_trials", strategy={"layout": "auto", "layout_trials": 3}, **common)]
+    result = run_layout(cases, 2, timeout=300, workdir=str(tmp_path))
     assert result.returncodes == [0, 0], result.output[-3000:]
     assert "layout=\"auto\" chose" in result.output
-    record = result.results["auto"]
-    chosen = record["extras"]["chosen"]
-    assert len(set(map(str, chosen["every_rank"]))) == 1, chosen
-    data_parallel = chosen["dp"] * chosen["dp_shard"]
-    assert_parity(case, reference(replace(case, batch_size=4 * data_parallel)), record)
+    described = result.output.split("the fastest per sample of the 3 predicted fastest, each measured over")
+    assert len(described) == 2, result.output[-3000:]  # rank 0 only
+    assert described[1].split("[lightning-4d]")[0].count("measured step") == 3, described[1][:3000]
+    for case in cases:
+        record = result.results[case.name]
+        chosen = record["extras"]["chosen"]
+        assert len(set(map(str, chosen["every_rank"]))) == 1, chosen
+        assert chosen["random_state_kept"], case.name
+        data_parallel = chosen["dp"] * chosen["dp_shard"]
+        assert_parity(case, reference(replace(case, batch_size=4 * data_parallel)), record)
+
+
+def test_the_trials_refuse_a_module_that_optimizes_manually():
+    """A trial steps a copy as automatic optimization does; manual optimization is refused with the fix."""
+    from lightning_4d.composition.layout_trials import check_trials_possible
+    from tests.models import Classifier
+
+    module = Classifier()
+    check_trials_possible(module, 3)
+    module.automatic_optimization = False
+    check_trials_possible(module, 1)
+    with pytest.raises(ValueError, match=r"layout_trials=3: Classifier optimizes manually .* Use layout_trials=1"):
+        check_trials_possible(module, 3)
 
 
 @pytest.mark.parametrize("budget", ["4GiB", "1MiB"])
 def test_the_cli_yaml_takes_layout_auto(tmp_path, budget):
-    """The example CLI's single-process config with ``layout: auto``: trains within a budget it fits, and is
-    refused naming the smallest memory that fits under one it does not."""
+    """The example CLI's single-process config with ``layout: auto`` (and ``layout_trials: 2``, which measures the
+    one layout one process has): trains within a budget it fits, and is refused naming the smallest memory that
+    fits under one it does not."""
     config = yaml.safe_load((ROOT / "examples/configs/single.yaml").read_text())
     config["trainer"].update(max_steps=2, limit_val_batches=0, default_root_dir=str(tmp_path),
                              enable_progress_bar=False)
-    config["trainer"]["strategy"]["init_args"] = {"layout": "auto", "memory_per_device": budget}
+    config["trainer"]["strategy"]["init_args"] = {"layout": "auto", "memory_per_device": budget, "layout_trials": 2}
     config["model"].update(n_layer=2, n_embd=32, block_size=32)
     config["data"].update(seq_len=32, max_bytes=30_000)
     path = tmp_path / "auto.yaml"
@@ -101,5 +130,6 @@ def test_the_cli_yaml_takes_layout_auto(tmp_path, budget):
     if budget == "4GiB":
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
         assert "layout=\"auto\" chose dp=1 pp=1 cp=1 tp=1" in run.stdout + run.stderr
+        assert "the fastest per sample of the 1 predicted fastest" in run.stdout + run.stderr  # its one candidate
     else:
         assert run.returncode != 0 and "no layout fits in 1.00 MiB per device" in run.stderr, run.stderr[-3000:]

@@ -283,6 +283,25 @@ def _train_dataloader():
     assert compat.train_dataloader(trainer) is loader
 
 
+
+def _init_optimizers():
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def configure_optimizers(self):
+            return {"optimizer": torch.optim.SGD(self.parameters(), lr=0.1)}
+
+    module = Module()
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)  # as Lightning's fit attaches it
+    module.trainer = trainer
+    (optimizer,) = compat.init_optimizers(module)
+    assert isinstance(optimizer, torch.optim.SGD)
+
 CHECKS = {
     "nn.Module._non_persistent_buffers_set, Tensor._backward_hooks/_post_accumulate_grad_hooks,"
     " torch.utils._python_dispatch.TorchDispatchMode, FSDPParam.reset_sharded_param": _meta_materialization,
@@ -327,6 +346,7 @@ CHECKS = {
     "lightning _TrainingEpochLoop._broadcast_sigterm_tensor (skipped while FaultTolerance holds SIGTERM)":
         _sigterm_broadcast,
     "lightning _request_dataloader, _FitLoop._data_source (layout=\"auto\" reads the first batch)": _train_dataloader,
+    "lightning _init_optimizers_and_lr_schedulers (layout_trials steps a copy of the module)": _init_optimizers,
     "lightning.fabric _sync_ddp_if_available/_all_gather_ddp_if_available": lambda: (
         # called as FourDStrategy.reduce calls it (torch 2.14 refuses op=None once a process group exists)
         compat.sync_ddp_if_available(torch.tensor(1.0), reduce_op="mean"),

@@ -146,6 +146,14 @@ def train_dataloader(trainer: Any) -> Any:
     return loader
 
 
+def init_optimizers(module: Any) -> list[Any]:
+    """The optimizers ``module.configure_optimizers()`` returns, in any of the forms Lightning accepts, as Lightning
+    reads them (``layout_trials`` steps a copy of the module with them); no public function normalizes them."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    return _init_optimizers_and_lr_schedulers(module)[0]
+
+
 def metric_reductions(metric: Any) -> dict[str, Any]:
     """How torchmetrics reduces each state over processes: "sum", "mean", "max", "min", "cat", or the function
     (or None) given to ``add_state`` (kept in the private ``_reductions``)."""

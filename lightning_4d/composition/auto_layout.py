@@ -18,17 +18,21 @@ Context parallelism is considered only when no layout without it fits: whether a
 is known only at its first batch (the step check), and a refusal there would end the run. Activation
 checkpointing and the pipeline's micro-batches are part of each candidate (the planner's
 :func:`~lightning_4d.planner.ranking.plan`). The dataloader's batch is per replica, so a layout with more
-replicas trains more samples per step: candidates are ranked by predicted time per sample.
+replicas trains more samples per step: candidates are ranked by predicted time per sample. With
+``layout_trials=k`` the first k of them each run a few steps of a copy of the module, and the fastest measured per
+sample is chosen (:mod:`lightning_4d.composition.layout_trials`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from lightning_4d.composition.layout_trials import (STEPS, check_layout_trials, check_trials_possible, layout_options,
+                                                   time_layouts)
 from lightning_4d.planner import Layout, Model, PlanError, Training, all_layouts, layout_problems
 from lightning_4d.planner.estimate import Estimate, _format_bytes
 from lightning_4d.planner.ranking import _judged, _no_fit_message, _rank, _variants
@@ -45,28 +49,41 @@ class Choice:
     estimate: Estimate
     candidates: list[Estimate]
     machine: Machine
+    measured: dict[Layout, float] = field(default_factory=dict)  # layout_trials: the slowest rank's median step
 
     @property
     def layout(self) -> Layout:
         return self.estimate.layout
+
+    def tried(self, seconds: list[float]) -> "Choice":
+        """The first ``len(seconds)`` candidates measured (every rank's same figures): the fastest per sample wins."""
+        tried = self.candidates[:len(seconds)]
+        measured = {est.layout: step for est, step in zip(tried, seconds)}
+        best = min(tried, key=lambda est: measured[est.layout] / est.training.global_batch)
+        return replace(self, estimate=best, measured=measured)
 
     @property
     def training(self) -> Training:
         return self.estimate.training
 
     def describe(self, top: int = 5) -> str:
+        why = (f"the fastest per sample of the {len(self.measured)} predicted fastest, each measured over"
+               f" {STEPS} steps of this module" if self.measured else "predicted fastest per sample")
         lines = [f"[lightning-4d] layout=\"auto\" chose {self.layout} (activation_checkpointing="
                  f"{self.training.activation_checkpointing!r}, pp micro-batches {self.training.microbatches or 'default'}):"
-                 f" predicted {self.estimate.step.total:.3g} s per step of {self.training.global_batch} samples,"
+                 f" {why}; predicted {self.estimate.step.total:.3g} s per step of {self.training.global_batch} samples,"
                  f" {_format_bytes(self.estimate.memory['total'])} per device. Step time predicted for"
-                 f" {self.machine.source}. Candidates (time per sample, best first):"]
-        for est in self.candidates[:top]:
+                 f" {self.machine.source}. Candidates (predicted time per sample, best first):"]
+        for est in self.candidates[:max(top, len(self.measured))]:
+            measured = (f"  measured step {self.measured[est.layout]:.3g} s"
+                        f" ({self.measured[est.layout] / est.training.global_batch * 1e3:.2f} ms/sample)"
+                        if est.layout in self.measured else "")
             lines.append(f"  {est.layout}  ac={est.training.activation_checkpointing:<9}"
                          f" {est.step.total / est.training.global_batch * 1e3:8.2f} ms/sample"
                          f"  step {est.step.total:.3g} s  memory {_format_bytes(est.memory['total'])}"
-                         f"  (largest part: {est.step.dominant()})")
-        if len(self.candidates) > top:
-            lines.append(f"  ... and {len(self.candidates) - top} more")
+                         f"  (largest part: {est.step.dominant()}){measured}")
+        if len(self.candidates) > max(top, len(self.measured)):
+            lines.append(f"  ... and {len(self.candidates) - max(top, len(self.measured))} more")
         return "\n".join(lines)
 
 
@@ -112,11 +129,14 @@ def choose(model: Model, per_replica_batch: int, seq_len: int, training: Trainin
     return Choice(ranked[0], ranked, machine)
 
 
-def first_batch_shape(loader: Any) -> tuple[int, int]:
-    """``(batch, sequence)`` of the first integer 2-D tensor (the tokens) in ``loader``'s first batch, drawn
-    with the random state put back afterwards."""
+def first_batch(loader: Any) -> Any:
+    """``loader``'s first batch, drawn with the random state put back afterwards."""
     with torch.random.fork_rng(devices=[]):
-        batch = next(iter(loader))
+        return next(iter(loader))
+
+
+def first_batch_shape(batch: Any) -> tuple[int, int]:
+    """``(batch, sequence)`` of the first integer 2-D tensor (the tokens) in a training batch."""
     tensors = [batch] if isinstance(batch, torch.Tensor) else list(_tensors(batch))
     tokens = next((t for t in tensors if t.dim() == 2 and not t.is_floating_point()), None)
     if tokens is None:
@@ -169,9 +189,10 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
         raise PlanError(f"layout='auto' chooses the layout itself, but {type(module).__name__}.configure_model laid"
                         " the module out already (its parameters are DTensors). Remove layout='auto', or the"
                         " parallelization from configure_model.")
+    check_trials_possible(module, strategy.layout_trials)
     model = Model.from_module(module)
-    loader = compat.train_dataloader(trainer)
-    batch, seq = (int(v) for v in agreed(list(first_batch_shape(loader)), device, dist.ReduceOp.MAX))
+    first = first_batch(compat.train_dataloader(trainer))
+    batch, seq = (int(v) for v in agreed(list(first_batch_shape(first)), device, dist.ReduceOp.MAX))
     budget = strategy.memory_per_device or default_memory(device, strategy.num_processes)
     budget = agreed([budget], device, dist.ReduceOp.MIN)[0]
     machine = calibrate(device, strategy.num_processes)
@@ -197,6 +218,9 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
 
     choice = choose(model, batch, seq, training, world, fixed_sizes(strategy.requested_sizes), budget, machine,
                     refused)
+    if strategy.layout_trials > 1:  # the slowest rank's time of each trial, in one reduction
+        seconds = time_layouts(strategy, trainer, choice.candidates[:strategy.layout_trials], first)
+        choice = choice.tried(agreed(seconds, device, dist.ReduceOp.MAX))
     everyone = [None] * world if dist.is_initialized() else [str(choice.layout)]
     if dist.is_initialized():
         dist.all_gather_object(everyone, str(choice.layout))  # once, at start-up
@@ -206,8 +230,15 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
     return choice
 
 
-def check_auto_layout(layout: Any, memory_per_device: Any) -> tuple[bool, Optional[float]]:
-    """``FourDStrategy(layout=..., memory_per_device=...)`` checked at construction: ``(automatic, bytes)``."""
+def check_auto_layout(layout: Any, memory_per_device: Any, layout_trials: Any = 1) -> tuple[bool, Optional[float], int]:
+    """``FourDStrategy(layout=..., memory_per_device=..., layout_trials=...)`` checked at construction:
+    ``(automatic, bytes, trials)``."""
+    check_layout_trials(layout_trials, layout == "auto")
+    automatic, budget = _check_budget(layout, memory_per_device)
+    return automatic, budget, layout_trials
+
+
+def _check_budget(layout: Any, memory_per_device: Any) -> tuple[bool, Optional[float]]:
     if layout not in (None, "auto"):
         raise ValueError(f"layout={layout!r}: use \"auto\" (the strategy chooses dp, dp_shard, pp, cp, tp, activation"
                          " checkpointing and micro-batches by predicted time) or leave it unset and give the sizes.")
@@ -236,18 +267,14 @@ def adopt(strategy: Any, choice: Choice) -> None:
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from lightning_4d.composition.options import check_layout
-    from lightning_4d.memory.activation_checkpointing import ActivationCheckpointConfig
     from lightning_4d.parallel_dims import ParallelDims
 
-    layout, training = choice.layout, choice.training
+    layout = choice.layout
     strategy.requested_sizes.update(dp=layout.dp, dp_shard=layout.dp_shard, pp=layout.pp, cp=layout.cp, tp=layout.tp)
     strategy.parallel_dims = ParallelDims.resolve(strategy.world_size, **strategy.requested_sizes)
-    strategy.pp_config = replace(strategy.pp_config, pp=layout.pp, microbatches=training.microbatches)
-    strategy.tp_config = replace(strategy.tp_config, tp=layout.tp)
-    strategy.cp_config = replace(strategy.cp_config, cp=layout.cp)
-    strategy.composition.update(pipeline=strategy.pp_config, tensor=strategy.tp_config, context=strategy.cp_config,
-                                activation_checkpointing=ActivationCheckpointConfig(
-                                    training.activation_checkpointing, training.activation_checkpointing_every))
+    strategy.composition.update(layout_options(strategy, choice.estimate))
+    strategy.cp_config, strategy.pp_config, strategy.tp_config = map(strategy.composition.get,
+                                                                     ("context", "pipeline", "tensor"))
     if strategy.global_rank == 0:
         rank_zero_info(choice.describe())
     check_layout(strategy, user_parallelized=False)
