@@ -240,7 +240,6 @@ class ParallelDims:
         ``fit``, ``validate``, ``test`` or ``predict`` (and Trainer) with that layout: new groups each time would
         each keep their threads and sockets (gloo) or communicators and device buffers (NCCL) until the process
         exits. Every rank runs the same entry points in the same order, so all of them build or all reuse."""
-        begin_run_keys()  # every set-up, before the ranks' first barrier
         if _BuiltMeshes.world is not dist.group.WORLD:  # a new default group (the old one was destroyed)
             _BuiltMeshes.world, _BuiltMeshes.meshes = dist.group.WORLD, {}
         key = (self, device_type, lightning_names)
@@ -344,8 +343,8 @@ _SHARED_BY = {"replica": ("pp", "cp", "tp"), "stage": ("dp", "cp", "tp")}
 # that is only slow to start, would exit blaming itself), the first-failure slot is taken (a failure of the new
 # attempt would be reported as the old one), a pipeline stage would read another step's result structure.
 #
-# So global rank 0 names each run with a fresh random name as the strategy sets the process groups up
-# (:func:`begin_run_keys`), before the ranks' first barrier (Lightning's ``pre_setup`` barrier, before any callback's
+# So global rank 0 names each run with a fresh random name as the strategy sets its environment up, with
+# ``layout="auto"`` too (:func:`begin_run_keys`), before the ranks' first barrier (Lightning's ``pre_setup`` barrier, before any callback's
 # ``setup``); everything the package keeps in the store goes under that name (:func:`run_scoped_store`), looked up after that
 # barrier, so every rank of a run uses the same name and none an earlier run's. A store that no strategy named (a
 # test's own store) is used as it is. (torch's own keys, the process group's connection addresses, are not ours to

@@ -39,7 +39,7 @@ from lightning_4d.faults.report import destroy_process_groups_at_exit
 from lightning_4d.faults.timeouts import DEFAULT_INIT_TIMEOUT, DEFAULT_TIMEOUT, CollectiveTimeouts
 from lightning_4d.launcher import ForkLauncher, attempt_store, check_start_method
 from lightning_4d.observability import DesyncMonitor, attach as attach_observability
-from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size
+from lightning_4d.parallel_dims import ParallelDims, ParallelMesh, Size, begin_run_keys
 
 
 class FourDStrategy(ModelParallelStrategy):
@@ -69,8 +69,7 @@ class FourDStrategy(ModelParallelStrategy):
             under-sharded, sharded cross entropy; see :class:`~lightning_4d.tensor_parallel.TensorParallelConfig`.
         loss_normalization: ``"tokens"``: each valid target of the accumulation window weighs once, as in one process;
             ``"batch"``: per batch (Lightning's); ``"replica"``: per rank (DDP's); see ``numerics.token_losses``.
-        fuse_lm_loss: the LM head's cross entropy computed from its input in chunks of tokens, its logits never
-            whole (any other use of them gets them whole); see :mod:`lightning_4d.numerics.head_loss`.
+        fuse_lm_loss: the LM head's cross entropy in chunks, logits whole only if used; see ``numerics.head_loss``.
         activation_checkpointing, activation_checkpointing_every, compile: ``"none"``, ``"full"``, ``"every_n"`` or
             ``"selective"`` and its ``n``; ``torch.compile`` per block (``True``/options); :mod:`lightning_4d.memory`.
         debug, debug_steps: for the first steps, check that a replica's ranks agree on batches, weights and collectives.
@@ -161,6 +160,7 @@ class FourDStrategy(ModelParallelStrategy):
         if not self.auto_layout:  # with layout="auto", once chosen (setup)
             check_layout(self, user_parallelized=own_layout)
         compat.setup_distributed(self, attempt_store)  # under torchrun: a store per attempt
+        begin_run_keys()  # this run's keys in the store, before the first barrier and the callbacks' heartbeats
         destroy_process_groups_at_exit()
         if not self.auto_layout:
             self._lay_out(own_layout)

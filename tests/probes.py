@@ -222,15 +222,26 @@ class PredictionWrites(Callback):
         return {"written": written, "samples": len(data)}
 
 
+def _run_key():
+    """The name of this run's keys in the rendezvous store (lightning_4d.parallel_dims.begin_run_keys), or None."""
+    from lightning_4d._compat import default_store
+    from lightning_4d.parallel_dims import RUN_KEY
+
+    store = default_store()
+    return store.get(RUN_KEY).decode() if store is not None and store.check([RUN_KEY]) else None
+
+
 class ChosenLayout(Callback):
     """The layout ``layout="auto"`` chose, as every rank holds it (``parity_extras``: the sizes, and each rank's),
-    and whether the strategy's set-up, where the choice and its trials run, left torch's random state as it was."""
+    and whether the strategy's set-up, where the choice and its trials run, left torch's random state as it was and
+    the name of this run's keys in the store (the heartbeats started under it in the callbacks' ``setup``)."""
 
     def setup(self, trainer, pl_module, stage):
-        self.before = torch.get_rng_state()
+        self.before, self.run_key = torch.get_rng_state(), _run_key()  # the heartbeats' keys are named by now
 
     def on_fit_start(self, trainer, pl_module):
         self.random_state_kept = bool(torch.equal(self.before, torch.get_rng_state()))
+        self.run_key_kept = self.run_key is not None and self.run_key == _run_key()
 
     def parity_extras(self, trainer):
         import torch.distributed as dist
@@ -240,4 +251,5 @@ class ChosenLayout(Callback):
         every_rank = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, sizes)
         return {"chosen": {**sizes, "every_rank": every_rank, "random_state_kept": self.random_state_kept,
+                           "run_key_kept": self.run_key_kept,
                            "activation_checkpointing": strategy.composition["activation_checkpointing"].mode}}

@@ -79,7 +79,9 @@ def test_two_processes_choose_one_layout_and_train_at_one_process_numbers(tmp_pa
     layout chosen (that per-replica batch times its data-parallel ranks). With ``layout_trials=3`` the three
     layouts predicted fastest each run steps of a copy of the module first: the run then trains as without trials
     (the module untouched, torch's random state as before the set-up), every rank holding the same choice, and
-    rank 0's description gives the three measured steps beside the predictions."""
+    rank 0's description gives the three measured steps beside the predictions. Both runs keep the name of their
+    keys in the rendezvous store from the callbacks' set-up on (the heartbeats' records and the failure reports
+    meet under it; the layout's mesh was built after the callbacks' set-up and renamed the run before)."""
     common = dict(module="tests.lm_models:drawing_gpt", data="tests.lm_models:token_data", batch_size=8, max_steps=4,
                   callbacks=["tests.probes:ChosenLayout"])
     cases = [Case("auto", strategy={"layout": "auto"}, **common),
@@ -95,6 +97,7 @@ def test_two_processes_choose_one_layout_and_train_at_one_process_numbers(tmp_pa
         chosen = record["extras"]["chosen"]
         assert len(set(map(str, chosen["every_rank"]))) == 1, chosen
         assert chosen["random_state_kept"], case.name
+        assert chosen["run_key_kept"], case.name  # failure reports find the heartbeats' records
         data_parallel = chosen["dp"] * chosen["dp_shard"]
         assert_parity(case, reference(replace(case, batch_size=4 * data_parallel)), record)
 
