@@ -344,9 +344,9 @@ _SHARED_BY = {"replica": ("pp", "cp", "tp"), "stage": ("dp", "cp", "tp")}
 # attempt would be reported as the old one), a pipeline stage would read another step's result structure.
 #
 # So global rank 0 names each run with a fresh random name as the strategy sets its environment up, with
-# ``layout="auto"`` too (:func:`begin_run_keys`), before the ranks' first barrier (Lightning's ``pre_setup`` barrier, before any callback's
-# ``setup``); everything the package keeps in the store goes under that name (:func:`run_scoped_store`), looked up after that
-# barrier, so every rank of a run uses the same name and none an earlier run's. A store that no strategy named (a
+# ``layout="auto"`` too (:func:`begin_run_keys`), before the ranks' first barrier (Lightning's ``pre_setup``
+# barrier, before any callback's ``setup``); everything the package keeps in the store goes under that name
+# (:func:`run_scoped_store`), looked up after that barrier, so every rank of a run uses the same name and none an earlier run's. A store that no strategy named (a
 # test's own store) is used as it is. (torch's own keys, the process group's connection addresses, are not ours to
 # move: docs/checkpoints.md, "Automatic restarts", says how to give each attempt a store of its own.)
 RUN_KEY = "lightning_4d/run"  # this run's name, written by global rank 0

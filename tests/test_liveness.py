@@ -74,7 +74,8 @@ def test_rank_0_keeps_the_store_up_until_a_peer_that_still_beats_has_judged_too(
     port = free_port()
     stores = [dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False) for rank in (0, 1)]
     exits = {0: [], 1: []}
-    options = [dict(interval=0.2, lost_after=1.0, stall_after=1.0), dict(interval=0.2, lost_after=1.0, stall_after=None)]
+    options = [dict(interval=0.2, lost_after=1.0, stall_after=1.0),
+               dict(interval=0.2, lost_after=1.0, stall_after=None)]
     beats = [Heartbeat(stores[rank], rank, 2, exit=lambda code, rank=rank: exits[rank].append((code, time.monotonic())),
                        **options[rank]) for rank in (0, 1)]
     for beat in beats:
