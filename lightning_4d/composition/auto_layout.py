@@ -31,8 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_4d.composition.layout_trials import (STEPS, check_layout_trials, check_trials_possible, layout_options,
-                                                   time_layouts)
+from lightning_4d.composition.layout_trials import (STEPS, check_layout_trials, check_trials_possible, layout_dims,
+                                                   layout_options, time_layouts)
 from lightning_4d.planner import Layout, Model, PlanError, Training, all_layouts, layout_problems
 from lightning_4d.planner.estimate import Estimate, _format_bytes
 from lightning_4d.planner.ranking import _judged, _no_fit_message, _rank, _variants
@@ -180,7 +180,6 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
     batch, Lightning's precision and its options (see the module docstring)."""
     from lightning_4d import _compat as compat
     from lightning_4d.composition.plans import make_plans
-    from lightning_4d.parallel_dims import ParallelDims
     from lightning_4d.planner.calibration import calibrate
     from lightning_4d.planner.estimate import PRECISIONS
 
@@ -208,9 +207,7 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
 
     def refused(layout: Layout) -> Optional[str]:
         try:
-            dims = ParallelDims.resolve(world, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
-                                        dp_shard=layout.dp_shard, ep=strategy.requested_sizes["ep"])
-            make_plans(module, dims, pipeline=replace(strategy.pp_config, pp=layout.pp),
+            make_plans(module, layout_dims(strategy, layout), pipeline=replace(strategy.pp_config, pp=layout.pp),
                        tensor=replace(strategy.tp_config, tp=layout.tp))
         except ValueError as error:
             return str(error).splitlines()[0]

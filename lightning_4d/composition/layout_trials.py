@@ -9,9 +9,9 @@ initializes its shards), converted by the precision plugin and laid out by
 :func:`~lightning_4d.composition.parallelize.parallelize` over the candidate's mesh with the candidate's
 checkpointing and micro-batches, the optimizers its ``configure_optimizers`` returns, then one warm-up and
 :data:`STEPS` timed steps on the first training batch: the training step, backward, the gradient synchronization
-and the optimizer step, as Lightning's automatic optimization runs them (the copy's ``self.log`` calls are
-dropped). A trial's time is the slowest rank's median step, agreed in one reduction after the trials, so every
-rank chooses the same layout. The copy and its optimizers are dropped after each trial; the meshes are kept (one
+and the optimizer step, as Lightning's automatic optimization runs them (the copy's ``self.log`` and
+``self.log_dict`` do nothing). A trial's time is the slowest rank's median step, agreed in one reduction after
+the trials, so every rank chooses the same layout. The copy and its optimizers are dropped after each trial; the meshes are kept (one
 per layout and process, the chosen one reused by training).
 
 Training sees nothing of it: the module itself is never touched, the first batch is read with the random state
@@ -25,7 +25,6 @@ import copy
 import gc
 import statistics
 import time
-import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +45,14 @@ def check_layout_trials(trials: Any, automatic: bool) -> int:
         raise ValueError(f"layout_trials={trials} tries the layouts that layout=\"auto\" ranks: set layout=\"auto\""
                          " too, or leave layout_trials at 1.")
     return trials
+
+
+def layout_dims(strategy: Any, layout: Any) -> Any:
+    """The strategy's ``ParallelDims`` with ``layout``'s sizes (its own ``ep``)."""
+    from lightning_4d.parallel_dims import ParallelDims
+
+    return ParallelDims.resolve(strategy.world_size, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
+                                dp_shard=layout.dp_shard, ep=strategy.requested_sizes["ep"])
 
 
 def layout_options(strategy: Any, estimate: Estimate) -> dict[str, Any]:
@@ -105,12 +112,9 @@ def _trial(strategy: Any, trainer: Any, estimate: Estimate, batch: Any) -> float
 
     from lightning_4d.composition.parallelize import parallelize
     from lightning_4d.data_parallel.fsdp import param_dtype_for
-    from lightning_4d.parallel_dims import ParallelDims
 
-    layout, device, plugin = estimate.layout, strategy.root_device, strategy.precision_plugin
-    dims = ParallelDims.resolve(strategy.world_size, dp=layout.dp, pp=layout.pp, cp=layout.cp, tp=layout.tp,
-                                dp_shard=layout.dp_shard, ep=strategy.requested_sizes["ep"])
-    mesh = dims.build(device.type)
+    device, plugin = strategy.root_device, strategy.precision_plugin
+    mesh = layout_dims(strategy, estimate.layout).build(device.type)
     twin = plugin.convert_module(_twin(strategy.lightning_module, trainer))
     parallel = parallelize(twin, mesh, device, **layout_options(strategy, estimate),
                            param_dtype=param_dtype_for(str(getattr(plugin, "precision", ""))))
@@ -126,16 +130,14 @@ def _trial(strategy: Any, trainer: Any, estimate: Estimate, batch: Any) -> float
         return loss
 
     timings = []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*self.log.*")
-        for step in range(1 + STEPS):
-            _synchronize(device)
-            started = time.perf_counter()
-            optimizers[0].step(parallel.synchronizing(optimizers[0], closure))
-            optimizers[0].zero_grad(set_to_none=True)
-            _synchronize(device)
-            if step:
-                timings.append(time.perf_counter() - started)
+    for step in range(1 + STEPS):
+        _synchronize(device)
+        started = time.perf_counter()
+        optimizers[0].step(parallel.synchronizing(optimizers[0], closure))
+        optimizers[0].zero_grad(set_to_none=True)
+        _synchronize(device)
+        if step:
+            timings.append(time.perf_counter() - started)
     parallel.remove()
     del twin, parallel, optimizers, sharded
     gc.collect()
