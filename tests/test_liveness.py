@@ -2,6 +2,7 @@
 process, and ``exit`` records what would end the process."""
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -49,6 +50,25 @@ def test_a_rank_that_leaves_on_purpose_is_not_lost():
     time.sleep(1.8)
     beats[0].stop()
     assert exits == {0: [], 1: []}
+
+
+def test_a_rank_waiting_in_the_store_still_beats():
+    """A rank's main thread may wait in its store for a long time: a pipeline stage reads the last stage's step
+    results there (``pipeline/results.py``), gloo's group set-up reads its peers' addresses. torch's store client
+    answers one request at a time, so a heartbeat sharing the main thread's client waited behind that ``get``:
+    a first stage whose last stage took longer than ``lost_after`` over a step was called lost (CI, test_zoo).
+    The heartbeat has a connection of its own; rank 0's main thread here waits three times ``lost_after``."""
+    port = free_port()
+    stores = [dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False,
+                            timeout=timedelta(seconds=3)) for rank in (0, 1)]
+    exits = {0: [], 1: []}
+    beats = [Heartbeat(stores[rank], rank, 2, exit=exits[rank].append, interval=0.2, lost_after=1.0,
+                       stall_after=None).start() for rank in (0, 1)]
+    with pytest.raises(dist.DistStoreError):
+        stores[0].get("written_by_nobody")  # rank 0's main thread, 3 s
+    assert exits == {0: [], 1: []}, exits
+    for beat in beats:
+        beat.stop()
 
 
 def test_the_rank_behind_is_named_stalled_and_the_others_exit_too(capfd):

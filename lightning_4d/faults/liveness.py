@@ -99,8 +99,13 @@ class Heartbeat:
                  lost_after: float = DEFAULT_LOST_AFTER, stall_after: Optional[float] = DEFAULT_STALL_AFTER,
                  exit: Callable[[int], Any] = os._exit) -> None:
         check_options(interval, lost_after, stall_after)
-        # Under this run's name: a restarted job's store still holds the records of the attempt before (parallel_dims.run_scoped_store).
-        self.store, self.rank, self.world_size = run_scoped_store(store), rank, world_size
+        # A connection of its own (``clone``): torch's store client answers one request at a time, and the main
+        # thread may wait in it for long (a pipeline stage reading the last stage's results, gloo's group set-up):
+        # beats sent through it waited behind that, and peers called this rank lost. Under this run's name: a
+        # restarted job's store still holds the records of the attempt before (parallel_dims.run_scoped_store).
+        self.store = run_scoped_store(store.clone() if store is not None else None)
+        self._given_store = store  # a clone is a client only: the store's server lives as long as the original
+        self.rank, self.world_size = rank, world_size
         self.interval, self.lost_after, self.stall_after = float(interval), float(lost_after), stall_after
         self._exit = exit
         self.progress = 0
