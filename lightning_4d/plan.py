@@ -1,4 +1,5 @@
-"""``python -m lightning_4d.plan``: the layout planner's command line (:mod:`lightning_4d.planner.cli`). The
+"""``python -m lightning_4d.plan``: the layout planner's command line (:mod:`lightning_4d.planner.cli`), given the
+strategy its ``--trials`` set up (the planner cannot import it: the strategy imports the planner). The
 planner's names (``estimate``, ``Layout``, ``Model``, ``Training``, ``plan``, ...) answer here too, as they
 did before the planner became a package."""
 
@@ -11,4 +12,6 @@ from lightning_4d.planner.cli import main
 __all__ = [*_planner_names, "main"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lightning_4d.strategy import FourDStrategy
+
+    sys.exit(main(strategy=FourDStrategy))

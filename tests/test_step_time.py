@@ -1,10 +1,12 @@
 """The step-time model (:mod:`lightning_4d.planner.step_time`), its calibration probe and the planner's ranking by
 predicted time: arithmetic checks of each part against hand-computed figures, the planner choosing activation
 checkpointing only where memory needs it, the probe measuring 2 gloo processes here and caching the result,
-and the command line's time column and reason. (How close predictions come to measured steps:
-bench/step_time.py and docs/performance.md; no timing is asserted here.)"""
+the command line's time column and reason, and its trials through the strategy. (How close predictions come to
+measured steps: bench/step_time.py and docs/performance.md; no timing is asserted here.)"""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 from lightning_4d.data_parallel import DEFAULT_BUCKET_MB
 from lightning_4d.planner import Layout, Model, PlanError, Training, plan
 from lightning_4d.planner import calibration
+from lightning_4d.planner.cli import main
 from lightning_4d.planner.step_time import BUCKET_MB, Link, Machine, step_time
 
 GPT = Model.from_sizes(layers=4, hidden=256, heads=4, vocab=512)
@@ -135,3 +138,38 @@ def test_the_command_line_prints_predicted_times_and_why_the_first_leads():
     assert bad.returncode != 0 and "--machine 'nowhere.json' is neither a preset (h100)" in bad.stderr
     many = subprocess.run(args[:4] + ["32"] + args[5:] + ["--measure"], capture_output=True, text=True, timeout=120)
     assert many.returncode != 0 and "--measure starts --devices (32) processes" in many.stderr
+
+
+def test_the_command_line_runs_trials_through_the_strategy_and_refuses_what_cannot_run(capsys):
+    """``--trials k``: the strategy's own ``layout="auto", layout_trials=k`` on --devices processes here (the
+    example GPT as --module, random tokens): its k predicted fastest each measured, the per-sample fastest of
+    them chosen and named. What cannot run is refused before any process starts."""
+    from lightning_4d.strategy import FourDStrategy
+
+    args = ["--devices", "2", "--module", "lightning_4d.demos.gpt:GPT", "--init-args",
+            '{"vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}', "--seq", "32",
+            "--global-batch", "8"]
+    out = subprocess.run([sys.executable, "-m", "lightning_4d.plan", *args, "--trials", "2"], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert "a loader batch of 4 per replica" in text
+    measured = re.findall(r"^  (dp=\d+ .*?tp=\d+) .*? measured step [0-9.e-]+ s \(([0-9.]+) ms/sample\)$", text, re.M)
+    assert len(measured) == 2, text[-3000:]
+    fastest = min(measured, key=lambda row: float(row[1]))[0]
+    chosen = re.search(r"^chosen by the trials: (.*)$", out.stdout, re.M).group(1)
+    sizes = dict(pair.split("=") for pair in chosen.split())
+    assert fastest.startswith(f"dp={sizes['dp']} ") and f"tp={sizes['tp']}" in fastest, (fastest, chosen)
+    if sizes["dp_shard"] != "1":
+        assert f"dp_shard={sizes['dp_shard']}" in fastest, (fastest, chosen)
+    sizes_only = ["--devices", "2", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128", "--seq", "32",
+                  "--global-batch", "8", "--trials", "2"]
+    for argv, strategy, message in (([*args, "--trials", "0"], FourDStrategy, "--trials 0: give the number of layouts"),
+                                    ([*args, "--trials", "2", "--json"], FourDStrategy, "which is text: drop --json"),
+                                    ([*args, "--trials", "2", "--global-batch", "7"], FourDStrategy,
+                                     "7 samples do not split over 2 devices"),
+                                    (sizes_only, FourDStrategy, "--trials trains the model: give it as --module"),
+                                    ([*args, "--trials", "2"], None, "run it as python -m lightning_4d.plan")):
+        with pytest.raises(SystemExit) as exit:
+            main(argv, strategy=strategy)
+        assert exit.value.code == 2 and message in capsys.readouterr().err, argv

@@ -188,11 +188,71 @@ def _parser() -> argparse.ArgumentParser:
     machine.add_argument("--measure", action="store_true",
                          help="calibrate on this machine with --devices processes (seconds; cached per machine)")
     machine.add_argument("--machine", help="a preset (h100) or a calibration JSON file")
+    trials = parser.add_argument_group(
+        "trials: FourDStrategy(layout=\"auto\", layout_trials=k) on --devices processes here")
+    trials.add_argument("--trials", type=int,
+                        help="the k layouts predicted fastest each run a few steps of --module here (built for real:"
+                             " it trains); predicted and measured side by side")
+    trials.add_argument("--data", help=f"{CLASS_SYNTAX}: the LightningDataModule the trials read --module's first"
+                                       " batch from (default: (input_ids, labels) pairs of random tokens, a loader"
+                                       " batch of --global-batch / --devices per replica)")
+    trials.add_argument("--data-args", type=json.loads, default={}, help="JSON keyword arguments for --data")
     out = parser.add_argument_group("output")
     out.add_argument("--all", action="store_true", help="also list valid layouts that do not fit")
     out.add_argument("--top", type=int, help="print only the best N")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
+
+
+def check_trials(args: argparse.Namespace, runnable: bool) -> None:
+    """``--trials`` refused before anything starts when it cannot run here."""
+    if args.trials is None:
+        return
+    if not runnable:
+        raise PlanError("--trials sets FourDStrategy up: run it as python -m lightning_4d.plan.")
+    if args.trials < 1:
+        raise PlanError(f"--trials {args.trials}: give the number of layouts to run, 1 or more.")
+    if args.module is None:
+        raise PlanError("--trials trains the model: give it as --module package.module:Class (with --init-args), e.g."
+                        " --module lightning_4d.demos.gpt:GPT for the example GPT.")
+    if args.json:
+        raise PlanError("--trials prints the strategy's description of its trials, which is text: drop --json.")
+    if args.devices > 16:
+        raise PlanError(f"--trials starts --devices ({args.devices}) processes on this machine: run them on a"
+                        " machine of the target with the devices it has (--devices 8 on an 8-GPU node).")
+    if args.data is None and args.global_batch % args.devices:
+        raise PlanError(f"--trials feeds each replica a loader batch of --global-batch / --devices, and"
+                        f" {args.global_batch} samples do not split over {args.devices} devices: change"
+                        " --global-batch, or give --data.")
+
+
+def run_trials(args: argparse.Namespace, model: Model, strategy: type) -> dict[str, int]:
+    """``--trials k``: ``strategy(layout="auto", layout_trials=k)`` set up on ``--devices`` processes of this machine
+    for --module (built here, not on the meta device: it trains) and no training step, so the choice and its trials
+    are the strategy's own (rank 0 prints the candidates, predicted and measured). The first batch comes from --data,
+    else from ``(input_ids, labels)`` pairs of random tokens. CPU ranks are forked from this process, which stays
+    rank 0; GPUs start theirs as Lightning does. Returns the sizes chosen."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_4d._cli import import_class
+
+    module = import_class(args.module)(**args.init_args)
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= args.devices
+    chosen = strategy(layout="auto", layout_trials=args.trials, memory_per_device=args.memory,
+                      start_method="popen" if on_gpu else "fork")
+    trainer = pl.Trainer(accelerator="cuda" if on_gpu else "cpu", devices=args.devices, strategy=chosen,
+                         precision=args.precision, max_steps=0, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    if args.data:
+        trainer.fit(module, datamodule=import_class(args.data, "--data")(**args.data_args))
+    else:
+        tokens = torch.randint(0, model.vocab, (args.global_batch, args.seq + 1),
+                               generator=torch.Generator().manual_seed(0))
+        trainer.fit(module, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]),
+                                       batch_size=args.global_batch // args.devices))
+    return {name: chosen.requested_sizes[name] for name in ("dp", "dp_shard", "pp", "cp", "tp")}
 
 
 def _model_from_args(args: argparse.Namespace) -> Model:
@@ -242,8 +302,10 @@ def format_expert_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the planner's command line; returns the exit status."""
+def main(argv: Optional[Sequence[str]] = None, strategy: Optional[type] = None) -> int:
+    """Run the planner's command line; returns the exit status. ``strategy``: the class ``--trials`` sets up
+    (``python -m lightning_4d.plan`` gives FourDStrategy; the planner cannot import it, the strategy imports the
+    planner)."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -263,6 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             activation_checkpointing=args.activation_checkpointing,
                             activation_checkpointing_every=args.activation_checkpointing_every,
                             fuse_lm_loss=args.fuse_lm_loss)
+        check_trials(args, strategy is not None)
         machine = machine_from_args(args)
         estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build,
                          machine=machine)
@@ -315,4 +378,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ways = ", ".join(f"{name} {_format_bytes(cost)}" for name, cost in exchanges.items())
             missing = "" if "a2a" in exchanges else f"; a2a: cp={est.layout.cp} does not divide the heads per tp rank"
             print(f"  {est.layout}: cp_comm={choose_cp_comm(model, training, est.layout)!r} ({ways}{missing})")
+    if args.trials:
+        batch = (f"a loader batch of {args.global_batch // args.devices} per replica" if args.data is None
+                 else f"{args.data}'s batches")
+        print(f"\ntrials: FourDStrategy(layout=\"auto\", layout_trials={args.trials}) on {args.devices} processes"
+              f" here, {batch}; it ranks per sample (a layout with more replicas trains more samples per step) and"
+              " prints its candidates, predicted and measured:", flush=True)
+        try:
+            chosen = run_trials(args, model, strategy)
+        except Exception as error:  # noqa: BLE001  the user's module, data or a refused layout: one line
+            fail(_parser(), f"--trials failed: {type(error).__name__}: {error}")
+        print("chosen by the trials: " + " ".join(f"{name}={size}" for name, size in chosen.items()))
     return 0
