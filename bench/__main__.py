@@ -63,7 +63,7 @@ BENCHMARKS = {
                                   ("--layouts", "dp2", "--saves", "3", "--sync-saves", "2"), 2),
     "step_time": Benchmark("Predicted against measured step time per layout, and layout=\"auto\"'s choice",
                            ("--processes", "4", "--steps", "4"), ("--processes", "2", "--steps", "2", "--models",
-                                                                   "small"), 4, gpu=False),
+                                                                   "small", "--trials", "2"), 4, gpu=False),
     "activation_checkpointing": Benchmark("Activation checkpointing: peak memory and step time per mode",
                                           ("--seq", "256", "512", "1024", "--steps", "3"),
                                           ("--seq", "128", "--steps", "1"), 1, gpu=False),

@@ -226,7 +226,8 @@ def _step_time(payload: dict) -> str:
             rows.append([r["model"], sizes, "", "", "", "", f"refused: {r['refused'][:60]}"])
             continue
         per_sample = r["step_s"] / r["global_batch"] * 1e3
-        rows.append([r["model"], ("auto: " if r.get("auto") else "") + sizes, r.get("activation_checkpointing", ""),
+        auto = f"auto (layout_trials={r.get('layout_trials', 1)}): " if r.get("auto") else ""
+        rows.append([r["model"], auto + sizes, r.get("activation_checkpointing", ""),
                      f"{r['predicted_s']:.3f}" if "predicted_s" in r else "", f"{r['step_s']:.3f}",
                      f"{per_sample:.2f}", f"{r['error']:+.0%}" if "error" in r else ""])
     return _rows(["model", "layout", "ac", "predicted step s", "measured step s", "measured ms/sample",

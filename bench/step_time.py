@@ -1,6 +1,6 @@
 """Predicted against measured step time for every valid layout of a module, and what ``layout="auto"`` chooses.
 
-    OMP_NUM_THREADS=1 python bench/step_time.py [--processes 4] [--steps 4] [--models small wide]
+    OMP_NUM_THREADS=1 python bench/step_time.py [--processes 4] [--steps 4] [--models small wide] [--trials 3]
 
 First the calibration probe measures this machine with ``--processes`` gloo processes
 (``lightning_4d.planner.calibration.measure_here``, not cached here). Then, per model, one launch of that many
@@ -8,7 +8,8 @@ processes trains every layout the planner and the strategy accept (the example G
 sequences of 128 tokens, split over the layout's replicas, AdamW, fp32), one Trainer after another: the median
 step after 2 warm-up steps, the slowest rank's. The planner predicts each from the model's sizes and the
 calibration. Last, ``FourDStrategy(layout="auto")`` runs with a loader batch of ``16 / processes`` per replica:
-its choice, and that layout's measured step at the global batch of 16 against the fastest one's.
+its choice, and that layout's measured step at the global batch of 16 against the fastest one's; then the same
+with ``layout_trials=--trials`` (the predicted fastest few each run a few steps first; 1: no trials run).
 """
 
 import argparse
@@ -64,7 +65,7 @@ def _measure(config: dict, sizes: dict, per_replica: int, steps: int, count: int
             "microbatches": trainer.strategy.pp_config.microbatches}
 
 
-def worker(model: str, layouts: list[dict], steps: int, count: int, out: str) -> None:
+def worker(model: str, layouts: list[dict], steps: int, count: int, trials: int, out: str) -> None:
     config = MODELS[model]
     rows = []
     for sizes in layouts:
@@ -73,8 +74,10 @@ def worker(model: str, layouts: list[dict], steps: int, count: int, out: str) ->
             rows.append({"model": model, **_measure(config, sizes, GLOBAL_BATCH // data_parallel, steps, count)})
         except ValueError as error:  # the strategy refused it: recorded, not measured
             rows.append({"model": model, "sizes": sizes, "refused": str(error).splitlines()[0]})
-    auto = _measure(config, {"layout": "auto"}, GLOBAL_BATCH // count, steps, count)
-    rows.append({"model": model, "auto": True, **auto})
+    for layout_trials in dict.fromkeys((1, trials)):
+        auto = _measure(config, {"layout": "auto", "layout_trials": layout_trials}, GLOBAL_BATCH // count, steps,
+                        count)
+        rows.append({"model": model, "auto": True, "layout_trials": layout_trials, **auto})
     write_rows(rows, out)
 
 
@@ -91,13 +94,14 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--trials", type=int, default=3, help="layout_trials of the second layout=\"auto\" run")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", default="small")
     parser.add_argument("--layouts", default="[]")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, json.loads(args.layouts), args.steps, args.processes, args.out)
+        worker(args.model, json.loads(args.layouts), args.steps, args.processes, args.trials, args.out)
         return
     from lightning_4d.planner.calibration import measure_here
 
@@ -108,7 +112,8 @@ def main() -> None:
                      est for est in _predictions(model, args.processes, machine)}
         layouts = [json.loads(key) for key in predicted]
         measured = run_worker(__file__, ["--model", model, "--layouts", json.dumps(layouts), "--processes",
-                                         str(args.processes), "--steps", str(args.steps)], TIMEOUT_S)
+                                         str(args.processes), "--steps", str(args.steps), "--trials",
+                                         str(args.trials)], TIMEOUT_S)
         for row in measured:
             if row.get("auto") or "refused" in row:
                 rows.append(row)
@@ -121,12 +126,15 @@ def main() -> None:
     for model in args.models:
         timed = [r for r in rows if r["model"] == model and "error" in r]
         errors = [abs(r["error"]) for r in timed]
-        auto = next(r for r in rows if r["model"] == model and r.get("auto"))
         fastest = min(timed, key=lambda r: r["step_s"])
-        same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice at the global batch
-        versus = f"{same['step_s'] / fastest['step_s']:.2f}x" if same else "not measured"
-        print(f"{model}: median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; auto chose"
-              f" {auto['sizes']}, measured at the same global batch {versus} the fastest ({fastest['sizes']})")
+        chosen = []
+        for auto in (r for r in rows if r["model"] == model and r.get("auto")):
+            same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice at the global batch
+            versus = f"{same['step_s'] / fastest['step_s']:.2f}x" if same else "not measured"
+            chosen.append(f"layout_trials={auto['layout_trials']} chose {auto['sizes']}, measured at the same global"
+                          f" batch {versus} the fastest")
+        print(f"{model}: median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; fastest"
+              f" {fastest['sizes']}; " + "; ".join(chosen))
     payload = {"command": command("step_time.py"), "models": MODELS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
                "processes": args.processes, "machine": machine.as_dict(), "results": rows}
     print(table("step_time", payload), f"\n(written to {write('step_time', payload)})")
