@@ -1,6 +1,7 @@
 """Predicted against measured step time for every valid layout of a module, and what ``layout="auto"`` chooses.
 
     OMP_NUM_THREADS=1 python bench/step_time.py [--processes 4] [--steps 4] [--models small wide] [--trials 3]
+                                          [--name step_time]
 
 First the calibration probe measures this machine with ``--processes`` gloo processes
 (``lightning_4d.planner.calibration.measure_here``, not cached here). Then, per model, one launch of that many
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--name", default="step_time", help="results file: bench/results/<name>.json")
     parser.add_argument("--trials", type=int, default=3, help="layout_trials of the second layout=\"auto\" run")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", default="small")
@@ -137,7 +139,7 @@ def main() -> None:
               f" {fastest['sizes']}; " + "; ".join(chosen))
     payload = {"command": command("step_time.py"), "models": MODELS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
                "processes": args.processes, "machine": machine.as_dict(), "results": rows}
-    print(table("step_time", payload), f"\n(written to {write('step_time', payload)})")
+    print(table("step_time", payload), f"\n(written to {write(args.name, payload)})")
 
 
 if __name__ == "__main__":
