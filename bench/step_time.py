@@ -4,10 +4,11 @@
                                           [--name step_time]
 
 First the calibration probe measures this machine with ``--processes`` gloo processes
-(``lightning_4d.planner.calibration.measure_here``, not cached here). Then, per model, one launch of that many
-processes trains every layout the planner and the strategy accept (the example GPT, a global batch of 16
-sequences of 128 tokens, split over the layout's replicas, AdamW, fp32), one Trainer after another: the median
-step after 2 warm-up steps, the slowest rank's. The planner predicts each from the model's sizes and the
+(``lightning_4d.planner.calibration.measure_here``, measured again, then cached for the runs below). Then, per
+model, that many processes train every layout the planner and the strategy accept (the example GPT, a global batch of 16
+sequences of 128 tokens, split over the layout's replicas, AdamW, fp32), each in a launch of its own (a process
+that had run other layouts first stepped slower: dp=8 31% after seven layouts, 3.7x after 33): the median step
+after 2 warm-up steps, the slowest rank's. The planner predicts each from the model's sizes and the
 calibration. Last, ``FourDStrategy(layout="auto")`` runs with a loader batch of ``16 / processes`` per replica:
 its choice, and that layout's measured step at the global batch of 16 against the fastest one's; then the same
 with ``layout_trials=--trials`` (the predicted fastest few each run a few steps first; 1: no trials run).
@@ -66,19 +67,20 @@ def _measure(config: dict, sizes: dict, per_replica: int, steps: int, count: int
             "microbatches": trainer.strategy.pp_config.microbatches}
 
 
-def worker(model: str, layouts: list[dict], steps: int, count: int, trials: int, out: str) -> None:
+def worker(model: str, runs: list[dict], steps: int, count: int, out: str) -> None:
+    """Each of ``runs`` in turn: a layout's sizes, or ``{"layout": "auto", "layout_trials": k}``."""
     config = MODELS[model]
     rows = []
-    for sizes in layouts:
+    for sizes in runs:
+        if sizes.get("layout") == "auto":
+            auto = _measure(config, sizes, GLOBAL_BATCH // count, steps, count)
+            rows.append({"model": model, "auto": True, "layout_trials": sizes["layout_trials"], **auto})
+            continue
         data_parallel = sizes.get("dp", 1) * sizes.get("dp_shard", 1)
         try:
             rows.append({"model": model, **_measure(config, sizes, GLOBAL_BATCH // data_parallel, steps, count)})
         except ValueError as error:  # the strategy refused it: recorded, not measured
             rows.append({"model": model, "sizes": sizes, "refused": str(error).splitlines()[0]})
-    for layout_trials in dict.fromkeys((1, trials)):
-        auto = _measure(config, {"layout": "auto", "layout_trials": layout_trials}, GLOBAL_BATCH // count, steps,
-                        count)
-        rows.append({"model": model, "auto": True, "layout_trials": layout_trials, **auto})
     write_rows(rows, out)
 
 
@@ -103,7 +105,7 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     if args.worker:
-        worker(args.model, json.loads(args.layouts), args.steps, args.processes, args.trials, args.out)
+        worker(args.model, json.loads(args.layouts), args.steps, args.processes, args.out)
         return
     from lightning_4d.planner.calibration import measure_here
 
@@ -112,10 +114,12 @@ def main() -> None:
     for model in args.models:
         predicted = {json.dumps({k: v for k, v in vars(est.layout).items() if v != 1 or k == "dp"}, sort_keys=True):
                      est for est in _predictions(model, args.processes, machine)}
-        layouts = [json.loads(key) for key in predicted]
-        measured = run_worker(__file__, ["--model", model, "--layouts", json.dumps(layouts), "--processes",
-                                         str(args.processes), "--steps", str(args.steps), "--trials",
-                                         str(args.trials)], TIMEOUT_S)
+        runs = [json.loads(key) for key in predicted]
+        runs += [{"layout": "auto", "layout_trials": trials} for trials in dict.fromkeys((1, args.trials))]
+        measured = []
+        for run in runs:  # a launch each: a process that ran other layouts steps slower (measured: +31% after 7)
+            measured += run_worker(__file__, ["--model", model, "--layouts", json.dumps([run]), "--processes",
+                                              str(args.processes), "--steps", str(args.steps)], TIMEOUT_S)
         for row in measured:
             if row.get("auto") or "refused" in row:
                 rows.append(row)
