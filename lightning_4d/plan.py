@@ -12,6 +12,4 @@ from lightning_4d.planner.cli import main
 __all__ = [*_planner_names, "main"]
 
 if __name__ == "__main__":
-    from lightning_4d.strategy import FourDStrategy
-
-    sys.exit(main(strategy=FourDStrategy))
+    sys.exit(main(strategy="lightning_4d.strategy:FourDStrategy"))  # imported by --trials only: --help stays light

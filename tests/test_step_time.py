@@ -5,7 +5,6 @@ the command line's time column and reason, and its trials through the strategy. 
 measured steps: bench/step_time.py and docs/performance.md; no timing is asserted here.)"""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from lightning_4d.planner import Layout, Model, PlanError, Training, plan
 from lightning_4d.planner import calibration
 from lightning_4d.planner.cli import main
 from lightning_4d.planner.step_time import BUCKET_MB, Link, Machine, step_time
+from tests.parity import script_env
 
 GPT = Model.from_sizes(layers=4, hidden=256, heads=4, vocab=512)
 TRAINING = Training(seq_len=256, global_batch=8)
@@ -144,13 +144,11 @@ def test_the_command_line_runs_trials_through_the_strategy_and_refuses_what_cann
     """``--trials k``: the strategy's own ``layout="auto", layout_trials=k`` on --devices processes here (the
     example GPT as --module, random tokens): its k predicted fastest each measured, the per-sample fastest of
     them chosen and named. What cannot run is refused before any process starts."""
-    from lightning_4d.strategy import FourDStrategy
-
     args = ["--devices", "2", "--module", "lightning_4d.demos.gpt:GPT", "--init-args",
             '{"vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}', "--seq", "32",
             "--global-batch", "8"]
     out = subprocess.run([sys.executable, "-m", "lightning_4d.plan", *args, "--trials", "2"], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         text=True, timeout=300, env=script_env())
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert "a loader batch of 4 per replica" in text
@@ -164,11 +162,12 @@ def test_the_command_line_runs_trials_through_the_strategy_and_refuses_what_cann
         assert f"dp_shard={sizes['dp_shard']}" in fastest, (fastest, chosen)
     sizes_only = ["--devices", "2", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "128", "--seq", "32",
                   "--global-batch", "8", "--trials", "2"]
-    for argv, strategy, message in (([*args, "--trials", "0"], FourDStrategy, "--trials 0: give the number of layouts"),
-                                    ([*args, "--trials", "2", "--json"], FourDStrategy, "which is text: drop --json"),
-                                    ([*args, "--trials", "2", "--global-batch", "7"], FourDStrategy,
+    strategy = "lightning_4d.strategy:FourDStrategy"
+    for argv, strategy, message in (([*args, "--trials", "0"], strategy, "--trials 0: give the number of layouts"),
+                                    ([*args, "--trials", "2", "--json"], strategy, "which is text: drop --json"),
+                                    ([*args, "--trials", "2", "--global-batch", "7"], strategy,
                                      "7 samples do not split over 2 devices"),
-                                    (sizes_only, FourDStrategy, "--trials trains the model: give it as --module"),
+                                    (sizes_only, strategy, "--trials trains the model: give it as --module"),
                                     ([*args, "--trials", "2"], None, "run it as python -m lightning_4d.plan")):
         with pytest.raises(SystemExit) as exit:
             main(argv, strategy=strategy)

@@ -226,12 +226,13 @@ def check_trials(args: argparse.Namespace, runnable: bool) -> None:
                         " --global-batch, or give --data.")
 
 
-def run_trials(args: argparse.Namespace, model: Model, strategy: type) -> dict[str, int]:
-    """``--trials k``: ``strategy(layout="auto", layout_trials=k)`` set up on ``--devices`` processes of this machine
-    for --module (built here, not on the meta device: it trains) and no training step, so the choice and its trials
-    are the strategy's own (rank 0 prints the candidates, predicted and measured). The first batch comes from --data,
-    else from ``(input_ids, labels)`` pairs of random tokens. CPU ranks are forked from this process, which stays
-    rank 0; GPUs start theirs as Lightning does. Returns the sizes chosen."""
+def run_trials(args: argparse.Namespace, model: Model, strategy: str) -> dict[str, int]:
+    """``--trials k``: the ``strategy`` class (``package.module:Class``) with ``layout="auto", layout_trials=k``
+    set up on ``--devices`` processes of this machine for --module (built here, not on the meta device: it trains)
+    and no training step, so the choice and its trials are the strategy's own (rank 0 prints the candidates,
+    predicted and measured). The first batch comes from --data, else from ``(input_ids, labels)`` pairs of random
+    tokens. CPU ranks are forked from this process, which stays rank 0; GPUs start theirs as Lightning does.
+    Returns the sizes chosen."""
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -240,7 +241,7 @@ def run_trials(args: argparse.Namespace, model: Model, strategy: type) -> dict[s
 
     module = import_class(args.module)(**args.init_args)
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= args.devices
-    chosen = strategy(layout="auto", layout_trials=args.trials, memory_per_device=args.memory,
+    chosen = import_class(strategy, "strategy")(layout="auto", layout_trials=args.trials, memory_per_device=args.memory,
                       start_method="popen" if on_gpu else "fork")
     trainer = pl.Trainer(accelerator="cuda" if on_gpu else "cpu", devices=args.devices, strategy=chosen,
                          precision=args.precision, max_steps=0, logger=False, enable_checkpointing=False,
@@ -302,10 +303,10 @@ def format_expert_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(argv: Optional[Sequence[str]] = None, strategy: Optional[type] = None) -> int:
-    """Run the planner's command line; returns the exit status. ``strategy``: the class ``--trials`` sets up
-    (``python -m lightning_4d.plan`` gives FourDStrategy; the planner cannot import it, the strategy imports the
-    planner)."""
+def main(argv: Optional[Sequence[str]] = None, strategy: Optional[str] = None) -> int:
+    """Run the planner's command line; returns the exit status. ``strategy``: the class ``--trials`` sets up, as
+    ``package.module:Class`` (``python -m lightning_4d.plan`` names FourDStrategy: the planner does not import it,
+    the strategy imports the planner; and ``--help`` imports neither torch nor Lightning)."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
