@@ -241,8 +241,9 @@ def run_trials(args: argparse.Namespace, model: Model, strategy: str) -> dict[st
 
     module = import_class(args.module)(**args.init_args)
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= args.devices
-    chosen = import_class(strategy, "strategy")(layout="auto", layout_trials=args.trials, memory_per_device=args.memory,
-                      start_method="popen" if on_gpu else "fork")
+    chosen = import_class(strategy, "strategy")(layout="auto", layout_trials=args.trials,
+                                                memory_per_device=args.memory,
+                                                start_method="popen" if on_gpu else "fork")
     trainer = pl.Trainer(accelerator="cuda" if on_gpu else "cpu", devices=args.devices, strategy=chosen,
                          precision=args.precision, max_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
@@ -388,6 +389,6 @@ def main(argv: Optional[Sequence[str]] = None, strategy: Optional[str] = None) -
         try:
             chosen = run_trials(args, model, strategy)
         except Exception as error:  # noqa: BLE001  the user's module, data or a refused layout: one line
-            fail(_parser(), f"--trials failed: {type(error).__name__}: {error}")
+            fail(parser, f"--trials failed: {type(error).__name__}: {error}")
         print("chosen by the trials: " + " ".join(f"{name}={size}" for name, size in chosen.items()))
     return 0
