@@ -125,7 +125,9 @@ class CollectiveTrace:
                 continue
             try:
                 self.store.wait([key + str(peer)], self.timeout)
-            except RuntimeError as error:  # the store's wait timed out
+            except dist.DistNetworkError:  # the store's host is gone: a lost rank, not a different code path
+                raise
+            except RuntimeError as error:  # the wait timed out (DistStoreError; a FileStore's plain RuntimeError)
                 raise DesyncError(
                     f"Rank {me} issued {mine} as call {index} on group {list(ranks)}, and rank {peer} issued no"
                     f" call {index} on that group within {self.timeout}: ranks took different code paths."
