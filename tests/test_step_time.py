@@ -77,6 +77,34 @@ def test_checkpointing_recomputes_and_overlap_hides_the_gradient_all_reduce():
     assert hidden.parts["comm_dp"] < plain.parts["comm_dp"]
 
 
+def test_each_block_and_micro_batch_pays_the_measured_cost_of_its_dimensions():
+    costs = {"tp": {2: 0.01, 8: 0.04}, "cp": {2: 0.02}, "dp_shard": {2: 0.005}}
+    machine = _machine(overheads=costs)
+    assert machine.overhead("tp", 4) == pytest.approx(0.025)  # halfway in log2 of the group size
+    assert machine.overhead("cp", 4) == 0.02 and machine.overhead("dp_shard", 1) == 0.0  # the nearest; no group
+    assert _machine().overhead("tp", 2) == 0.0  # nothing measured: nothing charged
+    training = Training(256, 16, microbatches=4)
+    tp_cp = step_time(GPT, training, Layout(pp=2, cp=2, tp=2), machine)
+    layers, m = GPT.layers // 2, 4  # the stage's blocks, each once per micro-batch
+    assert tp_cp.parts["overhead_tp"] == pytest.approx(0.01 * layers * m)
+    assert tp_cp.parts["overhead_cp"] == pytest.approx(0.02 * layers * m)
+    bare = step_time(GPT, training, Layout(pp=2, cp=2, tp=2), _machine())
+    assert "overhead_tp" not in bare.parts
+    assert tp_cp.total - bare.total == pytest.approx((0.08 + 0.16) / (1 - bare.bubble))  # the bubble waits for it too
+    sharded = step_time(GPT, TRAINING, Layout(dp_shard=2), machine)
+    assert sharded.parts["overhead_dp_shard"] == pytest.approx(0.005 * (GPT.layers + 1))  # each FSDP unit
+    # a correction below 0 (the all-reduce's latency over-charging tp's own) takes back at most tp's collectives
+    generous = step_time(GPT, TRAINING, Layout(tp=2), _machine(overheads={"tp": {2: -1.0}}))
+    assert generous.parts["overhead_tp"] == pytest.approx(-generous.parts["comm_tp"])
+    assert Machine.from_dict(machine.as_dict()) == machine
+
+
+def test_a_measured_concurrency_replaces_ranks_over_cores_in_the_spread():
+    shared = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2))
+    measured = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2, concurrency=2.5))
+    assert measured.shared_cores and measured.total == pytest.approx(shared.total * 2.5 / 2)
+
+
 def test_ranks_that_share_cores_spread_their_work_over_them():
     dedicated = step_time(GPT, TRAINING, Layout(dp=4), _machine())
     shared = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2))
@@ -114,6 +142,10 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     assert machine.overlap is False and machine.cores_per_node >= 1 and machine.devices_per_node == 2
     assert sorted(machine.block_flops["float32"]) == [64, 128, 256, 512]
     assert all(flops > 1e8 for flops in machine.block_flops["float32"].values())
+    # each dimension's cost beyond the model's account, measured on the pair: finite, and never a whole second
+    assert {axis: sorted(curve) for axis, curve in machine.overheads.items()} == {"tp": [2], "cp": [2], "dp_shard": [2]}
+    assert all(abs(cost) < 1.0 for curve in machine.overheads.values() for cost in curve.values())
+    assert machine.concurrency >= 1.0
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
 
     def no_launch(*args, **kwargs):

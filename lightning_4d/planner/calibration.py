@@ -6,7 +6,9 @@ small kernels shows there), and its memory bandwidth (rank 0's device alone, wit
 rank under ``OMP_NUM_THREADS=1`` measures one core),
 and, on the process groups themselves, the latency and bandwidth of an all-reduce for groups of 2 ranks and of
 the whole node (and of two ranks on different nodes when there are several). Measured with every rank of the
-machine running at once, as in training: where CPU ranks share cores, the figures include the sharing.
+machine running at once, as in training: where CPU ranks share cores, the figures include the sharing. Last, on
+the same groups, what tensor parallelism, ring attention and FSDP cost a small block beyond its FLOPs and
+collectives (:func:`measure_overheads`), and how much slower CPU ranks compute while all of them do.
 
 The result is cached per machine, software and rank count (``~/.cache/lightning_4d/calibration``, or
 ``$LIGHTNING_4D_CACHE``): a later run on the same machine reads it instead of measuring.
@@ -14,6 +16,8 @@ The result is cached per machine, software and rank count (``~/.cache/lightning_
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +30,7 @@ from typing import Any, Optional
 from lightning_4d.planner.step_time import Link, Machine
 
 DTYPES = ("float32", "bfloat16")
-VERSION = 2  # of what is measured: a cache of another version is measured again
+VERSION = 3  # of what is measured: a cache of another version is measured again
 CACHE_ENV = "LIGHTNING_4D_CACHE"
 PRESETS = {
     # Spec-sheet figures (dense bf16 at the ~40% of peak large matmuls reach in training, HBM3, NVLink 4 bus
@@ -38,19 +42,22 @@ PRESETS = {
 }
 
 
-def _seconds(action, repeats: int) -> float:
-    """The median of ``repeats`` timings after one warm-up."""
+def _seconds(action, repeats: int, warmups: int = 1, cpu: bool = False) -> Any:
+    """The median of ``repeats`` timings after ``warmups`` untimed calls (with ``cpu``: and of the process's CPU
+    time over the same calls)."""
     import torch
 
-    action()
-    timings = []
+    for _ in range(warmups):
+        action()
+    timings, cpu_times = [], []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         action()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         timings.append(time.perf_counter() - started)
-    return statistics.median(timings)
+        cpu_times.append(time.process_time() - started_cpu)
+    return (statistics.median(timings), statistics.median(cpu_times)) if cpu else statistics.median(timings)
 
 
 def measure_device(device: Any, size: Optional[int] = None, repeats: int = 5) -> dict[str, Any]:
@@ -71,8 +78,9 @@ def measure_device(device: Any, size: Optional[int] = None, repeats: int = 5) ->
     return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "block_flops": measure_blocks(device)}
 
 
-def _block(width: int, device: Any, dtype: Any) -> Any:
-    """A pre-norm transformer block (causal attention, 4x GELU MLP) of ``width``, from torch's own modules."""
+def _block(width: int, device: Any, dtype: Any, head_dim: int = 64) -> Any:
+    """A pre-norm transformer block (causal attention, 4x GELU MLP) of ``width``, from torch's own modules; the
+    heads are whatever ``head_dim`` leaves of the projections' width, so a tensor-parallel shard runs its own."""
     from torch import nn
     from torch.nn import functional as F
 
@@ -80,15 +88,15 @@ def _block(width: int, device: Any, dtype: Any) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.norms = nn.ModuleList([nn.LayerNorm(width), nn.LayerNorm(width)])
-            self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.q, self.k, self.v, self.out = (nn.Linear(width, width) for _ in range(4))
             self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-            self.heads = max(1, width // 64)
+            self.attention = functools.partial(F.scaled_dot_product_attention, is_causal=True)
 
         def forward(self, x):
             b, t, _ = x.shape
-            q, k, v = self.qkv(self.norms[0](x)).view(b, t, 3, self.heads, -1).transpose(1, 3).unbind(2)
-            attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
-            x = x + self.out(attention)
+            h = self.norms[0](x)
+            q, k, v = (f(h).view(b, t, -1, min(head_dim, width)).transpose(1, 2) for f in (self.q, self.k, self.v))
+            x = x + self.out(self.attention(q, k, v).transpose(1, 2).reshape(b, t, -1))
             return x + self.down(F.gelu(self.up(self.norms[1](x))))
 
     return Block().to(device=device, dtype=dtype)
@@ -113,6 +121,88 @@ def measure_blocks(device: Any, repeats: int = 3) -> dict[str, dict[int, float]]
             curve[width] = matmuls / _seconds(lambda: block(x).float().sum().backward(), repeats)
         curves[name] = curve
     return curves
+
+
+OVERHEAD_SHAPE = (4, 128, 128)  # sequences, tokens, width of the block the dimensions' costs are measured on
+OVERHEAD_HEAD_DIM = 16  # 8 heads: a tensor-parallel group of up to 8 ranks holds whole heads
+
+
+def _slowest(seconds: float) -> float:
+    """Collective: the largest of every rank's ``seconds``."""
+    import torch.distributed as dist
+
+    figures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, seconds)
+    return max(figures)
+
+
+def _modelled(machine: Machine, axis: str, size: int, alone: float, params: int) -> float:
+    """What the step-time model already charges one rank of ``axis`` over ``size`` ranks for the probe's block,
+    forward and backward: its share of the plain block's time (tp at the narrower width's rate) and the
+    collectives :func:`.step_time._communication` counts per block (tp: four all-reduces of the activations; cp:
+    ``3 (size - 1)`` ring exchanges of its K/V; FSDP: two gathers and a reduce-scatter of the block)."""
+    batch, seq, width = OVERHEAD_SHAPE
+    if axis == "tp":
+        rate = machine.flops("32-true", width) / machine.flops("32-true", width / size)
+        activation = batch * seq * width * 4
+        return alone * rate / size + machine.link(size).seconds(4 * 2 * (size - 1) / size * activation, 4)
+    if axis == "cp":
+        kv = 2 * batch * seq // size * width * 4
+        return alone / size + machine.link(2).seconds(3 * (size - 1) * kv, 3 * (size - 1))
+    return alone + machine.link(size).seconds((size - 1) / size * 3 * params * 4, 3)
+
+
+def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machine:
+    """Collective: ``machine`` with what each dimension costs a block beyond the model's account of it
+    (:func:`_modelled`), and on CPU how much slower a rank computes while every rank does.
+
+    Every rank runs the probe's block at once, in groups of 2 ranks and of a node's ranks (a 2-D mesh over the
+    world, as training runs): sharded by torch's tensor-parallel styles, with :func:`ring_attention` over a
+    ``1 / size`` share of the tokens, and under FSDP2's ``fully_shard``. A figure is the slowest rank's time of a
+    forward and backward (over ``concurrency`` on CPU, to count as one rank's work, as the model does) less what
+    the model charges for it: below 0 where the model's collectives cost more than the block took.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_4d.context_parallel.ring_attention import ring_attention
+
+    device, world = torch.device(device), dist.get_world_size()
+    batch, seq, width = OVERHEAD_SHAPE
+    tokens = torch.randn(batch, seq, width, device=device)
+
+    def step(block: Any, share: int = 1) -> Any:
+        x = tokens[:, : seq // share].detach().requires_grad_()
+        return lambda: block(x).float().sum().backward()
+
+    plain = _block(width, device, torch.float32, OVERHEAD_HEAD_DIM)
+    dist.barrier()
+    wall, cpu = _seconds(step(plain), repeats, warmups=2, cpu=True)
+    # A CPU rank's own work is its CPU time; its wall time with every rank running is longer by the sharing.
+    alone = _slowest(cpu if device.type == "cpu" else wall)
+    concurrency = max(1.0, _slowest(wall) / alone) if device.type == "cpu" else 1.0
+    params = sum(p.numel() for p in plain.parameters())
+    overheads: dict[str, dict[int, float]] = {"tp": {}, "cp": {}, "dp_shard": {}}
+    for size in sorted({2, min(machine.devices_per_node, world)}):
+        if size < 2 or world % size:
+            continue
+        mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("others", "group"))["group"]
+        tp = _block(width, device, torch.float32, OVERHEAD_HEAD_DIM)
+        styles = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "up": ColwiseParallel(),
+                  "out": RowwiseParallel(), "down": RowwiseParallel()}
+        parallelize_module(tp, mesh, styles)
+        ring = _block(width, device, torch.float32, OVERHEAD_HEAD_DIM)
+        ring.attention = functools.partial(ring_attention, group=mesh.get_group(), is_causal=True)
+        sharded = fully_shard(_block(width, device, torch.float32, OVERHEAD_HEAD_DIM), mesh=mesh)
+        for axis, action in (("tp", step(tp)), ("cp", step(ring, size)), ("dp_shard", step(sharded))):
+            dist.barrier()
+            seconds = _slowest(_seconds(action, repeats, warmups=2)) / concurrency
+            overheads[axis][size] = seconds - _modelled(machine, axis, size, alone, params)
+    return dataclasses.replace(machine, overheads=overheads,
+                               concurrency=concurrency if machine.cores_per_node else None)
 
 
 def _fit(small: tuple[float, float], large: tuple[float, float]) -> Link:
@@ -216,6 +306,7 @@ def calibrate(device: Any, ranks_per_node: int, use_cache: bool = True) -> Machi
                       block_flops=figures["block_flops"], links=links, devices_per_node=ranks_per_node, cross_node=cross,
                       cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
                       source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")
+    machine = measure_overheads(device, machine)
     if dist.get_rank() == 0:
         save_cached(key, machine)
     return machine

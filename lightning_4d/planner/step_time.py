@@ -21,11 +21,19 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
   not gloo on CPU, whose transfers are the same cores' work), the buckets hide behind the backward, FSDP's
   prefetched gathers behind the blocks, and the ring's exchanges behind attention; what exceeds the compute is
   exposed. tp's all-reduces sit between dependent matmuls and are never hidden.
+* **what a dimension costs beyond that** (``overheads``): torch's tensor-parallel styles dispatch every op of a
+  block through DTensor, ring attention runs its tiles and their merges as many small kernels, FSDP runs hooks
+  around each unit; on small blocks these per-operation costs outweigh the FLOPs. The probe measures them per
+  block forward and backward on the machine's own groups (:func:`.calibration.measure_overheads`), and each
+  block (FSDP: each unit) of each micro-batch pays them. A figure below 0 corrects the collectives above where the
+  all-reduce's latency over-charges a dimension's own (never below none).
 * **bubble**: a pipeline step is the stage's work over ``1 - bubble``, with ``bubble = (pp - 1) / (v m + pp - 1)``
   (``v``: stages per rank for the interleaved schedules; the zero-bubble schedules split the backward in two
   and fill a third of it: ``3 m``).
 * **shared cores** (CPU ranks that outnumber the cores of their machine): a rank that waits gives its core to
-  another, so the step is the longer of the critical path above and all ranks' work spread over the cores.
+  another, so the step is the longer of the critical path above and all ranks' work spread over the cores: a
+  rank's work times how much slower a block runs with every rank at once than alone (``concurrency``, measured;
+  ranks over cores where it was not).
 """
 
 from __future__ import annotations
@@ -57,6 +65,20 @@ class Link:
         return count * self.latency_s + sent_bytes / self.bandwidth
 
 
+def _along_log2(curve: dict[int, float], x: float, geometric: bool = False) -> float:
+    """``curve`` at ``x``: linear in log2 of ``x`` between the points measured (in the log of the value where
+    ``geometric``), the nearest end beyond them."""
+    points = sorted(curve)
+    if x <= points[0] or x >= points[-1]:
+        return curve[points[0] if x <= points[0] else points[-1]]
+    upper = next(p for p in points if p >= x)
+    lower = points[points.index(upper) - 1]
+    weight = (math.log2(x) - math.log2(lower)) / (math.log2(upper) - math.log2(lower))
+    if geometric:
+        return math.exp((1 - weight) * math.log(curve[lower]) + weight * math.log(curve[upper]))
+    return (1 - weight) * curve[lower] + weight * curve[upper]
+
+
 @dataclass(frozen=True)
 class Machine:
     """What the step-time model needs of the hardware, measured by :mod:`.calibration` or given."""
@@ -70,23 +92,26 @@ class Machine:
     overlap: bool = False  # communication runs beside compute
     source: str = "given"
     block_flops: dict[str, dict[int, float]] = field(default_factory=dict)  # a whole block's, by dtype and width
+    # seconds a block's forward and backward cost beyond its compute and collectives, by axis and group size
+    overheads: dict[str, dict[int, float]] = field(default_factory=dict)
+    concurrency: Optional[float] = None  # CPU ranks sharing cores: a block's time all at once over alone
 
     def flops(self, precision: str, width: Optional[float] = None) -> float:
         """FLOP/s of the precision's dtype: a whole block's at ``width`` where measured (interpolated in log
-        width, the nearest end beyond the widths measured), else the bare matmul's."""
+        width, geometrically in rate), else the bare matmul's."""
         dtype = DTYPES[precision]
         curve = self.block_flops.get(dtype) or (self.block_flops.get("float32") if dtype == "float32" else None)
         if curve and width:
-            widths = sorted(curve)
-            if width <= widths[0] or width >= widths[-1]:
-                return curve[widths[0] if width <= widths[0] else widths[-1]]
-            upper = next(w for w in widths if w >= width)
-            lower = widths[widths.index(upper) - 1]
-            weight = (math.log2(width) - math.log2(lower)) / (math.log2(upper) - math.log2(lower))
-            return math.exp((1 - weight) * math.log(curve[lower]) + weight * math.log(curve[upper]))
+            return _along_log2(curve, width, geometric=True)
         if dtype in self.matmul_flops:
             return self.matmul_flops[dtype]
         return self.matmul_flops.get("bfloat16", self.matmul_flops["float32"])
+
+    def overhead(self, axis: str, size: int) -> float:
+        """What ``axis`` costs a block beyond the model's account of it at a group of ``size`` (interpolated in
+        log2 of the size; 0 where nothing was measured)."""
+        curve = self.overheads.get(axis)
+        return _along_log2(curve, size) if curve and size > 1 else 0.0
 
     def link(self, size: int, spans_nodes: bool = False) -> Link:
         """The link of a group of ``size`` ranks: measured, or interpolated in latency (by log2 of the size) and
@@ -114,14 +139,16 @@ class Machine:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "links": {str(size): asdict(link) for size, link in self.links.items()},
-                "block_flops": {dtype: {str(w): f for w, f in curve.items()} for dtype, curve in self.block_flops.items()}}
+                "block_flops": {dtype: {str(w): f for w, f in curve.items()} for dtype, curve in self.block_flops.items()},
+                "overheads": {axis: {str(n): s for n, s in curve.items()} for axis, curve in self.overheads.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Machine":
         links = {int(size): Link(**link) for size, link in data["links"].items()}
         cross = Link(**data["cross_node"]) if data.get("cross_node") else None
         blocks = {dtype: {int(w): f for w, f in curve.items()} for dtype, curve in data.get("block_flops", {}).items()}
-        return cls(**{**data, "links": links, "cross_node": cross, "block_flops": blocks})
+        overheads = {axis: {int(n): s for n, s in curve.items()} for axis, curve in data.get("overheads", {}).items()}
+        return cls(**{**data, "links": links, "cross_node": cross, "block_flops": blocks, "overheads": overheads})
 
 
 @dataclass
@@ -191,9 +218,12 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     activations = activation_bytes_per_layer(model, training, layout) * layers * m
     parts["memory_bound"] = (3 * activations + OPTIMIZER_PASSES[training.optimizer] * params * pbytes / shards
                              ) / machine.memory_bandwidth
-
     comm = _communication(model, training, layout, machine, params, checkpointed, bucket_mb)
-    work = parts["compute"] + parts["recompute"] + parts["memory_bound"]
+    for axis, size, units in (("tp", tp, layers * m), ("cp", layout.cp, layers * m),
+                              ("dp_shard", shards if layout.dp_shard > 1 else 1, layers + 1)):
+        if size > 1 and machine.overhead(axis, size):  # a correction below 0 takes back at most the axis's collectives
+            parts[f"overhead_{axis}"] = max(machine.overhead(axis, size) * units, -comm.get(axis, 0.0))
+    work = sum(parts.values())  # compute, recompute, memory-bound work and the dimensions' overheads
     exposed = _exposed(comm, machine, layout, work, 2 * forward / flops,
                        3 * tokens * layers * attention / flops, m, layers, params * gbytes / (bucket_mb * 2**20))
     bubble = _bubble(training, layout, m)
@@ -204,7 +234,8 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     critical = sum(parts.values())
     if machine.cores_per_node and machine.devices_per_node > machine.cores_per_node:
         # every rank's work (compute and gloo's transfers, which are CPU work) spread over the shared cores
-        spread = machine.devices_per_node / machine.cores_per_node * (work + sum(comm.values()))
+        slower = machine.concurrency or machine.devices_per_node / machine.cores_per_node
+        spread = slower * (work + sum(comm.values()))
         if spread > critical:
             result.shared_cores, critical = True, spread
     result.parts["total"] = critical
