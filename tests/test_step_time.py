@@ -78,7 +78,7 @@ def test_checkpointing_recomputes_and_overlap_hides_the_gradient_all_reduce():
 
 
 def test_each_block_and_micro_batch_pays_the_measured_cost_of_its_dimensions():
-    costs = {"tp": {2: 0.01, 8: 0.04}, "cp": {2: 0.02}, "dp_shard": {2: 0.005}}
+    costs = {"tp": {2: 0.01, 8: 0.04}, "cp": {2: 0.02}, "dp_shard": {2: 0.005}, "pp": {2: 0.003}}
     machine = _machine(overheads=costs)
     assert machine.overhead("tp", 4) == pytest.approx(0.025)  # halfway in log2 of the group size
     assert machine.overhead("cp", 4) == 0.02 and machine.overhead("dp_shard", 1) == 0.0  # the nearest; no group
@@ -88,9 +88,13 @@ def test_each_block_and_micro_batch_pays_the_measured_cost_of_its_dimensions():
     layers, m = GPT.layers // 2, 4  # the stage's blocks, each once per micro-batch
     assert tp_cp.parts["overhead_tp"] == pytest.approx(0.01 * layers * m)
     assert tp_cp.parts["overhead_cp"] == pytest.approx(0.02 * layers * m)
+    assert tp_cp.parts["overhead_pp"] == pytest.approx(0.003 * m)  # the schedule, per micro-batch and stage
+    interleaved = step_time(GPT, Training(256, 16, microbatches=4, pp_schedule="interleaved_1f1b"), Layout(pp=2),
+                            machine)
+    assert interleaved.parts["overhead_pp"] == pytest.approx(0.003 * m * 2)  # two stages per rank
     bare = step_time(GPT, training, Layout(pp=2, cp=2, tp=2), _machine())
     assert "overhead_tp" not in bare.parts
-    assert tp_cp.total - bare.total == pytest.approx((0.08 + 0.16) / (1 - bare.bubble))  # the bubble waits for it too
+    assert tp_cp.total - bare.total == pytest.approx((0.08 + 0.16 + 0.012) / (1 - bare.bubble))  # the bubble too
     sharded = step_time(GPT, TRAINING, Layout(dp_shard=2), machine)
     assert sharded.parts["overhead_dp_shard"] == pytest.approx(0.005 * (GPT.layers + 1))  # each FSDP unit
     # a correction below 0 (the all-reduce's latency over-charging tp's own) takes back at most tp's collectives
@@ -143,7 +147,8 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     assert sorted(machine.block_flops["float32"]) == [64, 128, 256, 512]
     assert all(flops > 1e8 for flops in machine.block_flops["float32"].values())
     # each dimension's cost beyond the model's account, measured on the pair: finite, and never a whole second
-    assert {axis: sorted(curve) for axis, curve in machine.overheads.items()} == {"tp": [2], "cp": [2], "dp_shard": [2]}
+    assert {axis: sorted(curve) for axis, curve in machine.overheads.items()} == {"tp": [2], "cp": [2], "dp_shard": [2],
+                                                                                "pp": [2]}
     assert all(abs(cost) < 1.0 for curve in machine.overheads.values() for cost in curve.values())
     assert machine.concurrency >= 1.0
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1

@@ -140,7 +140,8 @@ def _modelled(machine: Machine, axis: str, size: int, alone: float, params: int)
     """What the step-time model already charges one rank of ``axis`` over ``size`` ranks for the probe's block,
     forward and backward: its share of the plain block's time (tp at the narrower width's rate) and the
     collectives :func:`.step_time._communication` counts per block (tp: four all-reduces of the activations; cp:
-    ``3 (size - 1)`` ring exchanges of its K/V; FSDP: two gathers and a reduce-scatter of the block)."""
+    ``3 (size - 1)`` ring exchanges of its K/V; FSDP: two gathers and a reduce-scatter of the block); pp: per
+    micro-batch, its pass through the stage and the boundary's sends."""
     batch, seq, width = OVERHEAD_SHAPE
     if axis == "tp":
         rate = machine.flops("32-true", width) / machine.flops("32-true", width / size)
@@ -149,6 +150,9 @@ def _modelled(machine: Machine, axis: str, size: int, alone: float, params: int)
     if axis == "cp":
         kv = 2 * batch * seq // size * width * 4
         return alone / size + machine.link(2).seconds(3 * (size - 1) * kv, 3 * (size - 1))
+    if axis == "pp":  # per micro-batch of one sequence: its pass and its boundary sends
+        sends = 2 * (2 if size > 2 else 1)
+        return alone / batch + machine.link(2).seconds(sends * seq * width * 4, sends)
     return alone + machine.link(size).seconds((size - 1) / size * 3 * params * 4, 3)
 
 
@@ -160,12 +164,16 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
     world, as training runs): sharded by torch's tensor-parallel styles, with :func:`ring_attention` over a
     ``1 / size`` share of the tokens, and under FSDP2's ``fully_shard``. A figure is the slowest rank's time of a
     forward and backward (over ``concurrency`` on CPU, to count as one rank's work, as the model does) less what
-    the model charges for it: below 0 where the model's collectives cost more than the block took.
+    the model charges for it: below 0 where the model's collectives cost more than the block took. And a
+    pipeline of one block per rank, ``torch.distributed.pipelining``'s 1F1B over ``2 size`` micro-batches of one
+    sequence: per micro-batch, the slowest rank's time (on CPU its CPU time: a stage's wait for its neighbour is
+    not work, and the model counts the bubble itself) less its pass and sends.
     """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from lightning_4d.context_parallel.ring_attention import ring_attention
@@ -185,7 +193,18 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
     alone = _slowest(cpu if device.type == "cpu" else wall)
     concurrency = max(1.0, _slowest(wall) / alone) if device.type == "cpu" else 1.0
     params = sum(p.numel() for p in plain.parameters())
-    overheads: dict[str, dict[int, float]] = {"tp": {}, "cp": {}, "dp_shard": {}}
+    overheads: dict[str, dict[int, float]] = {"tp": {}, "cp": {}, "dp_shard": {}, "pp": {}}
+
+    def pipeline(mesh: Any, size: int) -> Any:
+        """One 1F1B step of a pipeline of one block per rank over ``mesh``."""
+        index, microbatches = mesh.get_local_rank(), 2 * size
+        x = torch.randn(microbatches, seq, width, device=device)
+        stage = PipelineStage(_block(width, device, torch.float32, OVERHEAD_HEAD_DIM), index, size, device,
+                              group=mesh.get_group(), input_args=(x[:1],))
+        schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda out, _: out.float().sum())
+        ends = {0: lambda: schedule.step(x), size - 1: lambda: schedule.step(target=x, losses=[])}
+        return ends.get(index, schedule.step)
+
     for size in sorted({2, min(machine.devices_per_node, world)}):
         if size < 2 or world % size:
             continue
@@ -201,6 +220,10 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
             dist.barrier()
             seconds = _slowest(_seconds(action, repeats, warmups=2)) / concurrency
             overheads[axis][size] = seconds - _modelled(machine, axis, size, alone, params)
+        dist.barrier()
+        wall, cpu = _seconds(pipeline(mesh, size), repeats, warmups=2, cpu=True)
+        seconds = _slowest(cpu if device.type == "cpu" else wall * (1 - (size - 1) / (3 * size - 1))) / (2 * size)
+        overheads["pp"][size] = seconds - _modelled(machine, "pp", size, alone, params)
     return dataclasses.replace(machine, overheads=overheads,
                                concurrency=concurrency if machine.cores_per_node else None)
 

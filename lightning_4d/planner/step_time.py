@@ -25,7 +25,8 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
   block through DTensor, ring attention runs its tiles and their merges as many small kernels, FSDP runs hooks
   around each unit; on small blocks these per-operation costs outweigh the FLOPs. The probe measures them per
   block forward and backward on the machine's own groups (:func:`.calibration.measure_overheads`), and each
-  block (FSDP: each unit) of each micro-batch pays them. A figure below 0 corrects the collectives above where the
+  block (FSDP: each unit) of each micro-batch pays them; a pipeline's schedule costs each micro-batch on each of
+  a rank's stages. A figure below 0 corrects the collectives above where the
   all-reduce's latency over-charges a dimension's own (never below none).
 * **bubble**: a pipeline step is the stage's work over ``1 - bubble``, with ``bubble = (pp - 1) / (v m + pp - 1)``
   (``v``: stages per rank for the interleaved schedules; the zero-bubble schedules split the backward in two
@@ -182,12 +183,16 @@ def _strides(layout: Layout) -> dict[str, int]:
             "pp": cp * layout.dp_shard * layout.dp}
 
 
+def _stages_per_rank(training: Training, layout: Layout) -> int:
+    from lightning_4d.pipeline.config import PipelineConfig
+
+    return PipelineConfig(layout.pp, training.pp_schedule).stages_per_rank if layout.pp > 1 else 1
+
+
 def _bubble(training: Training, layout: Layout, microbatches: int) -> float:
     if layout.pp == 1:
         return 0.0
-    from lightning_4d.pipeline.config import PipelineConfig
-
-    virtual = PipelineConfig(layout.pp, training.pp_schedule).stages_per_rank
+    virtual = _stages_per_rank(training, layout)
     filled = 3 * microbatches if training.pp_schedule in ZERO_BUBBLE else virtual * microbatches
     return (layout.pp - 1) / (filled + layout.pp - 1)
 
@@ -220,7 +225,8 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
                              ) / machine.memory_bandwidth
     comm = _communication(model, training, layout, machine, params, checkpointed, bucket_mb)
     for axis, size, units in (("tp", tp, layers * m), ("cp", layout.cp, layers * m),
-                              ("dp_shard", shards if layout.dp_shard > 1 else 1, layers + 1)):
+                              ("dp_shard", shards if layout.dp_shard > 1 else 1, layers + 1),
+                              ("pp", layout.pp, m * _stages_per_rank(training, layout))):
         if size > 1 and machine.overhead(axis, size):  # a correction below 0 takes back at most the axis's collectives
             parts[f"overhead_{axis}"] = max(machine.overhead(axis, size) * units, -comm.get(axis, 0.0))
     work = sum(parts.values())  # compute, recompute, memory-bound work and the dimensions' overheads
