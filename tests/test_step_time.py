@@ -103,6 +103,16 @@ def test_each_block_and_micro_batch_pays_the_measured_cost_of_its_dimensions():
     assert Machine.from_dict(machine.as_dict()) == machine
 
 
+def test_a_measured_optimizer_step_replaces_passes_over_the_memory_bandwidth():
+    passes = step_time(GPT, TRAINING, Layout(dp_shard=2), _machine())
+    measured = step_time(GPT, TRAINING, Layout(dp_shard=2), _machine(optimizer_seconds={"adamw": 1e-8, "sgd": 1e-9}))
+    params = GPT.params  # the whole model's, half of it on each rank of dp_shard=2
+    assert measured.parts["memory_bound"] - passes.parts["memory_bound"] == pytest.approx(
+        1e-8 * params / 2 - 7 * params * 4 / 2 / 1e10, rel=1e-3)
+    sgd = step_time(GPT, Training(256, 8, optimizer="sgd"), Layout(dp_shard=2), _machine(optimizer_seconds={"sgd": 1e-9}))
+    assert sgd.parts["memory_bound"] < measured.parts["memory_bound"]
+
+
 def test_a_measured_concurrency_replaces_ranks_over_cores_in_the_spread():
     shared = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2))
     measured = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2, concurrency=2.5))
@@ -151,6 +161,7 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
                                                                                 "pp": [2]}
     assert all(abs(cost) < 1.0 for curve in machine.overheads.values() for cost in curve.values())
     assert machine.concurrency >= 1.0
+    assert set(machine.optimizer_seconds) == {"adamw", "sgd"} and all(0 < s < 1e-5 for s in machine.optimizer_seconds.values())
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
 
     def no_launch(*args, **kwargs):

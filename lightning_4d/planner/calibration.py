@@ -1,9 +1,10 @@
 """Calibrating the step-time model (:mod:`.step_time`) on the machine it runs on, in seconds, cached.
 
-What is measured is what the model divides by: one rank's matmul throughput per dtype, the throughput a whole
-transformer block reaches forward and backward at several widths (what the matmuls leave to norms, softmax and
-small kernels shows there), and its memory bandwidth (rank 0's device alone, with its own thread settings: a CPU
-rank under ``OMP_NUM_THREADS=1`` measures one core),
+What is measured is what the model divides by: one rank's matmul throughput per dtype and its memory bandwidth
+(rank 0's device alone, with its own thread settings: a CPU rank under ``OMP_NUM_THREADS=1`` measures one core),
+the throughput a whole transformer block reaches forward and backward at several widths (what the matmuls leave
+to norms, softmax and small kernels shows there) and the seconds per parameter of an optimizer step (on CPU with
+every rank running at once: ranks that share caches and memory compute slower together),
 and, on the process groups themselves, the latency and bandwidth of an all-reduce for groups of 2 ranks and of
 the whole node (and of two ranks on different nodes when there are several). Measured with every rank of the
 machine running at once, as in training: where CPU ranks share cores, the figures include the sharing. Last, on
@@ -30,7 +31,7 @@ from typing import Any, Optional
 from lightning_4d.planner.step_time import Link, Machine
 
 DTYPES = ("float32", "bfloat16")
-VERSION = 3  # of what is measured: a cache of another version is measured again
+VERSION = 4  # of what is measured: a cache of another version is measured again
 CACHE_ENV = "LIGHTNING_4D_CACHE"
 PRESETS = {
     # Spec-sheet figures (dense bf16 at the ~40% of peak large matmuls reach in training, HBM3, NVLink 4 bus
@@ -75,7 +76,22 @@ def measure_device(device: Any, size: Optional[int] = None, repeats: int = 5) ->
     source = torch.empty(32 * 2**20 // 4, device=device)
     target = torch.empty_like(source)
     bandwidth = 2 * source.numel() * 4 / _seconds(lambda: target.copy_(source), repeats)
-    return {"matmul_flops": flops, "memory_bandwidth": bandwidth, "block_flops": measure_blocks(device)}
+    return {"matmul_flops": flops, "memory_bandwidth": bandwidth}
+
+
+def measure_optimizers(device: Any, repeats: int = 5, cpu_time: bool = False) -> dict[str, float]:
+    """Seconds per parameter of one step of AdamW and of SGD with momentum, torch's default implementation on
+    the device, over a 256-wide block's parameters (what the step does per tensor shows there as on a model's
+    blocks); with ``cpu_time``, the process's CPU time."""
+    import torch
+
+    parameters = list(_block(256, device, torch.float32).parameters())
+    for parameter in parameters:
+        parameter.grad = torch.randn_like(parameter)
+    count = sum(p.numel() for p in parameters)
+    steps = {"adamw": torch.optim.AdamW(parameters, lr=1e-4), "sgd": torch.optim.SGD(parameters, lr=1e-4, momentum=0.9)}
+    figures = {name: _seconds(optimizer.step, repeats, cpu=cpu_time) for name, optimizer in steps.items()}
+    return {name: (seconds[1] if cpu_time else seconds) / count for name, seconds in figures.items()}
 
 
 def _block(width: int, device: Any, dtype: Any, head_dim: int = 64) -> Any:
@@ -102,9 +118,10 @@ def _block(width: int, device: Any, dtype: Any, head_dim: int = 64) -> Any:
     return Block().to(device=device, dtype=dtype)
 
 
-def measure_blocks(device: Any, repeats: int = 3) -> dict[str, dict[int, float]]:
+def measure_blocks(device: Any, repeats: int = 3, cpu_time: bool = False) -> dict[str, dict[int, float]]:
     """FLOP/s a whole transformer block reaches, forward and backward, by width (its matmul FLOPs over the time
-    of everything it runs: norms, softmax, activations, autograd), per dtype; fp32 only on CPU."""
+    of everything it runs: norms, softmax, activations, autograd), per dtype; fp32 only on CPU. With
+    ``cpu_time``, over the process's CPU time."""
     import torch
 
     device = torch.device(device)
@@ -118,7 +135,8 @@ def measure_blocks(device: Any, repeats: int = 3) -> dict[str, dict[int, float]]
             block = _block(width, device, dtype)
             x = torch.randn(tokens // seq, seq, width, device=device, dtype=dtype, requires_grad=True)
             matmuls = 3 * tokens * (2 * 12 * width * width + 2 * width * seq)  # forward and backward, causal
-            curve[width] = matmuls / _seconds(lambda: block(x).float().sum().backward(), repeats)
+            seconds = _seconds(lambda: block(x).float().sum().backward(), repeats, cpu=cpu_time)
+            curve[width] = matmuls / (seconds[1] if cpu_time else seconds)
         curves[name] = curve
     return curves
 
@@ -319,14 +337,26 @@ def calibrate(device: Any, ranks_per_node: int, use_cache: bool = True) -> Machi
     dist.broadcast_object_list(cached, src=0)
     if cached[0] is not None:
         return cached[0]
-    # rank 0's device alone, the others waiting: where CPU ranks share cores, the model spreads their work itself
+    on_cpu = device.type == "cpu"
+    # The matmul and copy rates: rank 0's device alone, the others waiting. A block's rate and an optimizer step
+    # on a GPU too; on CPU every rank measures them at once in CPU time, the slowest rank's: ranks that share a
+    # machine's caches and memory compute slower together (the sharing of cores the model adds itself).
     figures = [measure_device(device) if dist.get_rank() == 0 else None]
+    if not on_cpu and dist.get_rank() == 0:
+        figures[0].update(block_flops=measure_blocks(device), optimizer_seconds=measure_optimizers(device))
     dist.broadcast_object_list(figures, src=0)
     figures = figures[0]
+    if on_cpu:
+        everyone: list[Any] = [None] * world
+        mine = (measure_blocks(device, cpu_time=True), measure_optimizers(device, cpu_time=True))
+        dist.all_gather_object(everyone, mine)
+        curves, steps = zip(*everyone)
+        figures["block_flops"] = {"float32": {w: min(c["float32"][w] for c in curves) for w in curves[0]["float32"]}}
+        figures["optimizer_seconds"] = {name: max(s[name] for s in steps) for name in steps[0]}
     links, cross = measure_links(device, ranks_per_node)
-    on_cpu = device.type == "cpu"
     machine = Machine(matmul_flops=figures["matmul_flops"], memory_bandwidth=figures["memory_bandwidth"],
-                      block_flops=figures["block_flops"], links=links, devices_per_node=ranks_per_node, cross_node=cross,
+                      block_flops=figures["block_flops"], optimizer_seconds=figures["optimizer_seconds"], links=links,
+                      devices_per_node=ranks_per_node, cross_node=cross,
                       cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
                       source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")
     machine = measure_overheads(device, machine)

@@ -11,8 +11,9 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
   ``2 * vocab * hidden / tp`` for the head on the last stage. Backward is twice the forward. Activation
   checkpointing computes the checkpointed blocks' forward again (``"selective"``: their attention only).
 * **memory-bound work**: the elementwise kernels (each kept activation written in forward, read and its gradient
-  written in backward: three passes) and the optimizer step (AdamW reads parameter, gradient and two moments and
-  writes three: seven passes over its share) at the measured memory bandwidth.
+  written in backward: three passes) at the measured memory bandwidth, and the optimizer step over the rank's
+  share of the parameters at the measured seconds per parameter (where not measured: AdamW reads parameter,
+  gradient and two moments and writes three, seven passes at the memory bandwidth).
 * **communication**: each collective costs ``latency + bytes sent / bandwidth`` for its group's size, from the
   probe's fit (:mod:`.calibration`): tp's four all-reduces per block and micro-batch (and two more per
   recomputed block); cp's ring, ``3 (cp - 1)`` key/value exchanges per block; the data-parallel gradient
@@ -96,6 +97,7 @@ class Machine:
     # seconds a block's forward and backward cost beyond its compute and collectives, by axis and group size
     overheads: dict[str, dict[int, float]] = field(default_factory=dict)
     concurrency: Optional[float] = None  # CPU ranks sharing cores: a block's time all at once over alone
+    optimizer_seconds: dict[str, float] = field(default_factory=dict)  # a step's seconds per parameter, by name
 
     def flops(self, precision: str, width: Optional[float] = None) -> float:
         """FLOP/s of the precision's dtype: a whole block's at ``width`` where measured (interpolated in log
@@ -221,8 +223,10 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     params = _stage_params(model, layout, layout.pp - 1, per_rank[-1])
     shards = layout.dp_shard * layout.cp if layout.dp_shard > 1 else 1
     activations = activation_bytes_per_layer(model, training, layout) * layers * m
-    parts["memory_bound"] = (3 * activations + OPTIMIZER_PASSES[training.optimizer] * params * pbytes / shards
-                             ) / machine.memory_bandwidth
+    optimizer = machine.optimizer_seconds.get("adamw" if training.optimizer == "adam" else training.optimizer)
+    parts["memory_bound"] = 3 * activations / machine.memory_bandwidth + (
+        optimizer * params / shards if optimizer is not None
+        else OPTIMIZER_PASSES[training.optimizer] * params * pbytes / shards / machine.memory_bandwidth)
     comm = _communication(model, training, layout, machine, params, checkpointed, bucket_mb)
     for axis, size, units in (("tp", tp, layers * m), ("cp", layout.cp, layers * m),
                               ("dp_shard", shards if layout.dp_shard > 1 else 1, layers + 1),
