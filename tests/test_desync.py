@@ -99,7 +99,7 @@ class _Store(dist.Store):
 
 def test_a_lost_store_is_not_reported_as_a_desync(monkeypatch):
     """Only a wait that timed out means the peer took another path; a store whose host exited (rank 0 finished
-    first: the CI failure of stop 69, ranks 2 and 3 blamed each other) is that error, unchanged."""
+    first: the CI failure of stop 68, ranks 2 and 3 blamed each other) is that error, unchanged."""
     from lightning_4d.observability.desync import CollectiveTrace, DesyncError
 
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 2)
