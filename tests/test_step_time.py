@@ -171,6 +171,21 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     assert calibration.measure_here(2) == machine
 
 
+def test_calibrating_leaves_torchs_random_state_as_it_was(tmp_path):
+    """``layout="auto"`` calibrates inside the user's run: the probe's tensors and modules must not move the
+    generators the run draws from after it (a cold cache once changed a layout="auto" run's numbers in CI)."""
+    code = ("import torch, torch.distributed as dist\n"
+            "from lightning_4d.planner.calibration import calibrate\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "torch.manual_seed(7); before = torch.get_rng_state()\n"
+            "calibrate('cpu', 1, use_cache=False)\n"
+            "print('kept' if torch.equal(before, torch.get_rng_state()) else 'moved')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         env={**script_env(), calibration.CACHE_ENV: str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "kept"
+
+
 def test_the_command_line_prints_predicted_times_and_why_the_first_leads():
     args = [sys.executable, "-m", "lightning_4d.plan", "--devices", "4", "--layers", "4", "--hidden", "256",
             "--heads", "4", "--vocab", "512", "--seq", "256", "--global-batch", "8"]

@@ -322,6 +322,35 @@ def cores_for_ranks() -> Optional[int]:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def _measure(device: Any, ranks_per_node: int, name: str) -> Machine:
+    """Collective: :func:`calibrate`'s measurements, uncached."""
+    import torch.distributed as dist
+
+    world, on_cpu = dist.get_world_size(), device.type == "cpu"
+    # The matmul and copy rates: rank 0's device alone, the others waiting. A block's rate and an optimizer step
+    # on a GPU too; on CPU every rank measures them at once in CPU time, the slowest rank's: ranks that share a
+    # machine's caches and memory compute slower together (the sharing of cores the model adds itself).
+    figures = [measure_device(device) if dist.get_rank() == 0 else None]
+    if not on_cpu and dist.get_rank() == 0:
+        figures[0].update(block_flops=measure_blocks(device), optimizer_seconds=measure_optimizers(device))
+    dist.broadcast_object_list(figures, src=0)
+    figures = figures[0]
+    if on_cpu:
+        everyone: list[Any] = [None] * world
+        mine = (measure_blocks(device, cpu_time=True), measure_optimizers(device, cpu_time=True))
+        dist.all_gather_object(everyone, mine)
+        curves, steps = zip(*everyone)
+        figures["block_flops"] = {"float32": {w: min(c["float32"][w] for c in curves) for w in curves[0]["float32"]}}
+        figures["optimizer_seconds"] = {step: max(s[step] for s in steps) for step in steps[0]}
+    links, cross = measure_links(device, ranks_per_node)
+    machine = Machine(matmul_flops=figures["matmul_flops"], memory_bandwidth=figures["memory_bandwidth"],
+                      block_flops=figures["block_flops"], optimizer_seconds=figures["optimizer_seconds"], links=links,
+                      devices_per_node=ranks_per_node, cross_node=cross,
+                      cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
+                      source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")
+    return measure_overheads(device, machine)
+
+
 def calibrate(device: Any, ranks_per_node: int, use_cache: bool = True) -> Machine:
     """Collective over the default group: the machine as measured here (or read from the cache). Every rank
     returns the same figures (rank 0's device and the links it took part in)."""
@@ -337,29 +366,10 @@ def calibrate(device: Any, ranks_per_node: int, use_cache: bool = True) -> Machi
     dist.broadcast_object_list(cached, src=0)
     if cached[0] is not None:
         return cached[0]
-    on_cpu = device.type == "cpu"
-    # The matmul and copy rates: rank 0's device alone, the others waiting. A block's rate and an optimizer step
-    # on a GPU too; on CPU every rank measures them at once in CPU time, the slowest rank's: ranks that share a
-    # machine's caches and memory compute slower together (the sharing of cores the model adds itself).
-    figures = [measure_device(device) if dist.get_rank() == 0 else None]
-    if not on_cpu and dist.get_rank() == 0:
-        figures[0].update(block_flops=measure_blocks(device), optimizer_seconds=measure_optimizers(device))
-    dist.broadcast_object_list(figures, src=0)
-    figures = figures[0]
-    if on_cpu:
-        everyone: list[Any] = [None] * world
-        mine = (measure_blocks(device, cpu_time=True), measure_optimizers(device, cpu_time=True))
-        dist.all_gather_object(everyone, mine)
-        curves, steps = zip(*everyone)
-        figures["block_flops"] = {"float32": {w: min(c["float32"][w] for c in curves) for w in curves[0]["float32"]}}
-        figures["optimizer_seconds"] = {name: max(s[name] for s in steps) for name in steps[0]}
-    links, cross = measure_links(device, ranks_per_node)
-    machine = Machine(matmul_flops=figures["matmul_flops"], memory_bandwidth=figures["memory_bandwidth"],
-                      block_flops=figures["block_flops"], optimizer_seconds=figures["optimizer_seconds"], links=links,
-                      devices_per_node=ranks_per_node, cross_node=cross,
-                      cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
-                      source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")
-    machine = measure_overheads(device, machine)
+    # The probe's tensors and modules draw from torch's generators: the user's run goes on as if it never ran.
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        machine = _measure(device, ranks_per_node, name)
     if dist.get_rank() == 0:
         save_cached(key, machine)
     return machine
