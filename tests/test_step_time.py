@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -41,6 +42,41 @@ def test_compute_is_six_flops_per_parameter_and_token_plus_attention_over_the_th
     assert one.parts["total"] == pytest.approx(sum(v for k, v in one.parts.items() if k != "total"))
     faster = step_time(GPT, TRAINING, Layout(), _machine(matmul_flops={"float32": 2e10}))
     assert faster.parts["compute"] == pytest.approx(one.parts["compute"] / 2)
+
+
+def test_the_steps_own_small_collectives_are_charged_at_their_groups_latency():
+    """Outside the blocks each step issues small collectives (counted in the strategy's steps): the step agreement
+    over the world, the token-mean loss's count over dp x cp and tp's vocabulary-parallel cross entropy (two) per
+    micro-batch, cp's loss and logged values (two), the pipeline's results (two broadcasts), and per value logged
+    with sync_dist Lightning's barrier and all-reduce over the replicas (under tp the loss gathered first)."""
+    two, four = 1e-4, 2e-4  # _machine()'s latencies for groups of 2 and 4
+
+    def collectives(layout, machine=None, **changes):
+        return step_time(GPT, replace(TRAINING, **changes), layout, machine or _machine()).parts.get("comm_step", 0.0)
+
+    assert collectives(Layout(dp=2, cp=2)) == pytest.approx(four + four + 2 * two + 2 * two)
+    assert collectives(Layout(dp=2, cp=2), synced_logs=0) == pytest.approx(four + four + 2 * two)
+    assert collectives(Layout(dp=2, cp=2), _machine(overlap=True)) == pytest.approx(four + 2 * two + 2 * two)
+    assert collectives(Layout(pp=2, tp=2)) == pytest.approx(four + (2 * 4 + 1) * two + 2 * two)  # 4 micro-batches
+    assert collectives(Layout(pp=2, tp=2), microbatches=2) == pytest.approx(four + (2 * 2 + 1) * two + 2 * two)
+    assert collectives(Layout()) == 0.0
+    with pytest.raises(PlanError, match="synced_logs=-1"):
+        Training(seq_len=8, global_batch=2, synced_logs=-1)
+
+
+def test_the_command_line_counts_the_synced_logs_it_is_given(tmp_path, capsys):
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps(_machine().as_dict()))
+    args = ["--devices", "2", "--layers", "2", "--hidden", "64", "--heads", "2", "--vocab", "64", "--seq", "32",
+            "--global-batch", "4", "--machine", str(machine), "--json"]
+    parts = {}
+    for synced in (0, 3):
+        assert main([*args, "--synced-logs", str(synced)]) == 0
+        layouts = json.loads(capsys.readouterr().out)["layouts"]
+        parts[synced] = next(est["step_seconds"] for est in layouts if est["layout"]["dp"] == 2)
+    # dp=2: the step agreement (1) and the token count (1) either way, and a barrier and an all-reduce per value
+    assert parts[0]["comm_step"] == pytest.approx(2 * 1e-4)
+    assert parts[3]["comm_step"] == pytest.approx((2 + 2 * 3) * 1e-4)
 
 
 def test_a_measured_block_curve_sets_the_compute_rate_at_the_layouts_width():

@@ -169,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--precision", default="32-true", choices=list(PRECISIONS))
     train.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
     train.add_argument("--microbatches", type=int, help="pipeline micro-batches per step (default: 2*pp)")
+    train.add_argument("--synced-logs", type=int, default=1,
+                       help="values the step logs with sync_dist=True (default 1, the loss), for the step time")
     train.add_argument("--pp-schedule", default="1f1b", choices=list(PP_SCHEDULES))
     train.add_argument("--sequence-parallel", action="store_true")
     train.add_argument("--no-fused-attention", dest="fused_attention", action="store_false",
@@ -326,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None, strategy: Optional[str] = None) -
                             fused_attention=args.fused_attention, fused_norm=args.fused_norm, dropout=args.dropout,
                             activation_checkpointing=args.activation_checkpointing,
                             activation_checkpointing_every=args.activation_checkpointing_every,
-                            fuse_lm_loss=args.fuse_lm_loss)
+                            fuse_lm_loss=args.fuse_lm_loss, synced_logs=args.synced_logs)
         check_trials(args, strategy is not None)
         machine = machine_from_args(args)
         estimates = plan(model, training, args.devices, args.memory, include_unfit=args.all, build=args.build,

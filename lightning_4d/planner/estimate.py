@@ -111,6 +111,7 @@ class Training:
     activation_checkpointing: str = "none"  # as FourDStrategy(activation_checkpointing=...)
     activation_checkpointing_every: int = 2
     fuse_lm_loss: bool = True  # as FourDStrategy(fuse_lm_loss=...): the LM head's logits never whole
+    synced_logs: int = 1  # values the training step logs with sync_dist=True (the loss, usually)
 
     def __post_init__(self) -> None:
         check_positive("seq_len", self.seq_len)
@@ -121,6 +122,8 @@ class Training:
                             f" {', '.join(AC_MODES)}.")
         if self.microbatches is not None:
             check_positive("microbatches", self.microbatches)
+        if self.synced_logs < 0:
+            raise PlanError(f"synced_logs={self.synced_logs!r} must be 0 or more.")
         if self.precision not in PRECISIONS:
             raise PlanError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}.")
         if self.pp_schedule not in PP_SCHEDULES:

@@ -18,7 +18,9 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
   probe's fit (:mod:`.calibration`): tp's four all-reduces per block and micro-batch (and two more per
   recomputed block); cp's ring, ``3 (cp - 1)`` key/value exchanges per block; the data-parallel gradient
   all-reduce in buckets of ``bucket_mb``; FSDP's gathers and reduce-scatters per block; the pipeline's two
-  boundary transfers per micro-batch. Where the machine overlaps communication with compute (GPUs: copy engines;
+  boundary transfers per micro-batch; and the step's own small collectives outside the blocks (the strategy's
+  step agreement, the token-mean loss's count, the pipeline's results, Lightning's ``sync_dist`` logging: see
+  :func:`_step_collectives`), each at its group's latency. Where the machine overlaps communication with compute (GPUs: copy engines;
   not gloo on CPU, whose transfers are the same cores' work), the buckets hide behind the backward, FSDP's
   prefetched gathers behind the blocks, and the ring's exchanges behind attention; what exceeds the compute is
   exposed. tp's all-reduces sit between dependent matmuls and are never hidden.
@@ -228,6 +230,8 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
         optimizer * params / shards if optimizer is not None
         else OPTIMIZER_PASSES[training.optimizer] * params * pbytes / shards / machine.memory_bandwidth)
     comm = _communication(model, training, layout, machine, params, checkpointed, bucket_mb)
+    if _step_collectives(training, layout, machine):
+        comm["step"] = _step_collectives(training, layout, machine)
     for axis, size, units in (("tp", tp, layers * m), ("cp", layout.cp, layers * m),
                               ("dp_shard", shards if layout.dp_shard > 1 else 1, layers + 1),
                               ("pp", layout.pp, m * _stages_per_rank(training, layout))):
@@ -289,6 +293,21 @@ def _communication(model: Model, training: Training, layout: Layout, machine: Ma
         sends = 2 * m * (2 if layout.pp > 2 else 1)
         comm["pp"] = link("pp", 2).seconds(sends * boundary, sends)
     return comm
+
+
+def _step_collectives(training: Training, layout: Layout, machine: Machine) -> float:
+    """Seconds per step of the small collectives outside the blocks, each at its group's latency: the strategy's
+    step agreement over the world (asynchronous: hidden where the machine overlaps), the token-mean loss's count
+    over the ranks that split the batch and tp's vocabulary-parallel cross entropy (two) per micro-batch, cp's
+    loss and logged values (two), the pipeline's results from the last stage (two broadcasts), and per value the
+    step logs with ``sync_dist=True`` Lightning's barrier and all-reduce over the replicas (under tp the loss
+    gathered first). Counted in the strategy's steps (docs/planner.md)."""
+    m = _microbatches(training, layout)
+    synced = training.synced_logs
+    per_group = ((layout.devices, 0 if machine.overlap else 1), (layout.data_parallel * layout.cp, m),
+                 (layout.tp, 2 * m + synced), (layout.cp, 2), (layout.pp, 2), (layout.data_parallel, 2 * synced))
+    return sum(count * machine.link(size, size > machine.devices_per_node).latency_s
+               for size, count in per_group if size > 1 and count)
 
 
 def _exposed(comm: dict[str, float], machine: Machine, layout: Layout, work: float, backward: float,
