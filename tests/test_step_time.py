@@ -79,6 +79,16 @@ def test_the_command_line_counts_the_synced_logs_it_is_given(tmp_path, capsys):
     assert parts[3]["comm_step"] == pytest.approx((2 + 2 * 3) * 1e-4)
 
 
+def test_a_pipeline_too_deep_for_the_default_micro_batches_runs_pp_of_them_when_timed():
+    """A global batch of 4 cannot split into pp=4's default 8 micro-batches; timed, the planner (and so
+    layout="auto") considers the micro-batch counts the user left open, and pp=4 runs 4; untimed it is refused."""
+    training = Training(seq_len=64, global_batch=4)
+    timed = {est.layout: est for est in plan(GPT, training, 4, machine=_machine())}
+    assert timed[Layout(pp=4)].training.microbatches == 4
+    assert Layout(pp=4) not in {est.layout for est in plan(GPT, training, 4)}
+    assert timed.keys() > {Layout(dp=4), Layout(dp=2, pp=2)}
+
+
 def test_a_measured_block_curve_sets_the_compute_rate_at_the_layouts_width():
     curve = _machine(block_flops={"float32": {128: 2e9, 512: 8e9}})
     assert curve.flops("32-true", 256) == pytest.approx(4e9)  # halfway in log width, geometric in rate

@@ -35,7 +35,7 @@ from lightning_4d.composition.layout_trials import (STEPS, check_layout_trials, 
                                                    layout_options, time_layouts)
 from lightning_4d.planner import Layout, Model, PlanError, Training, all_layouts, layout_problems
 from lightning_4d.planner.estimate import Estimate, _format_bytes
-from lightning_4d.planner.ranking import _judged, _no_fit_message, _rank, _variants
+from lightning_4d.planner.ranking import _judged, _no_fit_message, _rank, runnable_variants
 from lightning_4d.planner.step_time import Machine
 
 DEFAULT_SIZES = {"dp": "auto", "pp": 1, "cp": 1, "tp": 1, "dp_shard": 1}
@@ -107,13 +107,12 @@ def choose(model: Model, per_replica_batch: int, seq_len: int, training: Trainin
     judged, reasons = [], {}
     for layout in kept:
         trained = replace(training, seq_len=seq_len, global_batch=per_replica_batch * layout.data_parallel)
-        problems = layout_problems(model, trained, layout) or ([refused(layout)] if refused and refused(layout)
-                                                                else [])
+        options = runnable_variants(model, trained, layout, explore=True)
+        problems = (layout_problems(model, trained, layout) if not options
+                    else [reason] if refused and (reason := refused(layout)) else [])
         if problems:
             reasons[layout] = problems
             continue
-        options = [v for v in _variants(trained, layout, explore=True)
-                   if v == trained or not layout_problems(model, v, layout)]
         judged.append(min((_judged(model, v, layout, "meta", memory_per_device, machine) for v in options),
                           key=_rank))
     if not judged:

@@ -31,15 +31,15 @@ def plan(model: Model, training: Training, devices: int, memory_per_device: Opti
                         " model, 'meta' when it is built on the meta device (trainer.init_module(empty_init=True))"
                         " or loaded with init_from.")
     candidates = all_layouts(devices)
-    rejected = {layout: layout_problems(model, training, layout) for layout in candidates}
-    valid = [layout for layout in candidates if not rejected[layout]]
+    options = {layout: runnable_variants(model, training, layout, explore=machine is not None)
+               for layout in candidates}
+    rejected = {layout: [] if options[layout] else layout_problems(model, training, layout) for layout in candidates}
+    valid = [layout for layout in candidates if options[layout]]
     if not valid:
         raise PlanError(_no_valid_layout_message(model, training, devices, rejected))
     estimates = []
     for layout in valid:
-        options = [variant for variant in _variants(training, layout, explore=machine is not None)
-                   if variant == training or not layout_problems(model, variant, layout)]
-        judged = [_judged(model, variant, layout, build, memory_per_device, machine) for variant in options]
+        judged = [_judged(model, variant, layout, build, memory_per_device, machine) for variant in options[layout]]
         estimates.append(min(judged, key=_rank))
     if memory_per_device is not None:
         if not include_unfit and not any(est.fits for est in estimates):
@@ -60,6 +60,12 @@ def _variants(training: Training, layout: Layout, explore: bool) -> list[Trainin
     counts = [None, layout.pp, 4 * layout.pp] if layout.pp > 1 and training.microbatches is None else \
         [training.microbatches]
     return [replace(training, activation_checkpointing=mode, microbatches=count) for mode in modes for count in counts]
+
+
+def runnable_variants(model: Model, training: Training, layout: Layout, explore: bool) -> list[Training]:
+    """The variants of ``training`` (:func:`_variants`) that ``layout`` can run: a pipeline whose default
+    ``2 * pp`` micro-batches do not divide a small batch may still run ``pp`` of them."""
+    return [variant for variant in _variants(training, layout, explore) if not layout_problems(model, variant, layout)]
 
 
 def _judged(model: Model, training: Training, layout: Layout, build: str, memory_per_device: Optional[float],
