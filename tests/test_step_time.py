@@ -89,6 +89,23 @@ def test_a_pipeline_too_deep_for_the_default_micro_batches_runs_pp_of_them_when_
     assert timed.keys() > {Layout(dp=4), Layout(dp=2, pp=2)}
 
 
+def test_every_block_of_every_micro_batch_pays_the_blocks_fixed_cost():
+    """A block's forward and backward cost a measured time whatever its size (launches, dispatch, autograd):
+    charged per block of the longest pipeline rank and per micro-batch, a third again per recomputed block."""
+    def compute(layout, machine, **changes):
+        return step_time(GPT, replace(TRAINING, **changes), layout, machine).parts
+
+    plain, fixed = _machine(), _machine(block_fixed_s={"float32": 1e-3})
+    assert compute(Layout(), fixed)["compute"] == pytest.approx(compute(Layout(), plain)["compute"] + 4 * 1e-3)
+    # pp=2: two blocks per rank, four micro-batches (bf16 takes fp32's figure where its own was not measured)
+    assert compute(Layout(pp=2), fixed)["compute"] == pytest.approx(compute(Layout(pp=2), plain)["compute"] + 8e-3)
+    assert compute(Layout(pp=2), fixed, precision="bf16-mixed")["compute"] == pytest.approx(
+        compute(Layout(pp=2), plain, precision="bf16-mixed")["compute"] + 8e-3)
+    full = compute(Layout(), fixed, activation_checkpointing="full")["recompute"]
+    assert full == pytest.approx(compute(Layout(), plain, activation_checkpointing="full")["recompute"] + 4 * 1e-3 / 3)
+    assert Machine.from_dict(fixed.as_dict()) == fixed
+
+
 def test_a_measured_block_curve_sets_the_compute_rate_at_the_layouts_width():
     curve = _machine(block_flops={"float32": {128: 2e9, 512: 8e9}})
     assert curve.flops("32-true", 256) == pytest.approx(4e9)  # halfway in log width, geometric in rate
@@ -162,14 +179,16 @@ def test_a_measured_optimizer_step_replaces_passes_over_the_memory_bandwidth():
 def test_a_measured_concurrency_replaces_ranks_over_cores_in_the_spread():
     shared = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2))
     measured = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2, concurrency=2.5))
-    assert measured.shared_cores and measured.total == pytest.approx(shared.total * 2.5 / 2)
+    waits = shared.parts["comm_step"]  # the step's small collectives: waits, at their measured latency
+    assert measured.shared_cores and measured.total == pytest.approx((shared.total - waits) * 2.5 / 2 + waits)
 
 
 def test_ranks_that_share_cores_spread_their_work_over_them():
     dedicated = step_time(GPT, TRAINING, Layout(dp=4), _machine())
     shared = step_time(GPT, TRAINING, Layout(dp=4), _machine(cores_per_node=2))
-    work = sum(v for k, v in dedicated.parts.items() if k not in ("total", "bubble"))
-    assert shared.shared_cores and shared.total == pytest.approx(2 * work)
+    work = sum(v for k, v in dedicated.parts.items() if k not in ("total", "bubble", "comm_step"))
+    # the step's small collectives are waits whose measured latency already has every rank running: not spread
+    assert shared.shared_cores and shared.total == pytest.approx(2 * work + dedicated.parts["comm_step"])
     # a pipeline's idle stage gives its core away: on shared cores pp=4 costs no bubble
     pipeline = step_time(GPT, TRAINING, Layout(pp=4), _machine(cores_per_node=2))
     assert pipeline.shared_cores and pipeline.total < step_time(GPT, TRAINING, Layout(pp=4), _machine()).total * 2
@@ -202,6 +221,7 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     assert machine.overlap is False and machine.cores_per_node >= 1 and machine.devices_per_node == 2
     assert sorted(machine.block_flops["float32"]) == [64, 128, 256, 512]
     assert all(flops > 1e8 for flops in machine.block_flops["float32"].values())
+    assert 0 < machine.block_fixed_s["float32"] < 0.1  # a 16-wide block on 16 tokens
     # each dimension's cost beyond the model's account, measured on the pair: finite, and never a whole second
     assert {axis: sorted(curve) for axis, curve in machine.overheads.items()} == {"tp": [2], "cp": [2], "dp_shard": [2],
                                                                                 "pp": [2]}

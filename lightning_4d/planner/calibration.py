@@ -31,7 +31,7 @@ from typing import Any, Optional
 from lightning_4d.planner.step_time import Link, Machine
 
 DTYPES = ("float32", "bfloat16")
-VERSION = 4  # of what is measured: a cache of another version is measured again
+VERSION = 5  # of what is measured: a cache of another version is measured again
 CACHE_ENV = "LIGHTNING_4D_CACHE"
 PRESETS = {
     # Spec-sheet figures (dense bf16 at the ~40% of peak large matmuls reach in training, HBM3, NVLink 4 bus
@@ -118,27 +118,34 @@ def _block(width: int, device: Any, dtype: Any, head_dim: int = 64) -> Any:
     return Block().to(device=device, dtype=dtype)
 
 
-def measure_blocks(device: Any, repeats: int = 3, cpu_time: bool = False) -> dict[str, dict[int, float]]:
-    """FLOP/s a whole transformer block reaches, forward and backward, by width (its matmul FLOPs over the time
-    of everything it runs: norms, softmax, activations, autograd), per dtype; fp32 only on CPU. With
-    ``cpu_time``, over the process's CPU time."""
+def measure_blocks(device: Any, repeats: int = 3, cpu_time: bool = False) -> tuple[dict[str, dict[int, float]],
+                                                                                   dict[str, float]]:
+    """A whole transformer block's forward and backward, per dtype (fp32 only on CPU): its fixed cost, the
+    seconds it takes whatever its size (kernel launches, dispatch, autograd's bookkeeping: a 16-wide block on
+    16 tokens, which computes next to nothing), which small micro-batches pay as often as large ones; and by
+    width, the FLOP/s it reaches beyond that (its matmul FLOPs over the rest of its time: norms, softmax,
+    activations). With ``cpu_time``, in the process's CPU time."""
     import torch
 
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     widths, tokens, seq = ((512, 1024, 2048, 4096), 8192, 1024) if on_gpu else ((64, 128, 256, 512), 512, 128)
+
+    def timed(width: int, dtype: Any, shape: tuple[int, int], times: int) -> float:
+        block = _block(width, device, dtype)
+        x = torch.randn(*shape, width, device=device, dtype=dtype, requires_grad=True)
+        seconds = _seconds(lambda: block(x).float().sum().backward(), times, cpu=cpu_time)
+        return seconds[1] if cpu_time else seconds
+
     curves: dict[str, dict[int, float]] = {}
+    fixed: dict[str, float] = {}
     for name in (DTYPES if on_gpu else ("float32",)):
         dtype = getattr(torch, name)
-        curve = {}
-        for width in widths:
-            block = _block(width, device, dtype)
-            x = torch.randn(tokens // seq, seq, width, device=device, dtype=dtype, requires_grad=True)
-            matmuls = 3 * tokens * (2 * 12 * width * width + 2 * width * seq)  # forward and backward, causal
-            seconds = _seconds(lambda: block(x).float().sum().backward(), repeats, cpu=cpu_time)
-            curve[width] = matmuls / (seconds[1] if cpu_time else seconds)
-        curves[name] = curve
-    return curves
+        fixed[name] = timed(16, dtype, (1, 16), 3 * repeats)
+        matmuls = {width: 3 * tokens * (2 * 12 * width * width + 2 * width * seq) for width in widths}  # causal
+        curves[name] = {width: matmuls[width] / max(timed(width, dtype, (tokens // seq, seq), repeats) - fixed[name],
+                                                    1e-9) for width in widths}
+    return curves, fixed
 
 
 OVERHEAD_SHAPE = (4, 128, 128)  # sequences, tokens, width of the block the dimensions' costs are measured on
@@ -156,21 +163,24 @@ def _slowest(seconds: float) -> float:
 
 def _modelled(machine: Machine, axis: str, size: int, alone: float, params: int) -> float:
     """What the step-time model already charges one rank of ``axis`` over ``size`` ranks for the probe's block,
-    forward and backward: its share of the plain block's time (tp at the narrower width's rate) and the
+    forward and backward: its share of the plain block's time beyond the block's fixed cost, which every share
+    pays whole (tp at the narrower width's rate), and the
     collectives :func:`.step_time._communication` counts per block (tp: four all-reduces of the activations; cp:
     ``3 (size - 1)`` ring exchanges of its K/V; FSDP: two gathers and a reduce-scatter of the block); pp: per
     micro-batch, its pass through the stage and the boundary's sends."""
     batch, seq, width = OVERHEAD_SHAPE
+    fixed = machine.block_fixed("32-true")
     if axis == "tp":
         rate = machine.flops("32-true", width) / machine.flops("32-true", width / size)
         activation = batch * seq * width * 4
-        return alone * rate / size + machine.link(size).seconds(4 * 2 * (size - 1) / size * activation, 4)
+        return ((alone - fixed) * rate / size + fixed
+                + machine.link(size).seconds(4 * 2 * (size - 1) / size * activation, 4))
     if axis == "cp":
         kv = 2 * batch * seq // size * width * 4
-        return alone / size + machine.link(2).seconds(3 * (size - 1) * kv, 3 * (size - 1))
+        return (alone - fixed) / size + fixed + machine.link(2).seconds(3 * (size - 1) * kv, 3 * (size - 1))
     if axis == "pp":  # per micro-batch of one sequence: its pass and its boundary sends
         sends = 2 * (2 if size > 2 else 1)
-        return alone / batch + machine.link(2).seconds(sends * seq * width * 4, sends)
+        return (alone - fixed) / batch + fixed + machine.link(2).seconds(sends * seq * width * 4, sends)
     return alone + machine.link(size).seconds((size - 1) / size * 3 * params * 4, 3)
 
 
@@ -332,19 +342,23 @@ def _measure(device: Any, ranks_per_node: int, name: str) -> Machine:
     # machine's caches and memory compute slower together (the sharing of cores the model adds itself).
     figures = [measure_device(device) if dist.get_rank() == 0 else None]
     if not on_cpu and dist.get_rank() == 0:
-        figures[0].update(block_flops=measure_blocks(device), optimizer_seconds=measure_optimizers(device))
+        curves, fixed = measure_blocks(device)
+        figures[0].update(block_flops=curves, block_fixed_s=fixed, optimizer_seconds=measure_optimizers(device))
     dist.broadcast_object_list(figures, src=0)
     figures = figures[0]
     if on_cpu:
         everyone: list[Any] = [None] * world
         mine = (measure_blocks(device, cpu_time=True), measure_optimizers(device, cpu_time=True))
         dist.all_gather_object(everyone, mine)
-        curves, steps = zip(*everyone)
-        figures["block_flops"] = {"float32": {w: min(c["float32"][w] for c in curves) for w in curves[0]["float32"]}}
+        blocks, steps = zip(*everyone)  # each rank's (rates, fixed costs): the slowest rank's
+        figures["block_flops"] = {"float32": {w: min(b[0]["float32"][w] for b in blocks)
+                                              for w in blocks[0][0]["float32"]}}
+        figures["block_fixed_s"] = {"float32": max(b[1]["float32"] for b in blocks)}
         figures["optimizer_seconds"] = {step: max(s[step] for s in steps) for step in steps[0]}
     links, cross = measure_links(device, ranks_per_node)
     machine = Machine(matmul_flops=figures["matmul_flops"], memory_bandwidth=figures["memory_bandwidth"],
-                      block_flops=figures["block_flops"], optimizer_seconds=figures["optimizer_seconds"], links=links,
+                      block_flops=figures["block_flops"], block_fixed_s=figures["block_fixed_s"],
+                      optimizer_seconds=figures["optimizer_seconds"], links=links,
                       devices_per_node=ranks_per_node, cross_node=cross,
                       cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
                       source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")

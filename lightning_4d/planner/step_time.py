@@ -9,7 +9,9 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
   forward: ``2 * matrix parameters / tp`` for the projections and ``2 * hidden * seq / tp`` for causal attention
   (scores and values over the whole sequence, half of it masked; cp splits the queries, not the keys), and
   ``2 * vocab * hidden / tp`` for the head on the last stage. Backward is twice the forward. Activation
-  checkpointing computes the checkpointed blocks' forward again (``"selective"``: their attention only).
+  checkpointing computes the checkpointed blocks' forward again (``"selective"``: their attention only). Each
+  block of each micro-batch also pays the block's fixed cost (``block_fixed_s``: what its forward and backward
+  take whatever its size, measured), which small micro-batches pay as often as large ones.
 * **memory-bound work**: the elementwise kernels (each kept activation written in forward, read and its gradient
   written in backward: three passes) at the measured memory bandwidth, and the optimizer step over the rank's
   share of the parameters at the measured seconds per parameter (where not measured: AdamW reads parameter,
@@ -37,7 +39,7 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
 * **shared cores** (CPU ranks that outnumber the cores of their machine): a rank that waits gives its core to
   another, so the step is the longer of the critical path above and all ranks' work spread over the cores: a
   rank's work times how much slower a block runs with every rank at once than alone (``concurrency``, measured;
-  ranks over cores where it was not).
+  ranks over cores where it was not), and the step's small collectives as measured (waits, not work).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class Machine:
     # seconds a block's forward and backward cost beyond its compute and collectives, by axis and group size
     overheads: dict[str, dict[int, float]] = field(default_factory=dict)
     concurrency: Optional[float] = None  # CPU ranks sharing cores: a block's time all at once over alone
+    block_fixed_s: dict[str, float] = field(default_factory=dict)  # a block's seconds whatever its size, by dtype
     optimizer_seconds: dict[str, float] = field(default_factory=dict)  # a step's seconds per parameter, by name
 
     def flops(self, precision: str, width: Optional[float] = None) -> float:
@@ -111,6 +114,11 @@ class Machine:
         if dtype in self.matmul_flops:
             return self.matmul_flops[dtype]
         return self.matmul_flops.get("bfloat16", self.matmul_flops["float32"])
+
+    def block_fixed(self, precision: str) -> float:
+        """Seconds a block's forward and backward cost whatever its size (fp32's for a dtype not measured; 0 where
+        nothing was measured)."""
+        return self.block_fixed_s.get(DTYPES[precision], self.block_fixed_s.get("float32", 0.0))
 
     def overhead(self, axis: str, size: int) -> float:
         """What ``axis`` costs a block beyond the model's account of it at a group of ``size`` (interpolated in
@@ -220,7 +228,9 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     checkpointed = _checkpointed(training, layers)
     selective = training.activation_checkpointing == "selective"
     recomputed = checkpointed * tokens * (attention if selective else projections + attention)
-    parts = {"compute": 3 * forward / flops, "recompute": recomputed / flops}
+    fixed = machine.block_fixed(training.precision) * m  # each block, each micro-batch
+    parts = {"compute": 3 * forward / flops + layers * fixed,  # a recomputed forward: a third of the fixed cost
+             "recompute": recomputed / flops + (0.0 if selective else checkpointed * fixed / 3)}
 
     params = _stage_params(model, layout, layout.pp - 1, per_rank[-1])
     shards = layout.dp_shard * layout.cp if layout.dp_shard > 1 else 1
@@ -247,9 +257,10 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     result = StepTime(layout, parts, bubble)
     critical = sum(parts.values())
     if machine.cores_per_node and machine.devices_per_node > machine.cores_per_node:
-        # every rank's work (compute and gloo's transfers, which are CPU work) spread over the shared cores
+        # every rank's work (compute and gloo's transfers, which are CPU work) spread over the shared cores; the
+        # step's small collectives are waits, whose measured latency already has every rank running
         slower = machine.concurrency or machine.devices_per_node / machine.cores_per_node
-        spread = slower * (work + sum(comm.values()))
+        spread = slower * (work + sum(v for axis, v in comm.items() if axis != "step")) + comm.get("step", 0.0)
         if spread > critical:
             result.shared_cores, critical = True, spread
     result.parts["total"] = critical
