@@ -5,13 +5,16 @@
 
 First the calibration probe measures this machine with ``--processes`` gloo processes
 (``lightning_4d.planner.calibration.measure_here``, measured again, then cached for the runs below). Then, per
-model, that many processes train every layout the planner and the strategy accept (the example GPT, a global batch of 16
-sequences of 128 tokens, split over the layout's replicas, AdamW, fp32), each in a launch of its own (a process
-that had run other layouts first stepped slower: dp=8 31% after seven layouts, 3.7x after 33): the median step
-after 2 warm-up steps, the slowest rank's. The planner predicts each from the model's sizes and the
-calibration. Last, ``FourDStrategy(layout="auto")`` runs with a loader batch of ``16 / processes`` per replica:
-its choice, and that layout's measured step at the global batch of 16 against the fastest one's; then the same
-with ``layout_trials=--trials`` (the predicted fastest few each run a few steps first; 1: no trials run).
+model, that many processes train every layout the planner and the strategy accept (the example GPT, sequences of
+128 tokens, AdamW, fp32) as a Lightning user would: a DataLoader batch of ``16 / processes`` sequences per
+replica, so the global batch is that times the layout's data-parallel size; each with the pipeline micro-batches
+and activation checkpointing the planner chose for it, in a launch of its own (a process that had run other
+layouts first stepped slower: dp=8 31% after seven layouts, 3.7x after 33): the median step after 2 warm-up
+steps, the slowest rank's. The planner predicts each from the model's sizes, the layout's global batch and the
+calibration. Last, ``FourDStrategy(layout="auto")`` runs with the same loader: its choice, and that layout's
+measured time per sample against the fastest layout's (the global batches differ, so time per sample is what
+compares; it is also what the strategy ranks by); then the same with ``layout_trials=--trials`` (the predicted
+fastest few each run a few steps first; 1: no trials run).
 """
 
 import argparse
@@ -35,7 +38,7 @@ from lightning_4d.demos.gpt import GPT  # noqa: E402
 
 MODELS = {"small": dict(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=128),
           "wide": dict(vocab_size=256, n_layer=4, n_head=8, n_embd=512, block_size=128)}
-GLOBAL_BATCH, SEQ, WARMUP = 16, 128, 2
+SEQUENCES, SEQ, WARMUP = 16, 128, 2  # a loader batch of SEQUENCES / processes per replica
 TIMEOUT_S = 3600
 
 
@@ -55,7 +58,7 @@ def _measure(config: dict, sizes: dict, per_replica: int, steps: int, count: int
     probe = _Steps()
     trainer = quiet_trainer(accelerator=accelerator(count), devices=count, strategy=FourDStrategy(**sizes),
                             max_steps=WARMUP + steps, callbacks=[probe])
-    data = random_tokens(GLOBAL_BATCH * (WARMUP + steps) * 4, SEQ, config["vocab_size"])
+    data = random_tokens(SEQUENCES * (WARMUP + steps) * 4, SEQ, config["vocab_size"])
     trainer.fit(GPT(**config), DataLoader(data, batch_size=per_replica))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, probe.steps[WARMUP:])
@@ -73,23 +76,41 @@ def worker(model: str, runs: list[dict], steps: int, count: int, out: str) -> No
     rows = []
     for sizes in runs:
         if sizes.get("layout") == "auto":
-            auto = _measure(config, sizes, GLOBAL_BATCH // count, steps, count)
+            auto = _measure(config, sizes, SEQUENCES // count, steps, count)
             rows.append({"model": model, "auto": True, "layout_trials": sizes["layout_trials"], **auto})
             continue
-        data_parallel = sizes.get("dp", 1) * sizes.get("dp_shard", 1)
         try:
-            rows.append({"model": model, **_measure(config, sizes, GLOBAL_BATCH // data_parallel, steps, count)})
+            rows.append({"model": model, **_measure(config, sizes, SEQUENCES // count, steps, count)})
         except ValueError as error:  # the strategy refused it: recorded, not measured
             rows.append({"model": model, "sizes": sizes, "refused": str(error).splitlines()[0]})
     write_rows(rows, out)
 
 
 def _predictions(model: str, count: int, machine) -> list:
-    from lightning_4d.planner import Model, Training, plan
+    """The planner's estimate of every valid layout at its own global batch (the loader's per replica times its
+    data-parallel size)."""
+    from lightning_4d.planner import Model, PlanError, Training, plan
     from lightning_4d.planner.cli import build_module
+    from lightning_4d.planner.estimate import all_layouts
 
     sizes = Model.from_module(build_module("lightning_4d.demos.gpt:GPT", MODELS[model]))
-    return plan(sizes, Training(seq_len=SEQ, global_batch=GLOBAL_BATCH), count, machine=machine)
+    estimates = []
+    for replicas in sorted({layout.data_parallel for layout in all_layouts(count)}):
+        try:
+            planned = plan(sizes, Training(seq_len=SEQ, global_batch=SEQUENCES // count * replicas), count,
+                           machine=machine)
+        except PlanError:  # no layout runs at that global batch
+            continue
+        estimates += [est for est in planned if est.layout.data_parallel == replicas]
+    return sorted(estimates, key=lambda est: est.step.total / est.training.global_batch)
+
+
+def _variant(est) -> dict:
+    """The strategy's arguments for what the planner chose beside the sizes (what ``layout="auto"`` adopts)."""
+    variant = {"activation_checkpointing": est.training.activation_checkpointing}
+    if est.layout.pp > 1 and est.training.microbatches is not None:
+        variant["pp_microbatches"] = est.training.microbatches
+    return variant
 
 
 def main() -> None:
@@ -114,7 +135,8 @@ def main() -> None:
     for model in args.models:
         predicted = {json.dumps({k: v for k, v in vars(est.layout).items() if v != 1 or k == "dp"}, sort_keys=True):
                      est for est in _predictions(model, args.processes, machine)}
-        runs = [json.loads(key) for key in predicted]
+        # each layout runs the variant predicted for it: its micro-batches and activation checkpointing
+        runs = [{**json.loads(key), **_variant(est)} for key, est in predicted.items()]
         runs += [{"layout": "auto", "layout_trials": trials} for trials in dict.fromkeys((1, args.trials))]
         measured = []
         for run in runs:  # a launch each: a process that ran other layouts steps slower (measured: +31% after 7)
@@ -132,16 +154,21 @@ def main() -> None:
     for model in args.models:
         timed = [r for r in rows if r["model"] == model and "error" in r]
         errors = [abs(r["error"]) for r in timed]
-        fastest = min(timed, key=lambda r: r["step_s"])
+
+        def per_sample(row: dict) -> float:
+            return row["step_s"] / row["global_batch"]
+
+        fastest = min(timed, key=per_sample)
         chosen = []
         for auto in (r for r in rows if r["model"] == model and r.get("auto")):
-            same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice at the global batch
-            versus = f"{same['step_s'] / fastest['step_s']:.2f}x" if same else "not measured"
-            chosen.append(f"layout_trials={auto['layout_trials']} chose {auto['sizes']}, measured at the same global"
-                          f" batch {versus} the fastest")
+            same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice in the sweep
+            versus = f"{per_sample(same) / per_sample(fastest):.2f}x" if same else "not measured"
+            chosen.append(f"layout_trials={auto['layout_trials']} chose {auto['sizes']} ({per_sample(auto) * 1e3:.1f}"
+                          f" ms per sample in its own run), in the sweep {versus} the fastest per sample")
         print(f"{model}: median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; fastest"
               f" {fastest['sizes']}; " + "; ".join(chosen))
-    payload = {"command": command("step_time.py"), "models": MODELS, "global_batch": GLOBAL_BATCH, "seq_len": SEQ,
+    payload = {"command": command("step_time.py"), "models": MODELS, "seq_len": SEQ,
+               "batch_per_replica": SEQUENCES // args.processes,
                "processes": args.processes, "machine": machine.as_dict(), "results": rows}
     print(table("step_time", payload), f"\n(written to {write(args.name, payload)})")
 
