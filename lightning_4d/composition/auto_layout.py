@@ -108,8 +108,9 @@ def choose(model: Model, per_replica_batch: int, seq_len: int, training: Trainin
     for layout in kept:
         trained = replace(training, seq_len=seq_len, global_batch=per_replica_batch * layout.data_parallel)
         options = runnable_variants(model, trained, layout, explore=True)
-        problems = (layout_problems(model, trained, layout) if not options
-                    else [reason] if refused and (reason := refused(layout)) else [])
+        problems = layout_problems(model, trained, layout) if not options else []
+        if not problems and refused and (reason := refused(layout)):
+            problems = [reason]
         if problems:
             reasons[layout] = problems
             continue

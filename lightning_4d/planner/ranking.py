@@ -33,9 +33,9 @@ def plan(model: Model, training: Training, devices: int, memory_per_device: Opti
     candidates = all_layouts(devices)
     options = {layout: runnable_variants(model, training, layout, explore=machine is not None)
                for layout in candidates}
-    rejected = {layout: [] if options[layout] else layout_problems(model, training, layout) for layout in candidates}
     valid = [layout for layout in candidates if options[layout]]
     if not valid:
+        rejected = {layout: layout_problems(model, training, layout) for layout in candidates}
         raise PlanError(_no_valid_layout_message(model, training, devices, rejected))
     estimates = []
     for layout in valid:

@@ -22,10 +22,10 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
   all-reduce in buckets of ``bucket_mb``; FSDP's gathers and reduce-scatters per block; the pipeline's two
   boundary transfers per micro-batch; and the step's own small collectives outside the blocks (the strategy's
   step agreement, the token-mean loss's count, the pipeline's results, Lightning's ``sync_dist`` logging: see
-  :func:`_step_collectives`), each at its group's latency. Where the machine overlaps communication with compute (GPUs: copy engines;
-  not gloo on CPU, whose transfers are the same cores' work), the buckets hide behind the backward, FSDP's
-  prefetched gathers behind the blocks, and the ring's exchanges behind attention; what exceeds the compute is
-  exposed. tp's all-reduces sit between dependent matmuls and are never hidden.
+  :func:`_step_collectives`), each at its group's latency. Where the machine overlaps communication with
+  compute (GPUs: copy engines; not gloo on CPU, whose transfers are the same cores' work), the buckets hide
+  behind the backward, FSDP's prefetched gathers behind the blocks, and the ring's exchanges behind attention;
+  what exceeds the compute is exposed. tp's all-reduces sit between dependent matmuls and are never hidden.
 * **what a dimension costs beyond that** (``overheads``): torch's tensor-parallel styles dispatch every op of a
   block through DTensor, ring attention runs its tiles and their merges as many small kernels, FSDP runs hooks
   around each unit; on small blocks these per-operation costs outweigh the FLOPs. The probe measures them per
@@ -240,8 +240,9 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
         optimizer * params / shards if optimizer is not None
         else OPTIMIZER_PASSES[training.optimizer] * params * pbytes / shards / machine.memory_bandwidth)
     comm = _communication(model, training, layout, machine, params, checkpointed, bucket_mb)
-    if _step_collectives(training, layout, machine):
-        comm["step"] = _step_collectives(training, layout, machine)
+    step = _step_collectives(training, layout, machine)
+    if step:
+        comm["step"] = step
     for axis, size, units in (("tp", tp, layers * m), ("cp", layout.cp, layers * m),
                               ("dp_shard", shards if layout.dp_shard > 1 else 1, layers + 1),
                               ("pp", layout.pp, m * _stages_per_rank(training, layout))):
@@ -260,7 +261,7 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
         # every rank's work (compute and gloo's transfers, which are CPU work) spread over the shared cores; the
         # step's small collectives are waits, whose measured latency already has every rank running
         slower = machine.concurrency or machine.devices_per_node / machine.cores_per_node
-        spread = slower * (work + sum(v for axis, v in comm.items() if axis != "step")) + comm.get("step", 0.0)
+        spread = slower * (work + sum(comm.values()) - step) + step
         if spread > critical:
             result.shared_cores, critical = True, spread
     result.parts["total"] = critical
