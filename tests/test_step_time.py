@@ -124,6 +124,19 @@ def test_tp_pays_four_all_reduces_per_block_and_micro_batch_at_the_links_latency
     assert result.parts["comm_tp"] == pytest.approx(count * 1e-4 + count * activation / 1e9, rel=1e-12)
 
 
+def test_fsdp_gathers_and_reduce_scatters_at_their_own_measured_links():
+    """Per unit (blocks and the root), two gathers of its parameters and a reduce-scatter of its gradients, each at
+    the link measured for that op; without them, at the all-reduce's."""
+    ops = {"all_gather": {2: Link(3e-4, 5e8)}, "reduce_scatter": {2: Link(5e-4, 2.5e8)}}
+    own = step_time(GPT, TRAINING, Layout(dp_shard=2), _machine(op_links=ops)).parts["comm_dp_shard"]
+    units, half = GPT.layers + 1, GPT.params * 4 / 2  # what one rank of two sends of the whole model
+    assert own == pytest.approx(2 * units * 3e-4 + 2 * half / 5e8 + units * 5e-4 + half / 2.5e8, rel=1e-12)
+    proxy = step_time(GPT, TRAINING, Layout(dp_shard=2), _machine()).parts["comm_dp_shard"]
+    assert proxy == pytest.approx(3 * units * 1e-4 + 3 * half / 1e9, rel=1e-12)
+    assert _machine(op_links=ops).link(4, op="all_gather") == Link(3e-4 * 2, 5e8)  # beyond the sizes measured
+    assert Machine.from_dict(_machine(op_links=ops).as_dict()) == _machine(op_links=ops)
+
+
 def test_the_bubble_shrinks_with_micro_batches_and_interleaving():
     bubbles = [step_time(GPT, Training(256, 16, microbatches=m), Layout(pp=2), _machine()).bubble for m in (2, 4, 8)]
     assert bubbles == pytest.approx([1 / 3, 1 / 5, 1 / 9])
@@ -218,6 +231,8 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     machine = Machine.from_dict(json.loads(measured.stdout.splitlines()[-1]))
     assert machine.matmul_flops["float32"] > 1e8 and machine.memory_bandwidth > 1e8
     assert set(machine.links) == {2} and machine.links[2].latency_s > 0 and machine.links[2].bandwidth > 1e6
+    assert {op: sorted(links) for op, links in machine.op_links.items()} == {"all_gather": [2], "reduce_scatter": [2]}
+    assert all(link.latency_s > 0 and link.bandwidth > 1e6 for links in machine.op_links.values() for link in links.values())
     assert machine.overlap is False and machine.cores_per_node >= 1 and machine.devices_per_node == 2
     assert sorted(machine.block_flops["float32"]) == [64, 128, 256, 512]
     assert all(flops > 1e8 for flops in machine.block_flops["float32"].values())

@@ -6,7 +6,8 @@ the throughput a whole transformer block reaches forward and backward at several
 to norms, softmax and small kernels shows there) and the seconds per parameter of an optimizer step (on CPU with
 every rank running at once: ranks that share caches and memory compute slower together),
 and, on the process groups themselves, the latency and bandwidth of an all-reduce for groups of 2 ranks and of
-the whole node (and of two ranks on different nodes when there are several). Measured with every rank of the
+the whole node (and of two ranks on different nodes when there are several), and of FSDP's all-gather and
+reduce-scatter on the same groups. Measured with every rank of the
 machine running at once, as in training: where CPU ranks share cores, the figures include the sharing. Last, on
 the same groups, what tensor parallelism, ring attention and FSDP cost a small block beyond its FLOPs and
 collectives (:func:`measure_overheads`), and how much slower CPU ranks compute while all of them do.
@@ -31,7 +32,8 @@ from typing import Any, Optional
 from lightning_4d.planner.step_time import Link, Machine
 
 DTYPES = ("float32", "bfloat16")
-VERSION = 5  # of what is measured: a cache of another version is measured again
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what the model times at a link of its own
+VERSION = 6  # of what is measured: a cache of another version is measured again
 CACHE_ENV = "LIGHTNING_4D_CACHE"
 PRESETS = {
     # Spec-sheet figures (dense bf16 at the ~40% of peak large matmuls reach in training, HBM3, NVLink 4 bus
@@ -181,7 +183,8 @@ def _modelled(machine: Machine, axis: str, size: int, alone: float, params: int)
     if axis == "pp":  # per micro-batch of one sequence: its pass and its boundary sends
         sends = 2 * (2 if size > 2 else 1)
         return (alone - fixed) / batch + fixed + machine.link(2).seconds(sends * seq * width * 4, sends)
-    return alone + machine.link(size).seconds((size - 1) / size * 3 * params * 4, 3)
+    return (alone + machine.link(size, op="all_gather").seconds((size - 1) / size * 2 * params * 4, 2)
+            + machine.link(size, op="reduce_scatter").seconds((size - 1) / size * params * 4))
 
 
 def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machine:
@@ -263,32 +266,54 @@ def _fit(small: tuple[float, float], large: tuple[float, float]) -> Link:
     return Link(max(t1 - b1 / bandwidth, 1e-7), bandwidth)
 
 
-def measure_links(device: Any, ranks_per_node: int, repeats: int = 5) -> tuple[dict[int, Link], Optional[Link]]:
-    """Collective: every rank of the initialized default group calls it. All-reduces over the first 2 ranks and
-    over the first node's ranks, and over rank 0 and the second node's first rank when there are several nodes."""
+def _collective(op: str, full: Any, share: Any, group: Any) -> None:
+    """One ``op`` over ``group``: an all-reduce of ``full``, or ``share`` gathered into it, or it scattered into
+    ``share``."""
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        dist.all_reduce(full, group=group)
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(full, share, group=group)
+    else:
+        dist.reduce_scatter_tensor(share, full, group=group)
+
+
+def measure_links(device: Any, ranks_per_node: int, repeats: int = 5) -> tuple[dict[str, dict[int, Link]],
+                                                                                 Optional[Link]]:
+    """Collective: every rank of the initialized default group calls it. By op (``all_reduce``, and FSDP's
+    ``all_gather`` and ``reduce_scatter``), over the first 2 ranks and over the first node's ranks; and an
+    all-reduce over rank 0 and the second node's first rank when there are several nodes. A point's bytes are
+    what one rank sends of a tensor of the full size (the gathered output, the scattered input), as the model
+    counts them."""
     import torch
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    large = 64 * 2**20 if torch.device(device).type == "cuda" else 4 * 2**20
+    large = 64 * 2**20 if torch.device(device).type == "cuda" else 16 * 2**20  # a block of a 512-wide model: 12 MB
     groups = {size: list(range(size)) for size in sorted({2, min(ranks_per_node, world)}) if 2 <= size <= world}
     if world > ranks_per_node:
         groups[-2] = [0, ranks_per_node]
-    links: dict[int, Link] = {}
+    links: dict[str, dict[int, Link]] = {op: {} for op in COLLECTIVES}
     for size, members in groups.items():
         group = dist.new_group(members)  # every rank makes every group
         if rank in members:
-            points = []
-            for nbytes in (4096, large):
-                tensor = torch.ones(nbytes // 4, device=device)
-                seconds = _seconds(lambda: dist.all_reduce(tensor, group=group), repeats)
-                points.append((2 * (len(members) - 1) / len(members) * nbytes, seconds))
-            links[size] = _fit(*points)
+            n = len(members)
+            for op in COLLECTIVES if size > 0 else ("all_reduce",):  # across nodes: the all-reduce only
+                points = []
+                for target in (4096, large):
+                    share = torch.ones(target // 4 // n, device=device)
+                    full = torch.ones(share.numel() * n, device=device)
+                    sent = (2 if op == "all_reduce" else 1) * (n - 1) / n * full.numel() * 4
+                    points.append((sent, _seconds(functools.partial(_collective, op, full, share, group), repeats)))
+                links[op][size] = _fit(*points)
         dist.barrier()
     shared = [None] * world
-    dist.all_gather_object(shared, {size: (link.latency_s, link.bandwidth) for size, link in links.items()})
-    measured = {size: Link(*values) for size, values in shared[0].items()}  # rank 0 is in every group
-    cross = measured.pop(-2, None)
+    dist.all_gather_object(shared, {op: {size: (link.latency_s, link.bandwidth) for size, link in by_size.items()}
+                                    for op, by_size in links.items()})
+    measured = {op: {size: Link(*values) for size, values in by_size.items()}  # rank 0 is in every group
+                for op, by_size in shared[0].items()}
+    cross = measured["all_reduce"].pop(-2, None)
     return measured, cross
 
 
@@ -356,9 +381,10 @@ def _measure(device: Any, ranks_per_node: int, name: str) -> Machine:
         figures["block_fixed_s"] = {"float32": max(b[1]["float32"] for b in blocks)}
         figures["optimizer_seconds"] = {step: max(s[step] for s in steps) for step in steps[0]}
     links, cross = measure_links(device, ranks_per_node)
+    links, op_links = links.pop("all_reduce"), links
     machine = Machine(matmul_flops=figures["matmul_flops"], memory_bandwidth=figures["memory_bandwidth"],
                       block_flops=figures["block_flops"], block_fixed_s=figures["block_fixed_s"],
-                      optimizer_seconds=figures["optimizer_seconds"], links=links,
+                      optimizer_seconds=figures["optimizer_seconds"], links=links, op_links=op_links,
                       devices_per_node=ranks_per_node, cross_node=cross,
                       cores_per_node=cores_for_ranks() if on_cpu else None, overlap=not on_cpu,
                       source=f"measured on {platform.node()} ({name}, {world} ranks, {dist.get_backend()})")

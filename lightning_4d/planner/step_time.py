@@ -19,7 +19,8 @@ activation checkpointing computes again. Per device, on the pipeline rank with m
 * **communication**: each collective costs ``latency + bytes sent / bandwidth`` for its group's size, from the
   probe's fit (:mod:`.calibration`): tp's four all-reduces per block and micro-batch (and two more per
   recomputed block); cp's ring, ``3 (cp - 1)`` key/value exchanges per block; the data-parallel gradient
-  all-reduce in buckets of ``bucket_mb``; FSDP's gathers and reduce-scatters per block; the pipeline's two
+  all-reduce in buckets of ``bucket_mb``; FSDP's gathers and reduce-scatters per block (at their own measured
+  links: gloo moves their bytes 2-3x slower than an all-reduce's); the pipeline's two
   boundary transfers per micro-batch; and the step's own small collectives outside the blocks (the strategy's
   step agreement, the token-mean loss's count, the pipeline's results, Lightning's ``sync_dist`` logging: see
   :func:`_step_collectives`), each at its group's latency. Where the machine overlaps communication with
@@ -91,7 +92,7 @@ class Machine:
 
     matmul_flops: dict[str, float]  # FLOP/s of one rank's device by dtype name (float32, bfloat16, float16)
     memory_bandwidth: float  # bytes/s of one rank's elementwise work
-    links: dict[int, Link]  # within a node, by group size; sizes not measured are interpolated
+    links: dict[int, Link]  # all-reduces within a node, by group size; sizes not measured are interpolated
     devices_per_node: int
     cross_node: Optional[Link] = None  # a group that spans nodes
     cores_per_node: Optional[int] = None  # CPU ranks: the cores they share (None: a device each)
@@ -103,6 +104,9 @@ class Machine:
     concurrency: Optional[float] = None  # CPU ranks sharing cores: a block's time all at once over alone
     block_fixed_s: dict[str, float] = field(default_factory=dict)  # a block's seconds whatever its size, by dtype
     optimizer_seconds: dict[str, float] = field(default_factory=dict)  # a step's seconds per parameter, by name
+    # FSDP's collectives by op ("all_gather", "reduce_scatter") and group size, as ``links`` (the all-reduce's
+    # where not measured): gloo moves a byte of them slower than of an all-reduce
+    op_links: dict[str, dict[int, Link]] = field(default_factory=dict)
 
     def flops(self, precision: str, width: Optional[float] = None) -> float:
         """FLOP/s of the precision's dtype: a whole block's at ``width`` where measured (interpolated in log
@@ -126,25 +130,27 @@ class Machine:
         curve = self.overheads.get(axis)
         return _along_log2(curve, size) if curve and size > 1 else 0.0
 
-    def link(self, size: int, spans_nodes: bool = False) -> Link:
-        """The link of a group of ``size`` ranks: measured, or interpolated in latency (by log2 of the size) and
-        bandwidth (the nearest measured size) between the sizes measured."""
+    def link(self, size: int, spans_nodes: bool = False, op: str = "all_reduce") -> Link:
+        """The link of a group of ``size`` ranks for ``op`` (the all-reduce's where ``op`` was not measured):
+        measured, or interpolated in latency (by log2 of the size) and bandwidth (the nearest measured size)
+        between the sizes measured."""
         if spans_nodes and self.cross_node is not None:
             return self.cross_node
-        if not self.links:
+        links = self.op_links.get(op) or self.links
+        if not links:
             raise PlanError(f"no collective was measured on this machine ({self.source}), so a group of {size} ranks"
                             " cannot be timed: calibrate with at least 2 processes.")
-        if size in self.links:
-            return self.links[size]
-        sizes = sorted(self.links)
+        if size in links:
+            return links[size]
+        sizes = sorted(links)
         below = max((s for s in sizes if s < size), default=sizes[0])
         above = min((s for s in sizes if s > size), default=sizes[-1])
         if below == above:
             scale = math.log2(max(size, 2)) / math.log2(max(below, 2))
-            return Link(self.links[below].latency_s * scale, self.links[below].bandwidth)
+            return Link(links[below].latency_s * scale, links[below].bandwidth)
         weight = (math.log2(size) - math.log2(below)) / (math.log2(above) - math.log2(below))
-        latency = (1 - weight) * self.links[below].latency_s + weight * self.links[above].latency_s
-        return Link(latency, min(self.links[below].bandwidth, self.links[above].bandwidth))
+        latency = (1 - weight) * links[below].latency_s + weight * links[above].latency_s
+        return Link(latency, min(links[below].bandwidth, links[above].bandwidth))
 
     def predict(self, model: Model, training: Training, layout: Layout) -> "StepTime":
         """:func:`step_time` of ``layout`` on this machine (how the planner, which step_time imports, calls it)."""
@@ -152,6 +158,8 @@ class Machine:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "links": {str(size): asdict(link) for size, link in self.links.items()},
+                "op_links": {op: {str(size): asdict(link) for size, link in links.items()}
+                             for op, links in self.op_links.items()},
                 "block_flops": {dtype: {str(w): f for w, f in curve.items()} for dtype, curve in self.block_flops.items()},
                 "overheads": {axis: {str(n): s for n, s in curve.items()} for axis, curve in self.overheads.items()}}
 
@@ -161,7 +169,10 @@ class Machine:
         cross = Link(**data["cross_node"]) if data.get("cross_node") else None
         blocks = {dtype: {int(w): f for w, f in curve.items()} for dtype, curve in data.get("block_flops", {}).items()}
         overheads = {axis: {int(n): s for n, s in curve.items()} for axis, curve in data.get("overheads", {}).items()}
-        return cls(**{**data, "links": links, "cross_node": cross, "block_flops": blocks, "overheads": overheads})
+        ops = {op: {int(size): Link(**link) for size, link in by_size.items()}
+               for op, by_size in data.get("op_links", {}).items()}
+        return cls(**{**data, "links": links, "cross_node": cross, "block_flops": blocks, "overheads": overheads,
+                      "op_links": ops})
 
 
 @dataclass
@@ -276,8 +287,8 @@ def _communication(model: Model, training: Training, layout: Layout, machine: Ma
     layers = max(_stage_layers(model.layers, layout.pp, training.pp_schedule))
     tp, strides = layout.tp, _strides(layout)
 
-    def link(axis: str, size: int) -> Link:
-        return machine.link(size, _spans_nodes(machine, size, strides[axis]))
+    def link(axis: str, size: int, op: str = "all_reduce") -> Link:
+        return machine.link(size, _spans_nodes(machine, size, strides[axis]), op)
 
     activation = _tokens(training, layout) * model.hidden * e  # one micro-batch's block output
     grad_bytes = params * gbytes
@@ -296,8 +307,9 @@ def _communication(model: Model, training: Training, layout: Layout, machine: Ma
     if layout.dp_shard > 1:  # per block: gathered for forward (and again for backward without pp), reduce-scattered
         n, units = layout.dp_shard * layout.cp, layers + 1
         gathers = 1 if layout.pp > 1 else 2
-        comm["dp_shard"] = link("dp_shard", n).seconds((n - 1) / n * (gathers * params * e + grad_bytes),
-                                                       (gathers + 1) * units)
+        comm["dp_shard"] = (link("dp_shard", n, "all_gather").seconds((n - 1) / n * gathers * params * e,
+                                                                      gathers * units)
+                            + link("dp_shard", n, "reduce_scatter").seconds((n - 1) / n * grad_bytes, units))
         if layout.dp > 1:  # the replicas all-reduce their shards
             comm["dp"] = link("dp", layout.dp).seconds(2 * (layout.dp - 1) / layout.dp * grad_bytes / n, units)
     if layout.pp > 1:  # activations forward, their gradients backward, per micro-batch and boundary
