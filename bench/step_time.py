@@ -1,7 +1,7 @@
 """Predicted against measured step time for every valid layout of a module, and what ``layout="auto"`` chooses.
 
     OMP_NUM_THREADS=1 python bench/step_time.py [--processes 4] [--steps 4] [--models small wide] [--trials 3]
-                                          [--name step_time]
+                                          [--rounds 2] [--name step_time]
 
 First the calibration probe measures this machine with ``--processes`` gloo processes
 (``lightning_4d.planner.calibration.measure_here``, measured again, then cached for the runs below). Then, per
@@ -10,10 +10,12 @@ model, that many processes train every layout the planner and the strategy accep
 replica, so the global batch is that times the layout's data-parallel size; each with the pipeline micro-batches
 and activation checkpointing the planner chose for it, in a launch of its own (a process that had run other
 layouts first stepped slower: dp=8 31% after seven layouts, 3.7x after 33): the median step after 2 warm-up
-steps, the slowest rank's. The planner predicts each from the model's sizes, the layout's global batch and the
+steps, the slowest rank's; and that ``--rounds`` times, each round launching every run once in the same order
+(one launch of a layout stepped 1.6x another's of the same layout the same hour): a layout's time is the median
+of its rounds. The planner predicts each from the model's sizes, the layout's global batch and the
 calibration. Last, ``FourDStrategy(layout="auto")`` runs with the same loader: its choice, and that layout's
-measured time per sample against the fastest layout's (the global batches differ, so time per sample is what
-compares; it is also what the strategy ranks by); then the same with ``layout_trials=--trials`` (the predicted
+measured time per sample in its own launches, and in the sweep's, against the fastest layout's (the global
+batches differ, so time per sample is what compares; it is also what the strategy ranks by); then the same with ``layout_trials=--trials`` (the predicted
 fastest few each run a few steps first; 1: no trials run).
 """
 
@@ -105,6 +107,17 @@ def _predictions(model: str, count: int, machine) -> list:
     return sorted(estimates, key=lambda est: est.step.total / est.training.global_batch)
 
 
+def _median_of_rounds(rounds: tuple) -> list[dict]:
+    """One run's rows of every round as one: the median step, each round's beside it (``layout="auto"``'s rows
+    each on its own where its rounds chose differently)."""
+    if "refused" in rounds[0]:
+        return [rounds[0]]
+    if any(row["sizes"] != rounds[0]["sizes"] for row in rounds):
+        return list(rounds)
+    times = [row["step_s"] for row in rounds]
+    return [{**rounds[0], "step_s": statistics.median(times), "rounds_s": times}]
+
+
 def _variant(est) -> dict:
     """The strategy's arguments for what the planner chose beside the sizes (what ``layout="auto"`` adopts)."""
     variant = {"activation_checkpointing": est.training.activation_checkpointing}
@@ -120,6 +133,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--name", default="step_time", help="results file: bench/results/<name>.json")
     parser.add_argument("--trials", type=int, default=3, help="layout_trials of the second layout=\"auto\" run")
+    parser.add_argument("--rounds", type=int, default=2, help="launches of each run; its time: their median")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--model", default="small")
     parser.add_argument("--layouts", default="[]")
@@ -138,10 +152,12 @@ def main() -> None:
         # each layout runs the variant predicted for it: its micro-batches and activation checkpointing
         runs = [{**json.loads(key), **_variant(est)} for key, est in predicted.items()]
         runs += [{"layout": "auto", "layout_trials": trials} for trials in dict.fromkeys((1, args.trials))]
-        measured = []
-        for run in runs:  # a launch each: a process that ran other layouts steps slower (measured: +31% after 7)
-            measured += run_worker(__file__, ["--model", model, "--layouts", json.dumps([run]), "--processes",
-                                              str(args.processes), "--steps", str(args.steps)], TIMEOUT_S)
+        launches = []
+        for _ in range(args.rounds):  # a launch each: a process that ran other layouts steps slower (+31% after 7)
+            launches.append([row for run in runs for row in run_worker(
+                __file__, ["--model", model, "--layouts", json.dumps([run]), "--processes", str(args.processes),
+                           "--steps", str(args.steps)], TIMEOUT_S)])
+        measured = [row for rounds in zip(*launches) for row in _median_of_rounds(rounds)]
         for row in measured:
             if row.get("auto") or "refused" in row:
                 rows.append(row)
@@ -163,8 +179,9 @@ def main() -> None:
         for auto in (r for r in rows if r["model"] == model and r.get("auto")):
             same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice in the sweep
             versus = f"{per_sample(same) / per_sample(fastest):.2f}x" if same else "not measured"
-            chosen.append(f"layout_trials={auto['layout_trials']} chose {auto['sizes']} ({per_sample(auto) * 1e3:.1f}"
-                          f" ms per sample in its own run), in the sweep {versus} the fastest per sample")
+            chosen.append(f"layout_trials={auto['layout_trials']} chose {auto['sizes']}: in its own launches"
+                          f" {per_sample(auto) * 1e3:.1f} ms per sample, {per_sample(auto) / per_sample(fastest):.2f}x"
+                          f" the fastest per sample; in the sweep {versus}")
         print(f"{model}: median |error| {statistics.median(errors):.0%}, worst {max(errors):.0%}; fastest"
               f" {fastest['sizes']}; " + "; ".join(chosen))
     payload = {"command": command("step_time.py"), "models": MODELS, "seq_len": SEQ,
