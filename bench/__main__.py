@@ -62,7 +62,7 @@ BENCHMARKS = {
                                   ("--saves", "20", "--sync-saves", "5", "--rounds", "2"),
                                   ("--layouts", "dp2", "--saves", "3", "--sync-saves", "2"), 2),
     "step_time": Benchmark("Predicted against measured step time per layout, and layout=\"auto\"'s choice",
-                           ("--processes", "4", "--steps", "4"), ("--processes", "2", "--steps", "2", "--models",
+                           ("--processes", "4", "--steps", "4"), ("--processes", "2", "--steps", "2", "--cases",
                                                                    "small", "--trials", "2", "--rounds", "1"), 4,
                            gpu=False),
     "activation_checkpointing": Benchmark("Activation checkpointing: peak memory and step time per mode",

@@ -223,16 +223,19 @@ def _step_time(payload: dict) -> str:
     for r in payload["results"]:
         sizes = " ".join(f"{k}={v}" for k, v in r["sizes"].items() if v != 1 or k == "dp")
         if "refused" in r:
-            rows.append([r["model"], sizes, "", "", "", "", "", f"refused: {r['refused'][:60]}"])
+            rows.append([r["model"], sizes, "", "", "", "", "", "", "", f"refused: {r['refused'][:60]}"])
             continue
         per_sample = r["step_s"] / r["global_batch"] * 1e3
         auto = f"auto (layout_trials={r.get('layout_trials', 1)}): " if r.get("auto") else ""
+        budget = f" / {r['memory_per_device'] / 2**20:.0f}" if r.get("memory_per_device") else ""
         rows.append([r["model"], auto + sizes, r.get("activation_checkpointing", ""),
                      f"{r['predicted_s']:.3f}" if "predicted_s" in r else "", f"{r['step_s']:.3f}",
                      " / ".join(f"{s:.3f}" for s in r.get("rounds_s", [])), f"{per_sample:.2f}",
-                     f"{r['error']:+.0%}" if "error" in r else ""])
-    return _rows(["model", "layout", "ac", "predicted step s", "measured step s (median)", "each round",
-                  "measured ms/sample", "error"], rows)
+                     f"{r['error']:+.0%}" if "error" in r else "",
+                     f"{r['predicted_memory_bytes'] / 2**20:.0f}" if "predicted_memory_bytes" in r else "",
+                     f"{r['peak_growth_bytes'] / 2**20:.0f}{budget}" if "peak_growth_bytes" in r else ""])
+    return _rows(["case", "layout", "ac", "predicted step s", "measured step s (median)", "each round",
+                  "measured ms/sample", "error", "predicted MiB", "measured peak +MiB / budget"], rows)
 
 
 def _log2_x(ax, values) -> None:
