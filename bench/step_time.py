@@ -1,7 +1,7 @@
 """Predicted against measured step time for every valid layout of a module, and what ``layout="auto"`` chooses.
 
     OMP_NUM_THREADS=1 python bench/step_time.py [--processes 4] [--steps 4] [--cases small wide ...] [--trials 3]
-                                          [--rounds 2] [--name step_time]
+                                          [--rounds 2] [--memory] [--name step_time]
 
 First the calibration probe measures this machine with ``--processes`` gloo processes
 (``lightning_4d.planner.calibration.measure_here``, measured again, then cached for the runs below). Then, per
@@ -12,10 +12,12 @@ would: a DataLoader batch of ``16 / processes`` sequences per replica, so the gl
 layout's data-parallel size; each with the pipeline micro-batches and activation checkpointing the planner chose
 for it, in a launch of its own (a process that had run other layouts first stepped slower: dp=8 31% after seven
 layouts, 3.7x after 33). Measured: the median step after 2 warm-up steps, the slowest rank's, and the largest
-growth of a rank's resident set from before the module is built to the end of training (``VmHWM``; the probe
-and every run with a fixed glibc mmap threshold, ``CPU_MALLOC_ENV``, so that freed tensors leave the resident
-set, as bench/memory.py measures; what the runtime allocates besides, gloo's buffers and Lightning's state,
-counts, which the planner does not model). That ``--rounds`` times, each round launching every
+growth of a rank's resident set from before the module is built to the end of training (``VmHWM``: with
+glibc's default allocator, what it keeps of freed memory counts; with ``--memory``, the probe and every run use
+a fixed mmap threshold, ``CPU_MALLOC_ENV``, so that freed tensors leave the resident set, as bench/memory.py
+measures, and their steps run slower: 1.0-1.6x here, an mmap per large tensor, so time with one run and measure
+memory with the other. What the runtime allocates besides, gloo's buffers and Lightning's state, counts; the
+planner does not model it). That ``--rounds`` times, each round launching every
 run once in the same order (one launch of a layout stepped 1.6x another's of the same layout the same hour): a
 layout's time is the median of its rounds. The planner predicts each from the model's sizes, the layout's global
 batch and the calibration. Last, ``FourDStrategy(layout="auto")`` runs with the same loader and the case's
@@ -181,6 +183,7 @@ def main() -> None:
     parser.add_argument("--name", default="step_time", help="results file: bench/results/<name>.json")
     parser.add_argument("--trials", type=int, default=3, help="layout_trials of the second layout=\"auto\" run")
     parser.add_argument("--rounds", type=int, default=2, help="launches of each run; its time: their median")
+    parser.add_argument("--memory", action="store_true", help="a fixed mmap threshold: peaks follow live tensors")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--case", default="small")
     parser.add_argument("--layouts", default="[]")
@@ -191,7 +194,8 @@ def main() -> None:
         return
     from lightning_4d.planner.calibration import measure_here
 
-    os.environ.update(CPU_MALLOC_ENV)  # the probe's processes and every run's, started from here
+    if args.memory:
+        os.environ.update(CPU_MALLOC_ENV)  # the probe's processes and every run's, started from here
     machine = measure_here(args.processes, use_cache=False)
     rows = []
     for case in args.cases:
@@ -216,7 +220,8 @@ def main() -> None:
             rows.append(row)
     for case in args.cases:
         print(_summary(case, rows))
-    payload = {"command": command("step_time.py"), "models": MODELS, "cases": CASES,
+    malloc = dict(CPU_MALLOC_ENV) if args.memory else "glibc default"
+    payload = {"command": command("step_time.py"), "models": MODELS, "cases": CASES, "malloc": malloc,
                "batch_per_replica": SEQUENCES // args.processes,
                "processes": args.processes, "machine": machine.as_dict(), "results": rows}
     print(table("step_time", payload), f"\n(written to {write(args.name, payload)})")
