@@ -101,14 +101,13 @@ def worker(case: str, runs: list[dict], steps: int, count: int, out: str) -> Non
     memory per device)."""
     budget, rows = CASES[case][2], []
     for sizes in runs:
-        if sizes.get("layout") == "auto":
-            auto = _measure(case, {**sizes, "memory_per_device": budget}, SEQUENCES // count, steps, count)
-            rows.append({"model": case, "auto": True, "layout_trials": sizes["layout_trials"], **auto})
-            continue
+        auto = {"auto": True, "layout_trials": sizes["layout_trials"]} if sizes.get("layout") == "auto" else {}
+        if auto:
+            sizes = {**sizes, "memory_per_device": budget}
         try:
-            rows.append({"model": case, **_measure(case, sizes, SEQUENCES // count, steps, count)})
-        except ValueError as error:  # the strategy refused it: recorded, not measured
-            rows.append({"model": case, "sizes": sizes, "refused": str(error).splitlines()[0]})
+            rows.append({"model": case, **auto, **_measure(case, sizes, SEQUENCES // count, steps, count)})
+        except ValueError as error:  # the strategy refused it (layout="auto": nothing fits): recorded, not measured
+            rows.append({"model": case, **auto, "sizes": sizes, "refused": str(error).splitlines()[0]})
     write_rows(rows, out)
 
 
@@ -155,6 +154,8 @@ def _summary(case: str, rows: list[dict]) -> str:
     """The case's median error, its fastest layout per sample and its fewest bytes, and each ``layout="auto"``
     choice against the fastest (in its own launches and in the sweep's) and its peak against the budget."""
     timed = [r for r in rows if r["model"] == case and "error" in r]
+    if not timed:
+        return f"{case}: no layout fits"
 
     def per_sample(row: dict) -> float:
         return row["step_s"] / row["global_batch"]
@@ -166,6 +167,9 @@ def _summary(case: str, rows: list[dict]) -> str:
             f" {fewest['sizes']} ({per_sample(fewest) / per_sample(fastest):.2f}x the fastest)")
     budget = CASES[case][2]
     for auto in (r for r in rows if r["model"] == case and r.get("auto")):
+        if "refused" in auto:
+            text += f"; layout_trials={auto['layout_trials']} refused: {auto['refused']}"
+            continue
         same = next((r for r in timed if r["sizes"] == auto["sizes"]), None)  # the choice in the sweep
         versus = f"{per_sample(same) / per_sample(fastest):.2f}x" if same else "not measured"
         within = f" of {budget / MiB:.0f} MiB" if budget else ""
