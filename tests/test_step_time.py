@@ -179,6 +179,17 @@ def test_each_block_and_micro_batch_pays_the_measured_cost_of_its_dimensions():
     assert Machine.from_dict(machine.as_dict()) == machine
 
 
+def test_a_correction_of_fsdps_collectives_takes_nothing_from_the_pipelines_bubble():
+    """FSDP's collectives are not in a micro-batch's stage time, so a measured correction below 0 of them (which
+    had made the bubble negative at 8 processes) lowers the step but leaves the bubble as it is without it."""
+    training, layout = Training(256, 16, microbatches=2), Layout(dp_shard=2, pp=2)
+    bare = step_time(GPT, training, layout, _machine())
+    corrected = step_time(GPT, training, layout, _machine(overheads={"dp_shard": {2: -1.0}}))
+    assert corrected.parts["overhead_dp_shard"] == pytest.approx(-corrected.parts["comm_dp_shard"])
+    assert corrected.parts["bubble"] == pytest.approx(bare.parts["bubble"]) and bare.parts["bubble"] > 0
+    assert corrected.total == pytest.approx(bare.total - bare.parts["comm_dp_shard"])
+
+
 def test_a_measured_optimizer_step_replaces_passes_over_the_memory_bandwidth():
     passes = step_time(GPT, TRAINING, Layout(dp_shard=2), _machine())
     measured = step_time(GPT, TRAINING, Layout(dp_shard=2), _machine(optimizer_seconds={"adamw": 1e-8, "sgd": 1e-9}))

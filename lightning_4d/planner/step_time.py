@@ -266,7 +266,10 @@ def step_time(model: Model, training: Training, layout: Layout, machine: Machine
     exposed = _exposed(comm, machine, layout, work, 2 * forward / flops,
                        3 * tokens * layers * attention / flops, m, layers, params * gbytes / (bucket_mb * 2**20))
     bubble = _bubble(training, layout, m)
-    in_stage = work + exposed.get("tp", 0.0) + exposed.get("cp", 0.0)  # what each micro-batch waits for
+    # what each micro-batch waits for: its work and tp's and cp's collectives (a correction below 0 of FSDP's or
+    # the pipeline's collectives, which are not in it, takes nothing from it)
+    corrections = sum(min(0.0, parts.get(f"overhead_{axis}", 0.0)) for axis in ("dp_shard", "pp"))
+    in_stage = work - corrections + exposed.get("tp", 0.0) + exposed.get("cp", 0.0)
     parts.update({f"comm_{axis}": value for axis, value in exposed.items()})
     parts["bubble"] = in_stage * bubble / (1 - bubble)
     result = StepTime(layout, parts, bubble)
