@@ -236,6 +236,21 @@ def test_the_planner_ranks_by_predicted_time_and_checkpoints_only_where_memory_n
         plan(big, training, 4, 2**20, machine=_machine())
 
 
+def test_the_runtimes_measured_memory_is_part_of_every_layouts_and_of_the_refusal():
+    """Every layout's memory is its tensors' plus the runtime's bytes the probe measured, and a budget between
+    the two is refused saying what the runtime takes."""
+    runtime = 48 * 2**20
+    bare = {est.layout: est for est in plan(GPT, TRAINING, 4, machine=_machine())}
+    held = plan(GPT, TRAINING, 4, machine=_machine(runtime_bytes=runtime))
+    for est in held:
+        assert est.memory["runtime"] == runtime
+        assert est.memory["total"] == pytest.approx(bare[est.layout].memory["total"] + runtime)
+    smallest = min(est.memory["total"] for est in bare.values())
+    assert plan(GPT, TRAINING, 4, smallest + runtime / 2, machine=_machine())
+    with pytest.raises(PlanError, match=r"no layout fits .*, the runtime 48.00 MiB \(measured\)"):
+        plan(GPT, TRAINING, 4, smallest + runtime / 2, machine=_machine(runtime_bytes=runtime))
+
+
 def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
     measured = subprocess.run([sys.executable, "-c", "import json; from lightning_4d.planner.calibration import"
@@ -257,6 +272,7 @@ def test_the_probe_measures_two_gloo_processes_and_caches_the_machine(tmp_path, 
     assert all(abs(cost) < 1.0 for curve in machine.overheads.values() for cost in curve.values())
     assert machine.concurrency >= 1.0
     assert set(machine.optimizer_seconds) == {"adamw", "sgd"} and all(0 < s < 1e-5 for s in machine.optimizer_seconds.values())
+    assert 2**20 < machine.runtime_bytes < 2**30  # the fullest rank's growth while the dimensions ran
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1
 
     def no_launch(*args, **kwargs):

@@ -10,7 +10,8 @@ the whole node (and of two ranks on different nodes when there are several), and
 reduce-scatter on the same groups. Measured with every rank of the
 machine running at once, as in training: where CPU ranks share cores, the figures include the sharing. Last, on
 the same groups, what tensor parallelism, ring attention and FSDP cost a small block beyond its FLOPs and
-collectives (:func:`measure_overheads`), and how much slower CPU ranks compute while all of them do.
+collectives (:func:`measure_overheads`), how much slower CPU ranks compute while all of them do, and the
+memory a rank's runtime takes while they run.
 
 The result is cached per machine, software and rank count (``~/.cache/lightning_4d/calibration``, or
 ``$LIGHTNING_4D_CACHE``): a later run on the same machine reads it instead of measuring.
@@ -33,7 +34,7 @@ from lightning_4d.planner.step_time import Link, Machine
 
 DTYPES = ("float32", "bfloat16")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what the model times at a link of its own
-VERSION = 6  # of what is measured: a cache of another version is measured again
+VERSION = 7  # of what is measured: a cache of another version is measured again
 CACHE_ENV = "LIGHTNING_4D_CACHE"
 PRESETS = {
     # Spec-sheet figures (dense bf16 at the ~40% of peak large matmuls reach in training, HBM3, NVLink 4 bus
@@ -154,13 +155,37 @@ OVERHEAD_SHAPE = (4, 128, 128)  # sequences, tokens, width of the block the dime
 OVERHEAD_HEAD_DIM = 16  # 8 heads: a tensor-parallel group of up to 8 ranks holds whole heads
 
 
-def _slowest(seconds: float) -> float:
-    """Collective: the largest of every rank's ``seconds``."""
+def _largest(figure: float) -> float:
+    """Collective: the largest of every rank's ``figure`` (the slowest rank's seconds, the fullest's bytes)."""
     import torch.distributed as dist
 
     figures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(figures, seconds)
+    dist.all_gather_object(figures, figure)
     return max(figures)
+
+
+def _memory_mark(device: Any) -> Any:
+    """Where :func:`_memory_grown` counts from: on CUDA the device's free memory (NCCL's buffers are not in
+    torch's statistics, and what the caching allocator keeps is not the tensors'), elsewhere the resident set
+    with its high-water mark restarted (:class:`~lightning_4d.observability.telemetry.PeakMemory`)."""
+    import torch
+
+    from lightning_4d.observability.telemetry import PeakMemory
+
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    mark = PeakMemory(device)
+    mark.start()
+    return mark
+
+
+def _memory_grown(device: Any, mark: Any) -> float:
+    """Bytes this process took since ``mark``: on CUDA the free memory it no longer has, elsewhere the peak of
+    the resident set above it."""
+    import torch
+
+    grown = mark - torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else mark.growth()
+    return max(0.0, float(grown))
 
 
 def _modelled(machine: Machine, axis: str, size: int, alone: float, params: int) -> float:
@@ -199,6 +224,10 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
     pipeline of one block per rank, ``torch.distributed.pipelining``'s 1F1B over ``2 size`` micro-batches of one
     sequence: per micro-batch, the slowest rank's time (on CPU its CPU time: a stage's wait for its neighbour is
     not work, and the model counts the bubble itself) less its pass and sends.
+
+    Meanwhile the fullest rank's growth in memory is ``runtime_bytes``: what running the dimensions takes beside a
+    model's tensors (new process groups' buffers and threads, autograd's, DTensor's, FSDP's and the pipeline's
+    state), with the probe's own small tensors (a few MB) in it; the planner adds it to every layout's memory.
     """
     import torch
     import torch.distributed as dist
@@ -210,6 +239,7 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
     from lightning_4d.context_parallel.ring_attention import ring_attention
 
     device, world = torch.device(device), dist.get_world_size()
+    mark = _memory_mark(device)
     batch, seq, width = OVERHEAD_SHAPE
     tokens = torch.randn(batch, seq, width, device=device)
 
@@ -221,8 +251,8 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
     dist.barrier()
     wall, cpu = _seconds(step(plain), repeats, warmups=2, cpu=True)
     # A CPU rank's own work is its CPU time; its wall time with every rank running is longer by the sharing.
-    alone = _slowest(cpu if device.type == "cpu" else wall)
-    concurrency = max(1.0, _slowest(wall) / alone) if device.type == "cpu" else 1.0
+    alone = _largest(cpu if device.type == "cpu" else wall)
+    concurrency = max(1.0, _largest(wall) / alone) if device.type == "cpu" else 1.0
     params = sum(p.numel() for p in plain.parameters())
     overheads: dict[str, dict[int, float]] = {"tp": {}, "cp": {}, "dp_shard": {}, "pp": {}}
 
@@ -249,13 +279,13 @@ def measure_overheads(device: Any, machine: Machine, repeats: int = 9) -> Machin
         sharded = fully_shard(_block(width, device, torch.float32, OVERHEAD_HEAD_DIM), mesh=mesh)
         for axis, action in (("tp", step(tp)), ("cp", step(ring, size)), ("dp_shard", step(sharded))):
             dist.barrier()
-            seconds = _slowest(_seconds(action, repeats, warmups=2)) / concurrency
+            seconds = _largest(_seconds(action, repeats, warmups=2)) / concurrency
             overheads[axis][size] = seconds - _modelled(machine, axis, size, alone, params)
         dist.barrier()
         wall, cpu = _seconds(pipeline(mesh, size), repeats, warmups=2, cpu=True)
-        seconds = _slowest(cpu if device.type == "cpu" else wall * (1 - (size - 1) / (3 * size - 1))) / (2 * size)
+        seconds = _largest(cpu if device.type == "cpu" else wall * (1 - (size - 1) / (3 * size - 1))) / (2 * size)
         overheads["pp"][size] = seconds - _modelled(machine, "pp", size, alone, params)
-    return dataclasses.replace(machine, overheads=overheads,
+    return dataclasses.replace(machine, overheads=overheads, runtime_bytes=_largest(_memory_grown(device, mark)),
                                concurrency=concurrency if machine.cores_per_node else None)
 
 

@@ -363,7 +363,9 @@ def main(argv: Optional[Sequence[str]] = None, strategy: Optional[str] = None) -
             " model is"
             f" built ({args.build}); comm = bytes sent per device per step\n")
     if machine is not None:
-        print(f"step time predicted for {machine.source}\n")
+        runtime = (f"; memory includes the {_format_bytes(machine.runtime_bytes)} per device its runtime took"
+                   " beside the tensors" if machine.runtime_bytes else "")
+        print(f"step time predicted for {machine.source}{runtime}\n")
     print(format_table(estimates))
     if machine is not None:
         print("\n" + why_first(estimates))

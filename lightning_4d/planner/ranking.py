@@ -72,6 +72,9 @@ def _judged(model: Model, training: Training, layout: Layout, build: str, memory
             machine: Optional[Any]) -> Estimate:
     est = estimate(model, training, layout)
     est.build, est.training = build, training
+    if machine is not None and machine.runtime_bytes:  # what the runtime holds beside the tensors, measured
+        est.memory["runtime"] = machine.runtime_bytes
+        est.memory["total"] += machine.runtime_bytes
     if memory_per_device is not None:
         est.exceeds = tuple(name for name, peak in (("training", est.memory["total"]), ("setup", est.setup_peak))
                             if peak > memory_per_device)
@@ -121,9 +124,12 @@ def _no_fit_message(estimates: list[Estimate], memory_per_device: float, trainin
                         f" {_format_bytes(best.memory['activations'])})")
     if training.precision == "32-true":
         hints.append("precision bf16-true (half the model state)")
-    copies = best.memory["total"] - state - best.memory["activations"]
+    runtime = best.memory.get("runtime", 0.0)
+    copies = best.memory["total"] - state - best.memory["activations"] - runtime
     parts = f"model state {_format_bytes(state)}, activations {_format_bytes(best.memory['activations'])}"
     if copies > 0:
         parts += f", gradient copies {_format_bytes(copies)}"
+    if runtime:
+        parts += f", the runtime {_format_bytes(runtime)} (measured)"
     return (f"no layout fits in {_format_bytes(memory_per_device)} per device: the smallest estimate is"
             f" {_format_bytes(best.memory['total'])} ({best.layout}: {parts}). Use {', or '.join(hints)}.")

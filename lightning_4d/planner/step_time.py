@@ -110,6 +110,9 @@ class Machine:
     # FSDP's collectives by op ("all_gather", "reduce_scatter") and group size, as ``links`` (the all-reduce's
     # where not measured): gloo moves a byte of them slower than of an all-reduce
     op_links: dict[str, dict[int, Link]] = field(default_factory=dict)
+    # bytes a rank's runtime holds beside the model's tensors while the dimensions run (the process groups'
+    # buffers and threads, autograd's, DTensor's and the pipeline's state): part of every layout's memory
+    runtime_bytes: float = 0.0
 
     def flops(self, precision: str, width: Optional[float] = None) -> float:
         """FLOP/s of the precision's dtype: a whole block's at ``width`` where measured (interpolated in log
