@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from lightning_4d import FourDStrategy
-from lightning_4d.composition.auto_layout import check_auto_layout, choose, fixed_sizes
+from lightning_4d.composition.auto_layout import check_auto_layout, choose, fixed_sizes, held_bytes, trials_beside
 from lightning_4d.planner import Model, PlanError, Training, plan
 from lightning_4d.planner.step_time import Link, Machine
 from tests.parity import ROOT, Case, assert_parity, reference, run_layout, script_env
@@ -100,6 +100,35 @@ def test_two_processes_choose_one_layout_and_train_at_one_process_numbers(tmp_pa
         assert chosen["run_key_kept"], case.name  # failure reports find the heartbeats' records
         data_parallel = chosen["dp"] * chosen["dp_shard"]
         assert_parity(case, reference(replace(case, batch_size=4 * data_parallel)), record)
+
+
+def test_trials_run_only_where_a_copy_fits_beside_the_module_as_held():
+    """A trial lays out a copy beside the module: the module's bytes count (a meta-built one's do not), the
+    candidates are tried in order up to the first that does not fit beside it, and with fewer than two left none
+    is and the prediction chooses; rank 0's warning names the layout, its memory and the fix."""
+    import torch
+
+    assert held_bytes(torch.nn.Linear(4, 4, device="meta"), torch.device("cpu")) == 0
+    assert held_bytes(torch.nn.Linear(4, 4), torch.device("cpu")) == (16 + 4) * 4
+    assert held_bytes(torch.nn.Linear(4, 4), torch.device("cuda")) == 0  # the device's budget holds none of it
+    ranked = _choose().candidates
+    falling = ranked[:3]  # the fastest need the most memory here: 135, 122, 109 MiB
+    assert falling[0].memory["total"] > falling[1].memory["total"] > falling[2].memory["total"]
+    roomy = falling[0].memory["total"] + 2**20
+    assert trials_beside(falling, 3, 2**20, roomy) == (falling, None)
+    assert trials_beside(falling, 3, 2**21, roomy)[0] == []  # a module of 2 MiB leaves no room for the first
+    assert trials_beside(falling, 1, 2**20, roomy) == ([], None)
+    assert trials_beside(falling[:1], 2, 0, roomy) == (falling[:1], None)  # the one candidate there is
+    # the first does not fit beside the module, the next two would: none is tried, the prediction chooses
+    tried, warning = trials_beside(falling, 3, 2**20, falling[1].memory["total"] + 2**20)
+    assert tried == [] and "3 of the 3 predicted fastest not tried" in warning and str(falling[0].layout) in warning
+    assert "the prediction chose" in warning and "trainer.init_module(empty_init=True)" in warning
+    rising = [ranked[5], ranked[4], ranked[3]]  # 55, 75, 81 MiB: the third does not fit, two are tried
+    tried, warning = trials_beside(rising, 3, 2**20, rising[1].memory["total"] + 2**20)
+    assert tried == rising[:2] and "1 of the 3 predicted fastest not tried" in warning
+    assert str(rising[2].layout) in warning and "the prediction chose" not in warning
+    tried, warning = trials_beside(rising, 3, 2**20, rising[0].memory["total"] + 2**20)  # one fits: none tried
+    assert tried == [] and "2 of the 3 predicted fastest not tried" in warning and "the prediction chose" in warning
 
 
 def test_the_trials_refuse_a_module_that_optimizes_manually():

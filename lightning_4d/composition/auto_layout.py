@@ -20,7 +20,10 @@ checkpointing and the pipeline's micro-batches are part of each candidate (the p
 :func:`~lightning_4d.planner.ranking.plan`). The dataloader's batch is per replica, so a layout with more
 replicas trains more samples per step: candidates are ranked by predicted time per sample. With
 ``layout_trials=k`` the first k of them each run a few steps of a copy of the module, and the fastest measured per
-sample is chosen (:mod:`lightning_4d.composition.layout_trials`).
+sample is chosen (:mod:`lightning_4d.composition.layout_trials`). A trial's copy is laid out beside the module as
+it is held (whole where it was built whole; nothing where it was built on the meta device), so candidates are
+tried in order up to the first whose predicted memory does not fit beside it; rank 0 says so, and with fewer than
+two left the prediction alone chooses.
 """
 
 from __future__ import annotations
@@ -55,9 +58,8 @@ class Choice:
     def layout(self) -> Layout:
         return self.estimate.layout
 
-    def tried(self, seconds: list[float]) -> "Choice":
-        """The first ``len(seconds)`` candidates measured (every rank's same figures): the fastest per sample wins."""
-        tried = self.candidates[:len(seconds)]
+    def tried(self, tried: list[Estimate], seconds: list[float]) -> "Choice":
+        """``tried`` measured at ``seconds`` (every rank's same figures): the fastest per sample wins."""
         measured = {est.layout: step for est, step in zip(tried, seconds)}
         best = min(tried, key=lambda est: measured[est.layout] / est.training.global_batch)
         return replace(self, estimate=best, measured=measured)
@@ -158,6 +160,37 @@ def _tensors(tree: Any):
             yield from _tensors(value)
 
 
+def held_bytes(module: Any, device: torch.device) -> float:
+    """What ``module``'s parameters and buffers hold on ``device``'s kind of memory (nothing of a meta-built one)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return float(sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type))
+
+
+def trials_beside(candidates: list[Estimate], trials: int, held: float, budget: float) -> tuple[list[Estimate],
+                                                                                               Optional[str]]:
+    """The candidates ``layout_trials=trials`` runs, and what rank 0 says of those it leaves out. A trial holds its
+    copy beside the module's ``held`` bytes: the first ``trials`` candidates are tried in order up to the first
+    that does not fit in ``budget`` beside them (one tried in its place could be chosen over a faster prediction
+    never measured); with fewer than two left, none is (the prediction chooses)."""
+    if trials < 2:
+        return [], None
+    wanted, tried = candidates[:trials], []
+    for est in wanted:
+        if est.memory["total"] + held > budget:
+            break
+        tried.append(est)
+    if len(tried) == len(wanted):
+        return tried, None
+    left = wanted[len(tried)]
+    warning = (f"layout_trials={trials}: {len(wanted) - len(tried)} of the {len(wanted)} predicted fastest not tried."
+               f" A trial lays out a copy of the module beside the module as it is held ({_format_bytes(held)} per"
+               f" device), and {left.layout} needs {_format_bytes(left.memory['total'])} beside it, over"
+               f" {_format_bytes(budget)}{': the prediction chose' if len(tried) < 2 else ''}. Build the module on"
+               " the meta device (trainer.init_module(empty_init=True) in configure_model, or init_from) for trials"
+               " in this budget.")
+    return (tried if len(tried) >= 2 else []), warning
+
+
 def default_memory(device: torch.device, ranks_on_node: int) -> float:
     """The device's free memory on GPU; on CPU, the machine's memory shared by its ranks."""
     if device.type == "cuda":
@@ -178,6 +211,8 @@ def agreed(values: list[float], device: torch.device, op: Any) -> list[float]:
 def choose_for(strategy: Any, trainer: Any) -> Choice:
     """The strategy's choice (collective: calibration and two reductions), from its module, its first training
     batch, Lightning's precision and its options (see the module docstring)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
     from lightning_4d import _compat as compat
     from lightning_4d.composition.plans import make_plans
     from lightning_4d.planner.calibration import calibrate
@@ -193,7 +228,8 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
     first = first_batch(compat.train_dataloader(trainer))
     batch, seq = (int(v) for v in agreed(list(first_batch_shape(first)), device, dist.ReduceOp.MAX))
     budget = strategy.memory_per_device or default_memory(device, strategy.num_processes)
-    budget = agreed([budget], device, dist.ReduceOp.MIN)[0]
+    budget, negated_held = agreed([budget, -held_bytes(module, device)], device, dist.ReduceOp.MIN)
+    held = -negated_held  # the most any rank holds
     machine = calibrate(device, strategy.num_processes)
     precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
     composition = strategy.composition
@@ -215,9 +251,12 @@ def choose_for(strategy: Any, trainer: Any) -> Choice:
 
     choice = choose(model, batch, seq, training, world, fixed_sizes(strategy.requested_sizes), budget, machine,
                     refused)
-    if strategy.layout_trials > 1:  # the slowest rank's time of each trial, in one reduction
-        seconds = time_layouts(strategy, trainer, choice.candidates[:strategy.layout_trials], first)
-        choice = choice.tried(agreed(seconds, device, dist.ReduceOp.MAX))
+    tried, warning = trials_beside(choice.candidates, strategy.layout_trials, held, budget)
+    if warning:
+        rank_zero_warn(warning)
+    if tried:  # the slowest rank's time of each, in one reduction
+        seconds = time_layouts(strategy, trainer, tried, first)
+        choice = choice.tried(tried, agreed(seconds, device, dist.ReduceOp.MAX))
     everyone = [None] * world if dist.is_initialized() else [str(choice.layout)]
     if dist.is_initialized():
         dist.all_gather_object(everyone, str(choice.layout))  # once, at start-up

@@ -15,8 +15,8 @@ the trials, so every rank chooses the same layout. The copy and its optimizers a
 per layout and process, the chosen one reused by training).
 
 Training sees nothing of it: the module itself is never touched, the first batch is read with the random state
-put back, and the random state is restored after the trials. A trial holds a second copy of the module's shards
-beside the module: on a budget that leaves no room for one, do not ask for trials.
+put back, and the random state is restored after the trials. A trial holds its copy's shards beside the module,
+so only candidates that fit beside it are tried (:func:`lightning_4d.composition.auto_layout.trials_beside`).
 """
 
 from __future__ import annotations
