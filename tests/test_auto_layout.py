@@ -127,6 +127,9 @@ def test_trials_run_only_where_a_copy_fits_beside_the_module_as_held():
     tried, warning = trials_beside(rising, 3, 2**20, rising[1].memory["total"] + 2**20)
     assert tried == rising[:2] and "1 of the 3 predicted fastest not tried" in warning
     assert str(rising[2].layout) in warning and "the prediction chose" not in warning
+    small = rising[0].memory["total"]  # a module held whole and larger than its layout: copied whole beside itself
+    tried, warning = trials_beside(rising[:1], 2, small + 5 * 2**20, 2 * small + 8 * 2**20)
+    assert tried == [] and "needs" in warning
     tried, warning = trials_beside(rising, 3, 2**20, rising[0].memory["total"] + 2**20)  # one fits: none tried
     assert tried == [] and "2 of the 3 predicted fastest not tried" in warning and "the prediction chose" in warning
 

@@ -169,14 +169,15 @@ def held_bytes(module: Any, device: torch.device) -> float:
 def trials_beside(candidates: list[Estimate], trials: int, held: float, budget: float) -> tuple[list[Estimate],
                                                                                                Optional[str]]:
     """The candidates ``layout_trials=trials`` runs, and what rank 0 says of those it leaves out. A trial holds its
-    copy beside the module's ``held`` bytes: the first ``trials`` candidates are tried in order up to the first
-    that does not fit in ``budget`` beside them (one tried in its place could be chosen over a faster prediction
-    never measured); with fewer than two left, none is (the prediction chooses)."""
+    copy beside the module's ``held`` bytes (whole while it is copied, then laid out): the first ``trials``
+    candidates are tried in order up to the first that does not fit in ``budget`` beside them (one tried in its
+    place could be chosen over a faster prediction never measured); with fewer than two left, none is (the
+    prediction chooses)."""
     if trials < 2:
         return [], None
     wanted, tried = candidates[:trials], []
     for est in wanted:
-        if est.memory["total"] + held > budget:
+        if held + max(est.memory["total"], held) > budget:
             break
         tried.append(est)
     if len(tried) == len(wanted):
@@ -184,7 +185,7 @@ def trials_beside(candidates: list[Estimate], trials: int, held: float, budget: 
     left = wanted[len(tried)]
     warning = (f"layout_trials={trials}: {len(wanted) - len(tried)} of the {len(wanted)} predicted fastest not tried."
                f" A trial lays out a copy of the module beside the module as it is held ({_format_bytes(held)} per"
-               f" device), and {left.layout} needs {_format_bytes(left.memory['total'])} beside it, over"
+               f" device), and {left.layout} needs {_format_bytes(max(left.memory['total'], held))} beside it, over"
                f" {_format_bytes(budget)}{': the prediction chose' if len(tried) < 2 else ''}. Build the module on"
                " the meta device (trainer.init_module(empty_init=True) in configure_model, or init_from) for trials"
                " in this budget.")
