@@ -174,9 +174,25 @@ def _memory_mark(device: Any) -> Any:
 
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    _trim_heap()
     mark = PeakMemory(device)
     mark.start()
     return mark
+
+
+def _trim_heap() -> None:
+    """glibc's free memory handed back to the system, where there is glibc: what it kept of the probe's earlier
+    large tensors would otherwise serve the growth measured next, which then reads short (10 MiB at 4 processes
+    here; 40 after the trim, and 22 with a fixed mmap threshold, under which freed tensors are returned at
+    once)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # no C library by that name, or not glibc
+        return
 
 
 def _memory_grown(device: Any, mark: Any) -> float:
