@@ -167,12 +167,14 @@ def _largest(figure: float) -> float:
 def _memory_mark(device: Any) -> Any:
     """Where :func:`_memory_grown` counts from: on CUDA the device's free memory (NCCL's buffers are not in
     torch's statistics, and what the caching allocator keeps is not the tensors'), elsewhere the resident set
-    with its high-water mark restarted (:class:`~lightning_4d.observability.telemetry.PeakMemory`)."""
+    with its high-water mark restarted (:class:`~lightning_4d.observability.telemetry.PeakMemory`). What the
+    allocators kept of the probe's earlier tensors is handed back first: it would serve the growth measured."""
     import torch
 
     from lightning_4d.observability.telemetry import PeakMemory
 
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     _trim_heap()
     mark = PeakMemory(device)
